@@ -1,0 +1,1 @@
+"""Vocab-parallel token statistics over tensor-parallel logits shards."""
