@@ -1,0 +1,206 @@
+"""Let megatron-core run on a CPU-only torch with the gloo backend.
+
+megatron-core is written for CUDA: it calls ``torch.cuda.*`` directly and hard-codes ``device="cuda"`` in its
+pipeline schedules, DDP buffers and optimizer. None of that needs a GPU to be *correct*, so on machines without CUDA
+(CI, laptops) we redirect those calls to the CPU. Everything here is a no-op when CUDA is available, so GPU runs use
+megatron-core unchanged.
+
+``apply_cpu_shims()`` is idempotent and must run before megatron-core builds models, optimizers or schedules (it is
+safe to call it before or after ``import megatron.core``). ``../shared/notes/platform-facts.md`` lists what was
+measured to break without each shim. Verified by ``tests/test_cpu_shims.py``: TP=2 == TP=1 logits, PP=2 (1F1B) loss
+== PP=1 loss, sequence parallel, Megatron's optimizer (incl. DistributedOptimizer) and dist_checkpointing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_APPLIED = False
+_LOCK = threading.Lock()
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def _is_cuda_device(device) -> bool:
+    """True for anything that names a CUDA device: 'cuda', 'cuda:1', torch.device('cuda'), or a bare index (which
+    torch interprets as a CUDA ordinal)."""
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+def _to_cpu_device(device):
+    return torch.device("cpu") if _is_cuda_device(device) else device
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA device arguments to the CPU for every torch call.
+
+    Why: megatron-core creates tensors with ``device="cuda"`` / ``torch.cuda.current_device()`` and calls
+    ``.cuda()`` in ~200 places (schedules, DDP grad buffers, optimizer, clip_grads), and asserts
+    ``param.type() == 'torch.cuda.FloatTensor'`` in the optimizer. A function mode catches all of them without
+    patching megatron's source. ``Tensor.type()`` reports the CUDA type name so those asserts pass.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.pin_memory:
+            return args[0]
+        if func is torch.Tensor.type:
+            if len(args) == 1 and not kwargs:
+                name = func(*args)
+                return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+            args = tuple(a.replace("torch.cuda.", "torch.") if isinstance(a, str) else a for a in args)
+            if isinstance(kwargs.get("dtype"), str):
+                kwargs["dtype"] = kwargs["dtype"].replace("torch.cuda.", "torch.")
+            return func(*args, **kwargs)
+        if func is torch.Tensor.to:
+            args = (args[0],) + tuple(
+                _to_cpu_device(a) if isinstance(a, (str, int, torch.device)) else a for a in args[1:]
+            )
+        if "device" in kwargs:
+            kwargs["device"] = _to_cpu_device(kwargs["device"])
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        return func(*args, **kwargs)
+
+
+class _NullStream:
+    """Stand-in for torch.cuda.Stream / Event: CPU ops are synchronous, so waiting and recording are no-ops."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *a, **k):
+        pass
+
+    def wait_event(self, *a, **k):
+        pass
+
+    def record_event(self, *a, **k):
+        return _NullStream()
+
+    def record(self, *a, **k):
+        pass
+
+    def synchronize(self, *a, **k):
+        pass
+
+    def query(self, *a, **k):
+        return True
+
+    def elapsed_time(self, *a, **k):
+        return 0.0
+
+    def wait(self, *a, **k):
+        pass
+
+
+_NULL_STREAM = _NullStream()
+
+
+def _patch_torch_cuda() -> None:
+    cuda = torch.cuda
+    # ~80 call sites use torch.cuda.current_device() as a device argument; 0 is then mapped to the CPU by the mode.
+    cuda.current_device = lambda: 0
+    cuda.set_device = lambda *a, **k: None
+    # CPU work is synchronous: there is nothing to wait for.
+    cuda.synchronize = lambda *a, **k: None
+    cuda.empty_cache = lambda *a, **k: None
+    # DDP and the schedules overlap communication on side streams; on CPU one "stream" is enough.
+    cuda.current_stream = lambda *a, **k: _NULL_STREAM
+    cuda.default_stream = lambda *a, **k: _NULL_STREAM
+    cuda.Stream = _NullStream
+    cuda.Event = _NullStream
+    cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    cuda.set_stream = lambda *a, **k: None
+    # nvtx markers (profiling ranges) fail without the CUDA runtime.
+    cuda.nvtx.range_push = lambda *a, **k: None
+    cuda.nvtx.range_pop = lambda *a, **k: None
+    cuda.nvtx.range = lambda *a, **k: contextlib.nullcontext()
+    # The "CUDA" RNG is the CPU default generator: dropout on CPU tensors draws from it, so forking the tracker's
+    # states must swap the CPU generator's state (megatron forks it around every attention call).
+    cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    # (torch.manual_seed itself calls torch.cuda.manual_seed_all: seed the generator directly, not via it.)
+    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    cuda.manual_seed_all = lambda seed: torch.default_generator.manual_seed(int(seed))
+    cuda.random.get_rng_state = cuda.get_rng_state
+    cuda.random.set_rng_state = cuda.set_rng_state
+
+
+def _patch_megatron() -> None:
+    try:
+        from megatron.core.tensor_parallel import random as mrandom
+    except ImportError:  # megatron-core absent: torch-level shims are still useful for our own code
+        return
+
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    # With the CUDA RNG mapped onto the CPU generator, the tracker's "CPU RNG state changed within GPU RNG context"
+    # check fires on every forked dropout; it is expected here, so silence exactly that message.
+    logger = logging.getLogger(mrandom.__name__)
+    if not any(isinstance(f, _DropMessage) for f in logger.filters):
+        logger.addFilter(_DropMessage("CPU RNG state changed within GPU RNG context"))
+
+    # WrappedTorchNorm asserts sequence_parallel is off only because TE/Apex norms are the "supported" ones; a torch
+    # norm is correct under sequence parallelism as long as its weight grads are all-reduced over TP, which
+    # megatron's finalize_model_grads does for params flagged `sequence_parallel` (as FusedLayerNorm flags them).
+    from megatron.core.transformer import torch_norm
+
+    wrapped = torch_norm.WrappedTorchNorm
+    if not getattr(wrapped, "_rlvr_cpu_patched", False):
+        original_new = wrapped.__new__
+
+        def _new(cls, config, *args, **kwargs):
+            seq_par = config.sequence_parallel
+            config.sequence_parallel = False
+            try:
+                norm = original_new(cls, config, *args, **kwargs)
+            finally:
+                config.sequence_parallel = seq_par
+            for p in norm.parameters():
+                p.sequence_parallel = seq_par
+            return norm
+
+        wrapped.__new__ = staticmethod(_new)
+        wrapped._rlvr_cpu_patched = True
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
+_MODE: _CudaToCpuMode | None = None
+
+
+def apply_cpu_shims() -> bool:
+    """Apply every shim when CUDA is unavailable. Returns True if shims are active. Idempotent, process-wide."""
+    global _APPLIED, _MODE
+    if cuda_available():
+        return False
+    with _LOCK:
+        if _APPLIED:
+            return True
+        _patch_torch_cuda()
+        _patch_megatron()
+        _MODE = _CudaToCpuMode()
+        _MODE.__enter__()  # global for the life of the process (the mode stack is inherited by autograd threads)
+        _APPLIED = True
+    return True

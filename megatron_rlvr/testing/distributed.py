@@ -1,0 +1,274 @@
+"""Run a function on N gloo ranks with megatron parallel state initialised: the multi-process test harness.
+
+Spawning a rank and importing megatron-core costs ~15 s on a 2-core machine: ranks fork from a forkserver that has
+imported torch and megatron-core once, and a :class:`DistributedPool` keeps N ranks alive and runs many checks on
+them, re-initialising megatron's parallel state whenever the requested (TP, PP) layout changes. Guarantees:
+
+- any rank's exception is re-raised in the caller with that rank's traceback;
+- every call finishes: a per-call timeout kills the ranks (a rank blocked in a collective cannot be recovered),
+  and the next call spawns fresh ones;
+- no orphans: ranks are daemonic, killed on ``close()``/interpreter exit, and a watchdog thread in each rank exits
+  it if the parent process disappears (e.g. pytest killed with SIGKILL).
+
+``fn`` must be picklable (a module-level function); its return value must be picklable (tensors are fine).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import socket
+import threading
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+
+class DistributedError(RuntimeError):
+    """A rank raised; the message carries its traceback."""
+
+
+# Expected on CPU machines, once per module per process: noise in every test log.
+warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+
+_PRELOAD = [
+    "megatron_rlvr.testing.distributed",
+    "torch",
+    "torch.distributed",
+    "megatron.core.parallel_state",
+    "megatron.core.tensor_parallel",
+]
+
+
+def _context():
+    """A forkserver that has imported torch and megatron-core once: each rank then starts in ~1 s instead of paying
+    ~15 s of imports on a 2-core machine. The ranks themselves are fresh forks of that clean server (no CUDA, no
+    threads, no process group), so they are as isolated as spawned processes."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _watch_parent(parent_pid: int) -> None:
+    # Ranks are children of the forkserver, not of the caller, so watch the caller's pid directly.
+    while True:
+        try:
+            os.kill(parent_pid, 0)
+        except ProcessLookupError:
+            os._exit(3)
+        time.sleep(1.0)
+
+
+def init_megatron_parallel(tp: int, pp: int, seed: int = 1234) -> None:
+    """(Re-)initialise megatron's model-parallel groups for (tp, pp) on an initialised default process group, and
+    seed every RNG (including megatron's model-parallel RNG tracker) deterministically."""
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if parallel_state.model_parallel_is_initialized():
+        same = (
+            parallel_state.get_tensor_model_parallel_world_size() == tp
+            and parallel_state.get_pipeline_model_parallel_world_size() == pp
+        )
+        if not same:
+            parallel_state.destroy_model_parallel()
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+
+
+def _worker(rank: int, world_size: int, port: int, tasks, results, parent_pid: int, pg_timeout_s: float) -> None:
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        # 2 cores shared by up to 4 ranks: more intra-op threads only thrash.
+        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+    )
+    try:
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        from megatron_rlvr.cpu_shims import apply_cpu_shims
+
+        apply_cpu_shims()
+        torch.distributed.init_process_group(
+            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s)
+        )
+    except BaseException:
+        results.put((None, rank, False, pickle.dumps(traceback.format_exc())))
+        return
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        task_id, payload = task
+        try:
+            fn, tp, pp, seed, args, kwargs = pickle.loads(payload)
+            init_megatron_parallel(tp, pp, seed)
+            out = fn(*args, **kwargs)
+            results.put((task_id, rank, True, pickle.dumps(out)))
+        except BaseException:
+            results.put((task_id, rank, False, pickle.dumps(traceback.format_exc())))
+    try:
+        torch.distributed.destroy_process_group()
+    except Exception:
+        pass
+
+
+class DistributedPool:
+    """``world_size`` persistent gloo ranks; ``run(fn, tp=, pp=)`` executes ``fn`` on all of them.
+
+    Ranks are spawned lazily on the first ``run`` and again after a failure or timeout.
+    """
+
+    def __init__(self, world_size: int, pg_timeout_s: float = 600.0):
+        if not 1 <= world_size <= 8:
+            raise ValueError(f"world_size must be in 1..8 for CPU tests, got {world_size}")
+        self.world_size = world_size
+        self.pg_timeout_s = pg_timeout_s
+        self._procs: list[mp.Process] = []
+        self._tasks: list[Any] = []
+        self._results = None
+        self._next_id = 0
+
+    # -- lifecycle -------------------------------------------------------------------------------------------------
+    def _start(self) -> None:
+        ctx = _context()
+        port = _free_port()
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        self._procs = [
+            ctx.Process(
+                target=_worker,
+                args=(r, self.world_size, port, self._tasks[r], self._results, os.getpid(), self.pg_timeout_s),
+                daemon=True,
+                name=f"rlvr-rank{r}",
+            )
+            for r in range(self.world_size)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def close(self) -> None:
+        """Stop the ranks: politely, then by force. Safe to call twice."""
+        for q in self._tasks:
+            with _suppress():
+                q.put(None)
+        deadline = time.monotonic() + 5.0
+        for p in self._procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        self._kill()
+
+    def _kill(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+        for p in self._procs:
+            p.join(timeout=5.0)
+        self._procs, self._tasks, self._results = [], [], None
+
+    def __enter__(self) -> DistributedPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- running ---------------------------------------------------------------------------------------------------
+    def run(
+        self,
+        fn: Callable[..., Any],
+        *,
+        tp: int = 1,
+        pp: int = 1,
+        args: tuple = (),
+        kwargs: dict | None = None,
+        seed: int = 1234,
+        timeout: float = 300.0,
+    ) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank under a (tp, pp) layout; return the per-rank results."""
+        if self.world_size % (tp * pp) != 0:
+            raise ValueError(f"tp*pp={tp * pp} does not divide world_size={self.world_size}")
+        if not self._procs or not all(p.is_alive() for p in self._procs):
+            self._kill()
+            self._start()
+        task_id = self._next_id
+        self._next_id += 1
+        payload = pickle.dumps((fn, tp, pp, seed, args, kwargs or {}))
+        for q in self._tasks:
+            q.put((task_id, payload))
+
+        outputs: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        grace_until = None  # after the first error, others are likely blocked in a collective with the failed rank
+        while len(outputs) + len(errors) < self.world_size:
+            try:
+                tid, rank, ok, blob = self._results.get(timeout=1.0)
+            except queue.Empty:
+                now = time.monotonic()
+                if now > deadline or (grace_until is not None and now > grace_until):
+                    break
+                dead = [p for p in self._procs if not p.is_alive()]
+                if dead and grace_until is None:
+                    errors[-1] = "rank process(es) died without reporting: " + ", ".join(
+                        f"{p.name} (exit code {p.exitcode})" for p in dead
+                    )
+                    grace_until = now + 3.0
+                continue
+            if tid is not None and tid != task_id:  # stale result of an earlier, aborted task
+                continue
+            if ok:
+                outputs[rank] = pickle.loads(blob)
+            else:  # tid None: the rank failed while starting up
+                errors[rank] = pickle.loads(blob)
+                grace_until = grace_until or time.monotonic() + 3.0
+
+        if errors or len(outputs) < self.world_size:
+            self._kill()
+            missing = sorted(set(range(self.world_size)) - set(outputs) - set(errors))
+            if errors:
+                text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+                raise DistributedError(f"{fn.__name__} failed on ranks {sorted(errors)} (tp={tp}, pp={pp}):\n{text}")
+            raise TimeoutError(f"{fn.__name__} timed out after {timeout:.0f}s; ranks {missing} did not finish")
+        return [outputs[r] for r in range(self.world_size)]
+
+
+class _suppress:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return True
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    seed: int = 1234,
+    timeout: float = 300.0,
+) -> list[Any]:
+    """One-shot: spawn ``world_size`` ranks, run ``fn`` once, shut them down."""
+    with DistributedPool(world_size) as pool:
+        return pool.run(fn, tp=tp, pp=pp, args=args, kwargs=kwargs, seed=seed, timeout=timeout)

@@ -1,0 +1,78 @@
+"""The gloo harness: results come back from every rank, layouts are initialised as asked, a rank's exception
+surfaces with its traceback, a hang ends at the timeout, and the pool recovers after either."""
+
+import os
+import time
+
+import pytest
+import torch
+
+from megatron_rlvr.testing.distributed import DistributedError, DistributedPool, run_distributed
+
+
+def _layout_and_allreduce():
+    from megatron.core import parallel_state as ps
+
+    t = torch.tensor([float(torch.distributed.get_rank() + 1)])
+    torch.distributed.all_reduce(t, group=ps.get_tensor_model_parallel_group())
+    return dict(
+        rank=torch.distributed.get_rank(),
+        tp=ps.get_tensor_model_parallel_world_size(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp=ps.get_pipeline_model_parallel_world_size(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        dp=ps.get_data_parallel_world_size(),
+        tp_sum=t.item(),
+        pid=os.getpid(),
+    )
+
+
+def _raise_on_rank1():
+    if torch.distributed.get_rank() == 1:
+        raise ValueError("boom on rank one")
+    torch.distributed.barrier()  # the other ranks block here: the harness must not hang on them
+    return "unreachable"
+
+
+def _hang():
+    time.sleep(3600)
+
+
+def test_layouts_results_and_reuse(dist_pool):
+    out = dist_pool.run(_layout_and_allreduce, tp=2, pp=1)
+    assert [o["rank"] for o in out] == [0, 1, 2, 3]
+    assert all(o["tp"] == 2 and o["dp"] == 2 and o["pp"] == 1 for o in out)
+    # megatron puts consecutive ranks in one TP group: {0,1} and {2,3}
+    assert [o["tp_sum"] for o in out] == [3.0, 3.0, 7.0, 7.0]
+    out2 = dist_pool.run(_layout_and_allreduce, tp=1, pp=2)
+    assert all(o["tp"] == 1 and o["pp"] == 2 and o["dp"] == 2 for o in out2)
+    assert sorted(o["pp_rank"] for o in out2) == [0, 0, 1, 1]
+    assert [o["pid"] for o in out] == [o["pid"] for o in out2], "the pool must reuse its ranks"
+
+
+def test_exception_propagates_with_traceback_then_recovers(dist_pool):
+    with pytest.raises(DistributedError) as err:
+        dist_pool.run(_raise_on_rank1, timeout=60)
+    msg = str(err.value)
+    assert "rank 1" in msg and "ValueError: boom on rank one" in msg and "_raise_on_rank1" in msg
+    out = dist_pool.run(_layout_and_allreduce, tp=4)
+    assert [o["tp_sum"] for o in out] == [10.0] * 4
+
+
+def test_timeout_kills_ranks_no_orphans():
+    pool = DistributedPool(2)
+    try:
+        pids = [o["pid"] for o in pool.run(_layout_and_allreduce, tp=2)]
+        with pytest.raises(TimeoutError, match="timed out"):
+            pool.run(_hang, timeout=3)
+        assert pool._procs == [], "timed-out ranks must be killed"
+        for pid in pids:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:
+        pool.close()
+
+
+def test_run_distributed_one_shot():
+    out = run_distributed(_layout_and_allreduce, world_size=2, tp=2)
+    assert [o["tp_sum"] for o in out] == [3.0, 3.0]
