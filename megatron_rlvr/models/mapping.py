@@ -1,0 +1,572 @@
+"""THE weight-mapping definition between megatron-core GPTModel parameters and Hugging Face checkpoints.
+
+One table (``RULES``) lists every parameter of a dense GPT decoder (Llama / Qwen2 / Qwen3 families): its megatron name
+pattern, the HF name pattern(s) it corresponds to, how it is split over tensor parallelism, and which layout transform
+turns the megatron tensor into the HF tensor(s) and back. Loading (``loading.py``), export (``export.py``) and the
+weight stream into rollout engines all use this table and nothing else, so there is exactly one place that knows
+"QKV is interleaved per query group" or "gate and up are fused into linear_fc1".
+
+API (for a third party holding megatron parameter shards)
+----------------------------------------------------------
+    dims = ModelDims(...)                      # or models.hf_config.model_dims(hf_config, tp_size=...)
+    mapping = WeightMapping(dims)
+    for name, shard in model.named_parameters():          # any wrapper prefix ("module.") is ignored
+        p = mapping.resolve(name, layer_offset=offset)    # offset = global index of this PP stage's first layer
+        p.hf_names        # tuple of HF tensor names, global layer index filled in
+        p.tp_dim          # 0 / 1: the dim the TP shards are concatenated along; None: replicated over TP
+        p.global_layer    # int for decoder-layer params, None otherwise
+        p.skip_on_export  # True for the last stage's copy of a tied embedding (HF stores it once)
+        full = gather_tp(shards_from_all_tp_ranks, p.tp_dim)      # torch.cat(shards, dim=tp_dim)
+        hf = p.to_hf(full, tp_size)           # {hf_name: tensor}, HF layout, vocab padding removed
+        full_again = p.from_hf(hf, tp_size)   # inverse: bit-identical to `full`
+        shard_again = split_tp(full_again, p.tp_dim, tp_size)[tp_rank]
+
+"FULL megatron tensor" always means the plain concatenation of the TP shards along ``tp_dim`` (what an all-gather
+gives). For every kind except ``gated_fc1`` that equals megatron's logical tensor; for ``linear_fc1`` of a SwiGLU MLP
+each TP rank holds ``[gate_r; up_r]``, so the concatenation is ``[gate_0; up_0; gate_1; up_1; ...]`` and the
+transform needs ``tp_size`` to undo it (every transform takes ``tp_size`` for that reason).
+
+``read_local_shard(p, reader, tp_rank, tp_size)`` builds ONE rank's shard directly from an HF checkpoint while reading
+only the rows/columns that rank owns (``reader(hf_name)`` returns a safetensors ``PySafeSlice`` or anything with
+``get_shape()`` and ``[...]`` slicing), which is how ``loading.py`` avoids materialising the full model per rank.
+
+Layouts (megatron-core 0.16, ``SelfAttention.get_query_key_value_tensors``)
+----------------------------------------------------------------------------
+- QKV: ``linear_qkv.weight`` is ``[ng * (q_per_group + 2) * d, H]``: for each query group g (= KV head g), the
+  ``q_per_group`` query heads of that group, then key head g, then value head g. TP splits whole groups.
+- SwiGLU: ``linear_fc1.weight`` is ``[2 * F / tp, H]`` per rank = ``[gate rows of rank r; up rows of rank r]``
+  (megatron's ``glu`` does ``chunk(2, dim=-1)`` on each rank's local output).
+- Vocab: embedding and output layer have ``padded_vocab_size`` rows; rows past the HF ``vocab_size`` are padding
+  (zeros when loaded from HF, dropped on export). Logits past ``vocab_size`` are NOT -inf: callers computing
+  log-probs over the padded vocabulary must mask them.
+- Tied embeddings: HF stores only ``model.embed_tokens.weight``. Megatron with PP > 1 keeps a copy as
+  ``output_layer.weight`` on the last stage (synchronised by megatron's embedding group); its rule maps to the same
+  HF name with ``skip_on_export=True``.
+- Norm weights: megatron's local (torch) spec names them ``input_layernorm`` / ``pre_mlp_layernorm``; the
+  Transformer-Engine spec fuses them into the next linear (``linear_qkv.layer_norm_weight`` /
+  ``linear_fc1.layer_norm_weight``). Both names resolve to the same rule.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+# --------------------------------------------------------------------------------------------------------------------
+# Model dimensions the transforms need
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The shapes of a dense GPT decoder, in HF terms plus megatron's padded vocabulary."""
+
+    num_layers: int
+    """Total number of decoder layers (all pipeline stages together)."""
+    hidden_size: int
+    """Model width H."""
+    num_attention_heads: int
+    """Number of query heads."""
+    num_query_groups: int
+    """Number of key/value heads (GQA groups); equals num_attention_heads for MHA."""
+    head_dim: int
+    """Per-head dimension d (megatron's kv_channels); may differ from hidden_size / num_attention_heads (Qwen3)."""
+    ffn_hidden_size: int
+    """MLP intermediate size F (per gate/up projection)."""
+    vocab_size: int
+    """True vocabulary size of the HF checkpoint (rows of embed_tokens / lm_head)."""
+    padded_vocab_size: int
+    """Rows of megatron's embedding / output layer: vocab_size rounded up to a multiple of the padding multiple."""
+    tie_word_embeddings: bool = False
+    """HF stores one matrix for input embedding and LM head."""
+    qkv_bias: bool = False
+    """q/k/v projections carry a bias (Qwen2)."""
+    qk_layernorm: bool = False
+    """Per-head RMSNorm on queries and keys before RoPE (Qwen3)."""
+
+    def __post_init__(self):
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "num_query_groups",
+            "head_dim",
+            "ffn_hidden_size",
+            "vocab_size",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ModelDims.{name} must be positive, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"ModelDims: num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_query_groups={self.num_query_groups}"
+            )
+        if self.padded_vocab_size < self.vocab_size:
+            raise ValueError(f"ModelDims: padded_vocab_size={self.padded_vocab_size} < vocab_size={self.vocab_size}")
+
+    @property
+    def queries_per_group(self) -> int:
+        return self.num_attention_heads // self.num_query_groups
+
+    def check_tp(self, tp_size: int) -> None:
+        """ValueError unless ``tp_size`` divides everything TP splits."""
+        if tp_size <= 0:
+            raise ValueError(f"tensor parallel size must be positive, got {tp_size}")
+        checks = {
+            "num_attention_heads": self.num_attention_heads,
+            "num_query_groups (num_key_value_heads)": self.num_query_groups,
+            "ffn_hidden_size (intermediate_size)": self.ffn_hidden_size,
+            "padded_vocab_size": self.padded_vocab_size,
+        }
+        for what, n in checks.items():
+            if n % tp_size:
+                raise ValueError(f"tensor parallel size {tp_size} does not divide {what}={n}")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Layout transforms: one small class per kind, selected through the TRANSFORMS registry
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class SliceReader(Protocol):
+    """What ``read_local_shard`` needs from a checkpoint tensor: safetensors' ``PySafeSlice`` satisfies it."""
+
+    def get_shape(self) -> list[int]: ...
+
+    def __getitem__(self, idx: Any) -> torch.Tensor: ...
+
+
+def _read_range(reader: SliceReader, dim: int, start: int, stop: int) -> torch.Tensor:
+    """Rows (dim 0) or columns (dim 1) [start, stop) of a checkpoint tensor; only those bytes are read."""
+    if dim == 0:
+        return reader[start:stop]
+    if dim == 1:
+        return reader[:, start:stop]
+    raise ValueError(f"unsupported slice dim {dim}")
+
+
+def _read_all(reader: SliceReader) -> torch.Tensor:
+    return reader[:]
+
+
+class Transform:
+    """Layout transform between the FULL megatron tensor (TP shards concatenated along ``tp_dim``) and HF tensors.
+
+    ``to_hf(full, dims, tp_size) -> list[Tensor]`` (ordered like the rule's ``hf`` names),
+    ``from_hf(tensors, dims, tp_size) -> Tensor`` (the inverse), and
+    ``read_shard(readers, dims, tp_rank, tp_size) -> Tensor`` (one rank's shard, reading only what it owns).
+    """
+
+    tp_dim: int | None = None
+
+    def to_hf(self, full: torch.Tensor, dims: ModelDims, tp_size: int) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def from_hf(self, tensors: Sequence[torch.Tensor], dims: ModelDims, tp_size: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def read_shard(self, readers: Sequence[SliceReader], dims: ModelDims, tp_rank: int, tp_size: int) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Replicated(Transform):
+    """Same tensor on every TP rank and in HF (norm weights)."""
+
+    tp_dim = None
+
+    def to_hf(self, full, dims, tp_size):
+        return [full]
+
+    def from_hf(self, tensors, dims, tp_size):
+        (t,) = tensors
+        return t
+
+    def read_shard(self, readers, dims, tp_rank, tp_size):
+        (r,) = readers
+        return _read_all(r)
+
+
+class Split(Transform):
+    """Identity layout, split over TP along ``tp_dim`` (0: column-parallel outputs, 1: row-parallel inputs)."""
+
+    def __init__(self, tp_dim: int):
+        self.tp_dim = tp_dim
+
+    def to_hf(self, full, dims, tp_size):
+        return [full]
+
+    def from_hf(self, tensors, dims, tp_size):
+        (t,) = tensors
+        return t
+
+    def read_shard(self, readers, dims, tp_rank, tp_size):
+        (r,) = readers
+        n = r.get_shape()[self.tp_dim]
+        if n % tp_size:
+            raise ValueError(f"tensor parallel size {tp_size} does not divide dim {self.tp_dim} of size {n}")
+        step = n // tp_size
+        return _read_range(r, self.tp_dim, tp_rank * step, (tp_rank + 1) * step)
+
+
+class VocabRows(Transform):
+    """Embedding / LM head: megatron has ``padded_vocab_size`` rows split over TP, HF has ``vocab_size`` rows."""
+
+    tp_dim = 0
+
+    def to_hf(self, full, dims, tp_size):
+        if full.shape[0] != dims.padded_vocab_size:
+            raise ValueError(f"vocab tensor has {full.shape[0]} rows, expected {dims.padded_vocab_size}")
+        return [full[: dims.vocab_size]]
+
+    def from_hf(self, tensors, dims, tp_size):
+        (t,) = tensors
+        if t.shape[0] != dims.vocab_size:
+            raise ValueError(f"HF vocab tensor has {t.shape[0]} rows, expected vocab_size={dims.vocab_size}")
+        pad = t.new_zeros((dims.padded_vocab_size - dims.vocab_size, *t.shape[1:]))
+        return torch.cat([t, pad], dim=0)
+
+    def read_shard(self, readers, dims, tp_rank, tp_size):
+        (r,) = readers
+        rows = r.get_shape()[0]
+        if rows != dims.vocab_size:
+            raise ValueError(f"HF vocab tensor has {rows} rows, expected vocab_size={dims.vocab_size}")
+        step = dims.padded_vocab_size // tp_size
+        start, stop = tp_rank * step, (tp_rank + 1) * step
+        real = _read_range(r, 0, min(start, rows), min(stop, rows))
+        pad = real.new_zeros((stop - start - real.shape[0], *real.shape[1:]))
+        return torch.cat([real, pad], dim=0) if pad.shape[0] else real
+
+
+class FusedQKV(Transform):
+    """``linear_qkv`` (weight or bias) <-> HF ``q_proj``, ``k_proj``, ``v_proj``.
+
+    Megatron rows, per query group g: ``[q heads g*qpg .. (g+1)*qpg-1 | k head g | v head g]``, each head ``d`` rows.
+    TP splits whole groups, so the concatenated shards are already the global layout (independent of tp_size).
+    """
+
+    tp_dim = 0
+
+    @staticmethod
+    def _fuse(q, k, v, ng: int, dims: ModelDims) -> torch.Tensor:
+        d, qpg = dims.head_dim, dims.queries_per_group
+        rest = q.shape[1:]
+        q = q.reshape(ng, qpg * d, *rest)
+        k = k.reshape(ng, d, *rest)
+        v = v.reshape(ng, d, *rest)
+        return torch.cat([q, k, v], dim=1).reshape(ng * (qpg + 2) * d, *rest)
+
+    def to_hf(self, full, dims, tp_size):
+        d, qpg, ng = dims.head_dim, dims.queries_per_group, dims.num_query_groups
+        if full.shape[0] != ng * (qpg + 2) * d:
+            raise ValueError(f"linear_qkv has {full.shape[0]} rows, expected {ng * (qpg + 2) * d}")
+        rest = full.shape[1:]
+        grouped = full.reshape(ng, (qpg + 2) * d, *rest)
+        q, k, v = torch.split(grouped, [qpg * d, d, d], dim=1)
+        return [t.reshape(-1, *rest).contiguous() for t in (q, k, v)]
+
+    def from_hf(self, tensors, dims, tp_size):
+        q, k, v = tensors
+        return self._fuse(q, k, v, dims.num_query_groups, dims)
+
+    def read_shard(self, readers, dims, tp_rank, tp_size):
+        rq, rk, rv = readers
+        d, qpg = dims.head_dim, dims.queries_per_group
+        ng_local = dims.num_query_groups // tp_size
+        g0 = tp_rank * ng_local
+        q = _read_range(rq, 0, g0 * qpg * d, (g0 + ng_local) * qpg * d)
+        k = _read_range(rk, 0, g0 * d, (g0 + ng_local) * d)
+        v = _read_range(rv, 0, g0 * d, (g0 + ng_local) * d)
+        return self._fuse(q, k, v, ng_local, dims)
+
+
+class GatedFC1(Transform):
+    """SwiGLU ``linear_fc1`` <-> HF ``gate_proj``, ``up_proj``. Each TP rank holds ``[gate_r; up_r]`` (F/tp rows each),
+    so the concatenated shards are ``[gate_0; up_0; gate_1; up_1; ...]``."""
+
+    tp_dim = 0
+
+    def to_hf(self, full, dims, tp_size):
+        f = dims.ffn_hidden_size
+        if full.shape[0] != 2 * f:
+            raise ValueError(f"linear_fc1 has {full.shape[0]} rows, expected 2 * ffn_hidden_size = {2 * f}")
+        rest = full.shape[1:]
+        per_rank = full.reshape(tp_size, 2, f // tp_size, *rest)
+        gate = per_rank[:, 0].reshape(f, *rest).contiguous()
+        up = per_rank[:, 1].reshape(f, *rest).contiguous()
+        return [gate, up]
+
+    def from_hf(self, tensors, dims, tp_size):
+        gate, up = tensors
+        f = dims.ffn_hidden_size
+        rest = gate.shape[1:]
+        per_rank = torch.stack(
+            [gate.reshape(tp_size, f // tp_size, *rest), up.reshape(tp_size, f // tp_size, *rest)], 1
+        )
+        return per_rank.reshape(2 * f, *rest)
+
+    def read_shard(self, readers, dims, tp_rank, tp_size):
+        rg, ru = readers
+        step = dims.ffn_hidden_size // tp_size
+        gate = _read_range(rg, 0, tp_rank * step, (tp_rank + 1) * step)
+        up = _read_range(ru, 0, tp_rank * step, (tp_rank + 1) * step)
+        return torch.cat([gate, up], dim=0)
+
+
+TRANSFORMS: dict[str, Transform] = {
+    "replicated": Replicated(),
+    "column": Split(0),
+    "row": Split(1),
+    "vocab": VocabRows(),
+    "qkv": FusedQKV(),
+    "gated_fc1": GatedFC1(),
+}
+"""Registry of layout kinds used by ``RULES``."""
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The table
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One megatron parameter (pattern; ``{layer}`` = decoder layer index) and its HF counterpart(s)."""
+
+    megatron: str
+    """Name in megatron-core's local-spec GPTModel (``{layer}`` is the stage-local layer index)."""
+    hf: tuple[str, ...]
+    """HF tensor name(s); ``{layer}`` is the global layer index. Order matches the transform's tensor order."""
+    kind: str
+    """Key into TRANSFORMS."""
+    aliases: tuple[str, ...] = ()
+    """Other megatron names for the same parameter (Transformer-Engine spec)."""
+    when: Callable[[ModelDims], bool] = field(default=lambda dims: True)
+    """Whether the parameter exists for a model of these dims."""
+    skip_on_export: Callable[[ModelDims], bool] = field(default=lambda dims: False)
+    """True where HF stores the tensor under another rule (tied LM head)."""
+
+    @property
+    def transform(self) -> Transform:
+        return TRANSFORMS[self.kind]
+
+
+_L = "decoder.layers.{layer}."
+_H = "model.layers.{layer}."
+
+RULES: tuple[Rule, ...] = (
+    Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"),
+    Rule(
+        _L + "input_layernorm.weight",
+        (_H + "input_layernorm.weight",),
+        "replicated",
+        aliases=(_L + "self_attention.linear_qkv.layer_norm_weight",),
+    ),
+    Rule(
+        _L + "self_attention.linear_qkv.weight",
+        (_H + "self_attn.q_proj.weight", _H + "self_attn.k_proj.weight", _H + "self_attn.v_proj.weight"),
+        "qkv",
+    ),
+    Rule(
+        _L + "self_attention.linear_qkv.bias",
+        (_H + "self_attn.q_proj.bias", _H + "self_attn.k_proj.bias", _H + "self_attn.v_proj.bias"),
+        "qkv",
+        when=lambda d: d.qkv_bias,
+    ),
+    Rule(
+        _L + "self_attention.q_layernorm.weight",
+        (_H + "self_attn.q_norm.weight",),
+        "replicated",
+        when=lambda d: d.qk_layernorm,
+    ),
+    Rule(
+        _L + "self_attention.k_layernorm.weight",
+        (_H + "self_attn.k_norm.weight",),
+        "replicated",
+        when=lambda d: d.qk_layernorm,
+    ),
+    Rule(_L + "self_attention.linear_proj.weight", (_H + "self_attn.o_proj.weight",), "row"),
+    Rule(
+        _L + "pre_mlp_layernorm.weight",
+        (_H + "post_attention_layernorm.weight",),
+        "replicated",
+        aliases=(_L + "mlp.linear_fc1.layer_norm_weight",),
+    ),
+    Rule(_L + "mlp.linear_fc1.weight", (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"), "gated_fc1"),
+    Rule(_L + "mlp.linear_fc2.weight", (_H + "mlp.down_proj.weight",), "row"),
+    Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"),
+    Rule("output_layer.weight", ("lm_head.weight",), "vocab", when=lambda d: not d.tie_word_embeddings),
+    Rule(
+        "output_layer.weight",
+        ("model.embed_tokens.weight",),
+        "vocab",
+        when=lambda d: d.tie_word_embeddings,
+        skip_on_export=lambda d: True,
+    ),
+)
+"""Every parameter of a dense Llama / Qwen2 / Qwen3 GPTModel. Family differences are the ``when`` conditions."""
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Resolution of concrete names
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _compile(pattern: str) -> re.Pattern:
+    return re.compile("^" + re.escape(pattern).replace(re.escape("{layer}"), r"(?P<layer>\d+)") + "$")
+
+
+_WRAPPER_PREFIX = re.compile(r"^(module\.)+")
+
+
+def strip_wrappers(name: str) -> str:
+    """Drop the ``module.`` prefixes added by Float16Module / DistributedDataParallel."""
+    return _WRAPPER_PREFIX.sub("", name)
+
+
+@dataclass(frozen=True)
+class ResolvedParam:
+    """One concrete megatron parameter resolved against the table."""
+
+    megatron_name: str
+    """Canonical (local-spec, stage-local layer index, no wrapper prefix) megatron name."""
+    hf_names: tuple[str, ...]
+    """HF tensor names with the global layer index filled in."""
+    global_layer: int | None
+    """Global decoder layer index, None for embedding / final norm / output layer."""
+    rule: Rule
+    dims: ModelDims
+
+    @property
+    def tp_dim(self) -> int | None:
+        """Dim along which TP shards are concatenated; None when replicated over TP."""
+        return self.rule.transform.tp_dim
+
+    @property
+    def skip_on_export(self) -> bool:
+        return self.rule.skip_on_export(self.dims)
+
+    def to_hf(self, full: torch.Tensor, tp_size: int) -> dict[str, torch.Tensor]:
+        """FULL megatron tensor (TP shards concatenated along tp_dim) -> {hf_name: tensor}."""
+        tensors = self.rule.transform.to_hf(full, self.dims, tp_size)
+        return dict(zip(self.hf_names, tensors, strict=True))
+
+    def from_hf(self, hf: Mapping[str, torch.Tensor] | Sequence[torch.Tensor], tp_size: int) -> torch.Tensor:
+        """{hf_name: tensor} (or tensors in ``hf_names`` order) -> FULL megatron tensor."""
+        tensors = [hf[n] for n in self.hf_names] if isinstance(hf, Mapping) else list(hf)
+        return self.rule.transform.from_hf(tensors, self.dims, tp_size)
+
+    def shard(self, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+        """This TP rank's piece of the FULL megatron tensor."""
+        return split_tp(full, self.tp_dim, tp_size)[tp_rank]
+
+
+class WeightMapping:
+    """The table instantiated for one model's dims. See the module docstring for the API."""
+
+    def __init__(self, dims: ModelDims):
+        self.dims = dims
+        self.rules = tuple(r for r in RULES if r.when(dims))
+        self._patterns: list[tuple[re.Pattern, Rule]] = []
+        for r in self.rules:
+            for name in (r.megatron, *r.aliases):
+                self._patterns.append((_compile(name), r))
+
+    def resolve(self, megatron_name: str, layer_offset: int = 0) -> ResolvedParam:
+        """Resolve a megatron parameter name (stage-local layer index; wrapper prefixes allowed).
+
+        ``layer_offset`` is the global index of this pipeline stage's first decoder layer
+        (``megatron.core.transformer.transformer_layer.get_transformer_layer_offset``; see ``layer_offset()``).
+        """
+        name = strip_wrappers(megatron_name)
+        for pat, rule in self._patterns:
+            m = pat.match(name)
+            if m is None:
+                continue
+            layer = None
+            if "layer" in pat.groupindex:
+                layer = int(m.group("layer")) + layer_offset
+                if not 0 <= layer < self.dims.num_layers:
+                    raise ValueError(
+                        f"{megatron_name}: global layer {layer} (local + offset {layer_offset}) is outside "
+                        f"0..{self.dims.num_layers - 1}"
+                    )
+            canonical = rule.megatron.format(layer=m.group("layer")) if layer is not None else rule.megatron
+            hf_names = tuple(h.format(layer=layer) for h in rule.hf)
+            return ResolvedParam(canonical, hf_names, layer, rule, self.dims)
+        raise KeyError(
+            f"megatron parameter {megatron_name!r} has no HF mapping (model dims: qkv_bias={self.dims.qkv_bias}, "
+            f"qk_layernorm={self.dims.qk_layernorm}, tie_word_embeddings={self.dims.tie_word_embeddings})"
+        )
+
+    def hf_names(self) -> list[str]:
+        """Every HF tensor name a checkpoint of this model holds (tied LM head counted once)."""
+        out: list[str] = []
+        for p in self.all_params():
+            if not p.skip_on_export:
+                out.extend(p.hf_names)
+        return out
+
+    def all_params(self) -> list[ResolvedParam]:
+        """Every parameter of the unsplit (PP=1) model, with global layer indices."""
+        layer_rules = [r for r in self.rules if "{layer}" in r.megatron]
+        # tied copy: exists only on a PP>1 last stage, it is not a separate tensor of the model
+        other = [r for r in self.rules if "{layer}" not in r.megatron and not r.skip_on_export(self.dims)]
+        out = [self.resolve(r.megatron) for r in other if r.megatron.startswith("embedding.")]
+        for i in range(self.dims.num_layers):  # HF's order: layer by layer
+            out.extend(self.resolve(r.megatron.format(layer=i)) for r in layer_rules)
+        out.extend(self.resolve(r.megatron) for r in other if not r.megatron.startswith("embedding."))
+        return out
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def gather_tp(shards: Sequence[torch.Tensor], tp_dim: int | None) -> torch.Tensor:
+    """FULL megatron tensor from the per-TP-rank shards (in TP rank order). Replicated params: the first shard."""
+    if tp_dim is None:
+        return shards[0]
+    return torch.cat(list(shards), dim=tp_dim)
+
+
+def split_tp(full: torch.Tensor, tp_dim: int | None, tp_size: int) -> list[torch.Tensor]:
+    """Inverse of ``gather_tp``: contiguous per-rank shards (replicated params: the same tensor for every rank)."""
+    if tp_dim is None:
+        return [full] * tp_size
+    if full.shape[tp_dim] % tp_size:
+        raise ValueError(f"tensor parallel size {tp_size} does not divide dim {tp_dim} of shape {tuple(full.shape)}")
+    return [t.contiguous() for t in torch.chunk(full, tp_size, dim=tp_dim)]
+
+
+def read_local_shard(
+    param: ResolvedParam, reader: Callable[[str], SliceReader], tp_rank: int, tp_size: int
+) -> torch.Tensor:
+    """This rank's shard of ``param`` read from an HF checkpoint, touching only the rows/columns the rank owns."""
+    param.dims.check_tp(tp_size)
+    readers = [reader(n) for n in param.hf_names]
+    return param.rule.transform.read_shard(readers, param.dims, tp_rank, tp_size)
+
+
+class TensorSlice:
+    """Adapts an in-memory tensor to the ``SliceReader`` protocol (tests, in-memory state dicts)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def __getitem__(self, idx) -> torch.Tensor:
+        return self.tensor[idx]
+
+
+def layer_offset(config, pp_rank: int, vp_stage: int | None = None) -> int:
+    """Global index of the first decoder layer on pipeline rank ``pp_rank`` (megatron's own rule, incl. uneven PP)."""
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    return int(get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank))
