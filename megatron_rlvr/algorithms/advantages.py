@@ -1,0 +1,247 @@
+"""Group advantage estimators: rewards grouped by prompt -> one advantage per rollout.
+
+Convention: ``rewards_G_n`` [G, n] holds the n rollouts of each of G prompts; ``valid_G_n`` (bool, optional) marks
+the rollouts that exist (groups may be ragged, e.g. after a failed generation); ``correct_G_n`` (bool, optional) is
+the verifier's verdict. Invalid rollouts are excluded from every statistic and get advantage 0. All arithmetic runs
+in float64 (rewards are tiny tensors), the result is returned in the rewards' floating dtype (float32 for integer
+rewards). The trainer flattens ``adv_G_n`` row-major to per-sequence ``adv_B`` (B = G * n).
+
+Call :func:`compute_advantages` on the GLOBAL rollout batch (all DP ranks; rewards are cheap to all-gather): the
+REINFORCE++ whitening and the CPGD clip-filter-like weight are batch statistics.
+
+Estimators (registry :data:`ADVANTAGE_ESTIMATORS`), with mean/std over a group's valid rollouts:
+
+- ``grpo``:          A = (r - mean) / (std + eps)                 (DeepSeekMath, arXiv 2402.03300, Sec. 4.1.2)
+- ``dr_grpo``:       A = r - mean                                 (Dr.GRPO, arXiv 2503.20783, Sec. 3.2)
+- ``rloo``:          A = r - mean_{j != i} r_j = n/(n-1) (r - mean) (Ahmadian et al., arXiv 2402.14740)
+- ``reinforce_pp``:  c = r - mean, then batch whitening A = (c - mean_b(c)) / (std_b(c) + eps) over all valid
+                     rollouts of the batch (REINFORCE++-baseline, arXiv 2501.03262; sequence-level whitening)
+- ``cpgd``:          CPGD weights (``equal``, ``std``, ``clip_filter_like``), see :mod:`.cpgd`
+
+Zero-variance groups (all valid rewards bit-identical, including single-rollout groups) get advantage exactly 0 for
+every estimator: detected by max == min, not by std > 0, because a float mean of identical values can differ from
+them in the last bit and (r - mean)/(std + eps) would then be O(1) noise.
+
+Then, composable on top of any estimator (in this order): F-GRPO focal scaling (:mod:`.focal`) and MCPO
+query-weight rebalancing (:mod:`.mcpo`).
+
+Std default: POPULATION (divide by n). Reasons: (1) MCPO's identity "implied query weight = 0.5 on (0.5, 1)" holds
+exactly with population std only; (2) for binary rewards the population std is sqrt(p(1 - p)), the quantity the
+GRPO-family papers analyse; (3) a single valid rollout gives std 0 (advantage 0) instead of 0/0. ``std="unbiased"``
+(Bessel, torch.std's default as used by TRL/verl) is available: it shrinks every GRPO advantage by sqrt((n-1)/n).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .cpgd import CPGD_WEIGHTS, cpgd_weighted_advantages
+from .focal import focal_weight
+from .mcpo import HingeKLConfig, implied_query_weight, mastered_groups, mcpo_query_scale
+
+STD_KINDS = ("population", "unbiased")
+
+
+@dataclass
+class AdvantageConfig:
+    """Group advantage estimator and the scalings composed on top of it."""
+
+    estimator: str = "grpo"
+    """One of ``grpo``, ``dr_grpo``, ``rloo``, ``reinforce_pp``, ``cpgd``."""
+    std: str = "population"
+    """Std used by ``grpo``, ``reinforce_pp`` whitening and ``cpgd`` std weights: ``population`` or ``unbiased``."""
+    eps: float = 1e-6
+    """eps in (r - mean) / (std + eps) for ``grpo`` and the ``reinforce_pp`` whitening."""
+    cpgd_weight: str = "std"
+    """CPGD advantage weight: ``equal``, ``std`` or ``clip_filter_like`` (MM-EUREKA default ``std``)."""
+    cpgd_std_eps: float = 1e-9
+    """eps of the CPGD ``std`` weight (CPGD uses 1e-9)."""
+    cpgd_weight_max: float = 3.0
+    """Cap of the CPGD clip-filter-like weight (CPGD uses 3.0)."""
+    focal_gamma: float = 0.0
+    """F-GRPO exponent gamma; 0 reproduces the base estimator exactly (F-GRPO presets use 0.5)."""
+    reward_correct: float = 1.0
+    """R_correct: reward of a correct rollout (F-GRPO mu_pos; default correctness threshold)."""
+    reward_wrong: float = 0.0
+    """R_wrong: reward of a wrong rollout."""
+    mcpo_query_weight: bool = False
+    """Divide advantages by MCPO's scale(p) (p = rollout accuracy of the prompt)."""
+
+    def __post_init__(self) -> None:
+        if self.estimator not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(
+                f"AdvantageConfig.estimator must be one of {sorted(ADVANTAGE_ESTIMATORS)}, got {self.estimator!r}"
+            )
+        if self.std not in STD_KINDS:
+            raise ValueError(f"AdvantageConfig.std must be one of {STD_KINDS}, got {self.std!r}")
+        if self.cpgd_weight not in CPGD_WEIGHTS:
+            raise ValueError(f"AdvantageConfig.cpgd_weight must be one of {CPGD_WEIGHTS}, got {self.cpgd_weight!r}")
+        for name in ("eps", "cpgd_std_eps", "focal_gamma"):
+            v = getattr(self, name)
+            if not (v >= 0 and math.isfinite(v)):
+                raise ValueError(f"AdvantageConfig.{name} must be a finite number >= 0, got {v}")
+        if not (self.cpgd_weight_max >= 1 and math.isfinite(self.cpgd_weight_max)):
+            raise ValueError(
+                f"AdvantageConfig.cpgd_weight_max must be a finite number >= 1, got {self.cpgd_weight_max}"
+            )
+        if not (math.isfinite(self.reward_correct) and math.isfinite(self.reward_wrong)):
+            raise ValueError("AdvantageConfig.reward_correct and reward_wrong must be finite")
+        if not self.reward_correct > self.reward_wrong:
+            raise ValueError(
+                f"AdvantageConfig.reward_correct ({self.reward_correct}) must exceed reward_wrong ({self.reward_wrong})"
+            )
+
+
+@dataclass
+class GroupStats:
+    """Per-group statistics over valid rollouts (float64)."""
+
+    count_G: Tensor
+    """Valid rollouts per group."""
+    mean_G: Tensor
+    """Mean reward (0 for an empty group)."""
+    std_G: Tensor
+    """Population or unbiased std (0 when undefined)."""
+    zero_var_G: Tensor
+    """bool: all valid rewards identical, or fewer than one valid rollout."""
+    centered_G_n: Tensor
+    """r - mean on valid rollouts of non-zero-variance groups, exactly 0 elsewhere."""
+
+
+def group_stats(rewards_G_n: Tensor, valid_G_n: Tensor, std_kind: str) -> GroupStats:
+    """Masked group statistics; ``rewards_G_n`` float64 [G, n], ``valid_G_n`` bool [G, n]."""
+    zero = torch.zeros_like(rewards_G_n)
+    r = torch.where(valid_G_n, rewards_G_n, zero)
+    count = valid_G_n.sum(dim=1)
+    mean = r.sum(dim=1) / count.clamp_min(1)
+    rmax = torch.where(valid_G_n, r, torch.full_like(r, -math.inf)).amax(dim=1)
+    rmin = torch.where(valid_G_n, r, torch.full_like(r, math.inf)).amin(dim=1)
+    zero_var = (count == 0) | (rmax == rmin)
+    keep = valid_G_n & ~zero_var[:, None]
+    centered = torch.where(keep, r - mean[:, None], zero)
+    ddof = 1 if std_kind == "unbiased" else 0
+    var = (centered**2).sum(dim=1) / (count - ddof).clamp_min(1)
+    std = torch.where(count > ddof, var.sqrt(), torch.zeros_like(var))
+    return GroupStats(count_G=count, mean_G=mean, std_G=std, zero_var_G=zero_var, centered_G_n=centered)
+
+
+def grpo_advantages(cfg: AdvantageConfig, stats: GroupStats, valid_G_n: Tensor) -> Tensor:
+    """(r - mean) / (std + eps)."""
+    return stats.centered_G_n / (stats.std_G[:, None] + cfg.eps)
+
+
+def dr_grpo_advantages(cfg: AdvantageConfig, stats: GroupStats, valid_G_n: Tensor) -> Tensor:
+    """r - mean (no std division: Dr.GRPO removes the question-level difficulty bias)."""
+    return stats.centered_G_n
+
+
+def rloo_advantages(cfg: AdvantageConfig, stats: GroupStats, valid_G_n: Tensor) -> Tensor:
+    """Leave-one-out baseline: r_i - mean_{j != i} r_j = n/(n - 1) (r_i - mean); groups with n < 2 are zero-variance."""
+    n = stats.count_G.to(stats.centered_G_n.dtype)
+    return stats.centered_G_n * (n / (n - 1).clamp_min(1))[:, None]
+
+
+def reinforce_pp_advantages(cfg: AdvantageConfig, stats: GroupStats, valid_G_n: Tensor) -> Tensor:
+    """Group-mean baseline, then whitening over all valid rollouts of the batch."""
+    c = stats.centered_G_n
+    n = valid_G_n.sum()
+    if int(n) == 0:
+        return c
+    mean_b = c[valid_G_n].mean()
+    ddof = 1 if cfg.std == "unbiased" else 0
+    if int(n) <= ddof:
+        return torch.zeros_like(c)
+    std_b = ((c[valid_G_n] - mean_b) ** 2).sum().div(int(n) - ddof).sqrt()
+    return (c - mean_b) / (std_b + cfg.eps)
+
+
+def cpgd_advantages(cfg: AdvantageConfig, stats: GroupStats, valid_G_n: Tensor) -> Tensor:
+    """CPGD-weighted group-centred rewards."""
+    return cpgd_weighted_advantages(
+        cfg.cpgd_weight, stats.centered_G_n, stats.std_G, stats.zero_var_G, cfg.cpgd_std_eps, cfg.cpgd_weight_max
+    )
+
+
+ADVANTAGE_ESTIMATORS: dict[str, Callable[[AdvantageConfig, GroupStats, Tensor], Tensor]] = {
+    "grpo": grpo_advantages,
+    "dr_grpo": dr_grpo_advantages,
+    "rloo": rloo_advantages,
+    "reinforce_pp": reinforce_pp_advantages,
+    "cpgd": cpgd_advantages,
+}
+
+
+def _check_inputs(
+    rewards_G_n: Tensor, valid_G_n: Tensor | None, correct_G_n: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    if rewards_G_n.dim() != 2:
+        raise ValueError(f"rewards_G_n must be [G, n] (prompts x rollouts), got shape {tuple(rewards_G_n.shape)}")
+    if rewards_G_n.numel() == 0:
+        raise ValueError(f"rewards_G_n is empty (shape {tuple(rewards_G_n.shape)}): no rollouts to score")
+    for name, t in (("valid_G_n", valid_G_n), ("correct_G_n", correct_G_n)):
+        if t is not None and t.shape != rewards_G_n.shape:
+            raise ValueError(
+                f"{name} must have the shape of rewards_G_n {tuple(rewards_G_n.shape)}, got {tuple(t.shape)}"
+            )
+    valid = torch.ones_like(rewards_G_n, dtype=torch.bool) if valid_G_n is None else valid_G_n.bool()
+    r = rewards_G_n.to(torch.float64)
+    bad = valid & ~torch.isfinite(r)
+    if bool(bad.any()):
+        g, i = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(
+            f"rewards_G_n has a non-finite reward {rewards_G_n[g, i].item()} at group {g}, rollout {i}: fix the "
+            "reward function or mark the rollout invalid in valid_G_n"
+        )
+    return r, valid, None if correct_G_n is None else correct_G_n.bool()
+
+
+def rollout_accuracy(
+    cfg: AdvantageConfig, rewards_G_n: Tensor, valid_G_n: Tensor, correct_G_n: Tensor | None
+) -> Tensor:
+    """Fraction [G] (float64) of a group's valid rollouts that are correct. Without the verifier's ``correct_G_n``, a
+    rollout is correct when its reward >= (R_correct + R_wrong) / 2 (pass ``correct_G_n`` when rewards are shaped)."""
+    if correct_G_n is None:
+        correct_G_n = rewards_G_n >= 0.5 * (cfg.reward_correct + cfg.reward_wrong)
+    hits = (correct_G_n & valid_G_n).sum(dim=1).to(torch.float64)
+    return hits / valid_G_n.sum(dim=1).clamp_min(1).to(torch.float64)
+
+
+def mastered_rollouts(
+    cfg, rewards_G_n: Tensor, *, valid_G_n: Tensor | None = None, correct_G_n: Tensor | None = None
+) -> Tensor:
+    """bool [G, n]: valid rollouts of mastered prompts (``cfg`` an AlgorithmConfig); flatten to ``mastered_B`` for
+    the MCPO hinge-KL."""
+    r, valid, correct = _check_inputs(rewards_G_n, valid_G_n, correct_G_n)
+    acc = rollout_accuracy(cfg.advantage, r, valid, correct)
+    return mastered_groups(cfg.hinge_kl, acc, valid.sum(dim=1))[:, None] & valid
+
+
+def compute_advantages(
+    cfg, rewards_G_n: Tensor, *, valid_G_n: Tensor | None = None, correct_G_n: Tensor | None = None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Advantages [G, n] for the global batch and their metrics (``cfg`` an :class:`AlgorithmConfig`).
+
+    Estimator (registry) -> x F-GRPO focal weight g(x) -> / MCPO scale(p) -> invalid rollouts set to 0.
+    """
+    from .metrics import advantage_metrics  # local: metrics imports this module's helpers
+
+    acfg: AdvantageConfig = cfg.advantage
+    r, valid, correct = _check_inputs(rewards_G_n, valid_G_n, correct_G_n)
+    stats = group_stats(r, valid, acfg.std)
+    adv = ADVANTAGE_ESTIMATORS[acfg.estimator](acfg, stats, valid)
+    focal_G = focal_weight(stats.mean_G, acfg.focal_gamma, acfg.reward_correct, acfg.reward_wrong)
+    adv = adv * focal_G[:, None]  # gamma = 0: g = 1 exactly, the base estimator is unchanged bit for bit
+    acc = rollout_accuracy(acfg, r, valid, correct)
+    if acfg.mcpo_query_weight:
+        adv = adv / mcpo_query_scale(acc)[:, None]
+    adv = torch.where(valid & ~stats.zero_var_G[:, None], adv, torch.zeros_like(adv))
+    hinge: HingeKLConfig = cfg.hinge_kl
+    mastered_G = mastered_groups(hinge, acc, stats.count_G)
+    metrics = advantage_metrics(adv, r, valid, acc, stats, mastered_G, focal_G, implied_query_weight(adv, valid))
+    out_dtype = rewards_G_n.dtype if rewards_G_n.is_floating_point() else torch.float32
+    return adv.to(out_dtype), metrics

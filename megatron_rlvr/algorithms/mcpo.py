@@ -1,0 +1,128 @@
+"""MCPO: Mastery-Consolidated Policy Optimization (Liao et al., arXiv 2604.16972).
+
+Two pieces, both specified in issue 3 (the paper's equations as the issue states them):
+
+1. Query-weight rebalancing. With binary rewards and population std, a GRPO group of accuracy p gives each correct
+   rollout A = (1 - p)/sigma and each wrong one A = -p/sigma, sigma = sqrt(p(1 - p)). The implied query weight
+   (positive advantage mass per rollout, = half the mean |A| since group advantages sum to zero) is
+   q(p) = p(1 - p)/sigma = sqrt(p(1 - p)): 0.5 at p = 0.5, shrinking to 0 as p -> 1. MCPO divides the advantage by
+
+       scale(p) = 1                   for p <= 0.5
+                  2 sqrt(p (1 - p))   for p > 0.5
+
+   so q(p) = 0.5 exactly for every p in (0.5, 1) (this identity needs POPULATION std; the unbiased std gives
+   0.5 sqrt((n-1)/n)). p = 1 (mastered) has zero advantage anyway; its scale is defined as 1 to avoid 0/0.
+
+2. Hinge-KL on mastered prompts (all rollouts correct; threshold and minimum group size configurable). With
+   d_t = logp_new - logp_old and k3(d) = e^d - d - 1,
+
+       phi(d) = 0                    if |d| <= delta
+                k3(d) - k3(delta)    if d > delta
+                k3(d) - k3(-delta)   if d < -delta
+
+   per sequence (1/|y|) sum_t phi(d_t), averaged over mastered sequences of the GLOBAL batch, times beta. phi is
+   continuous at +-delta, and inside the band both its value and its gradient are exactly zero (torch.where routes
+   no gradient into the unselected branches).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .aggregation import LossNormalizers
+
+
+@dataclass
+class HingeKLConfig:
+    """MCPO hinge-KL regulariser on mastered prompts."""
+
+    enabled: bool = False
+    """Add the hinge-KL term to the loss (needs ``mastered_B`` in the loss inputs)."""
+    beta: float = 1.0
+    """Coefficient of the term (MCPO default 1.0)."""
+    delta: float = 0.01
+    """Half-width of the dead band on d = logp_new - logp_old (MCPO default 0.01)."""
+    mastered_threshold: float = 1.0
+    """A prompt is mastered when its rollout accuracy is >= this (1.0 = all rollouts correct)."""
+    min_group_size: int = 2
+    """...and it has at least this many valid rollouts (one lucky rollout is not mastery). Ours: 2."""
+
+    def __post_init__(self) -> None:
+        if not (self.beta >= 0 and math.isfinite(self.beta)):
+            raise ValueError(f"HingeKLConfig.beta must be a finite number >= 0, got {self.beta}")
+        if not (self.delta >= 0 and math.isfinite(self.delta)):
+            raise ValueError(f"HingeKLConfig.delta must be a finite number >= 0, got {self.delta}")
+        if not (0.0 < self.mastered_threshold <= 1.0):
+            raise ValueError(f"HingeKLConfig.mastered_threshold must be in (0, 1], got {self.mastered_threshold}")
+        if int(self.min_group_size) != self.min_group_size or self.min_group_size < 1:
+            raise ValueError(f"HingeKLConfig.min_group_size must be an integer >= 1, got {self.min_group_size}")
+
+
+def mcpo_query_scale(accuracy_G: Tensor) -> Tensor:
+    """scale(p) [G]: 1 for p <= 0.5 (and p = 1), 2 sqrt(p(1 - p)) for p in (0.5, 1)."""
+    p = accuracy_G
+    majority = (p > 0.5) & (p < 1.0)
+    safe = torch.where(majority, p, torch.full_like(p, 0.5))  # keeps sqrt's argument > 0 in the unselected branch
+    return torch.where(majority, 2.0 * torch.sqrt(safe * (1.0 - safe)), torch.ones_like(p))
+
+
+def implied_query_weight(adv_G_n: Tensor, valid_G_n: Tensor) -> Tensor:
+    """q [G] = half the mean |A| over a group's valid rollouts (= the positive advantage mass per rollout for any
+    zero-sum group advantage). For binary-reward GRPO with population std, q = sqrt(p(1 - p))."""
+    cnt = valid_G_n.sum(dim=1).clamp_min(1).to(adv_G_n.dtype)
+    return 0.5 * torch.where(valid_G_n, adv_G_n.abs(), torch.zeros_like(adv_G_n)).sum(dim=1) / cnt
+
+
+def mastered_groups(cfg: HingeKLConfig, accuracy_G: Tensor, count_G: Tensor) -> Tensor:
+    """bool [G]: accuracy >= mastered_threshold and at least min_group_size valid rollouts."""
+    return (accuracy_G >= cfg.mastered_threshold) & (count_G >= cfg.min_group_size)
+
+
+def _k3(d: Tensor) -> Tensor:
+    return torch.expm1(d) - d
+
+
+def hinge_phi(d_BT: Tensor, delta: float) -> Tensor:
+    """phi(d) elementwise (see module docstring)."""
+    zero = torch.zeros_like(d_BT)
+    k3_pos = _k3(torch.tensor(delta, dtype=d_BT.dtype, device=d_BT.device))
+    k3_neg = _k3(torch.tensor(-delta, dtype=d_BT.dtype, device=d_BT.device))
+    # Each branch only sees values in its own region, so no branch can overflow where it is not selected.
+    upper = torch.where(d_BT > delta, d_BT, zero + delta)
+    lower = torch.where(d_BT < -delta, d_BT, zero - delta)
+    return torch.where(d_BT > delta, _k3(upper) - k3_pos, torch.where(d_BT < -delta, _k3(lower) - k3_neg, zero))
+
+
+def hinge_kl_loss(
+    cfg: HingeKLConfig,
+    logp_BT: Tensor,
+    old_logp_BT: Tensor,
+    mask_BT: Tensor,
+    mastered_B: Tensor,
+    norms: LossNormalizers,
+    log_ratio_clamp: float = 20.0,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """beta * sum_{i mastered} (1/|y_i|) sum_t phi(d_it) / N_mastered_global, and its metrics.
+
+    ``mask_BT`` bool [B, T]; ``mastered_B`` bool [B]. Returns (0-dim loss, metrics).
+    """
+    mask = mask_BT.bool() & mastered_B.bool()[:, None]
+    d = (logp_BT - old_logp_BT.detach()).clamp(-log_ratio_clamp, log_ratio_clamp)
+    d = torch.where(mask, d, torch.zeros_like(d))
+    phi = hinge_phi(d, cfg.delta)
+    len_B = mask.sum(dim=1).clamp_min(1).to(phi.dtype)
+    per_seq = torch.where(mask, phi, torch.zeros_like(phi)).sum(dim=1) / len_B
+    loss = cfg.beta * per_seq.sum() / max(norms.num_mastered_seqs, 1.0)
+    with torch.no_grad():
+        n_tok = mask.sum().clamp_min(1).to(torch.float32)
+        metrics = {
+            "mcpo/hinge_kl": (per_seq.sum() / max(norms.num_mastered_seqs, 1.0)).detach().float(),
+            "mcpo/mastered_abs_d": (d.abs().float() * mask).sum() / n_tok,
+            "mcpo/hinge_active_frac": ((d.abs() > cfg.delta) & mask).sum().float() / n_tok,
+            "mcpo/mastered_token_frac": mask.sum().float() / mask_BT.bool().sum().clamp_min(1).float(),
+        }
+    return loss, metrics

@@ -1,0 +1,99 @@
+"""Reference-model KL penalty and entropy bonus (the MCPO hinge-KL lives in :mod:`.mcpo`, the CPGD drift in
+:mod:`.cpgd`).
+
+Reference KL, per token, of KL(pi || pi_ref) with samples from pi (Schulman, "Approximating KL divergence", 2020),
+x = logp - logp_ref:
+
+- ``k1``: x                                  (unbiased, high variance, can be negative)
+- ``k2``: x^2 / 2                            (biased, low variance)
+- ``k3``: e^{-x} - 1 + x, clamped to <= ``k3_clamp`` (unbiased, >= 0; the clamp, 10 as in verl, bounds the
+          value and gradient of a token the policy has moved far from the reference)
+- ``exact``: the full-vocabulary KL(pi || pi_ref) per token, computed by the vocab-parallel ops
+          (``vocab_parallel_token_stats(..., other_logits_TV=ref_logits, want=("kl",))``) and passed in as
+          ``ref_kl_BT``; its gradient flows through the ops to the logits.
+
+The loss adds ``coef * aggregate(kl_BT)``; the entropy bonus subtracts ``coef * aggregate(entropy_BT)`` (entropy
+from the ops, with gradient).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+_LOG_RATIO_CLAMP = 20.0
+
+
+@dataclass
+class RefKLConfig:
+    """KL penalty to a frozen reference policy."""
+
+    coef: float = 0.0
+    """Coefficient; 0 disables the term (then no reference log-probs are needed)."""
+    estimator: str = "k3"
+    """``k1``, ``k2``, ``k3`` (from per-token log-probs) or ``exact`` (full-vocabulary KL from the ops)."""
+    k3_clamp: float = 10.0
+    """Upper clamp of the k3 value (verl uses 10)."""
+
+    def __post_init__(self) -> None:
+        if not (self.coef >= 0 and math.isfinite(self.coef)):
+            raise ValueError(f"RefKLConfig.coef must be a finite number >= 0, got {self.coef}")
+        if self.estimator not in (*KL_ESTIMATORS, "exact"):
+            raise ValueError(
+                f"RefKLConfig.estimator must be one of {[*KL_ESTIMATORS, 'exact']}, got {self.estimator!r}"
+            )
+        if not self.k3_clamp > 0:
+            raise ValueError(f"RefKLConfig.k3_clamp must be > 0, got {self.k3_clamp}")
+
+
+@dataclass
+class EntropyConfig:
+    """Entropy bonus."""
+
+    coef: float = 0.0
+    """Coefficient of the bonus (loss -= coef * aggregated entropy); 0 disables it."""
+
+    def __post_init__(self) -> None:
+        if not (self.coef >= 0 and math.isfinite(self.coef)):
+            raise ValueError(f"EntropyConfig.coef must be a finite number >= 0, got {self.coef}")
+
+
+def kl_k1(logp_BT: Tensor, ref_logp_BT: Tensor, cfg: RefKLConfig | None = None) -> Tensor:
+    return logp_BT - ref_logp_BT
+
+
+def kl_k2(logp_BT: Tensor, ref_logp_BT: Tensor, cfg: RefKLConfig | None = None) -> Tensor:
+    return 0.5 * (logp_BT - ref_logp_BT) ** 2
+
+
+def kl_k3(logp_BT: Tensor, ref_logp_BT: Tensor, cfg: RefKLConfig | None = None) -> Tensor:
+    clamp = 10.0 if cfg is None else cfg.k3_clamp
+    neg_x = (ref_logp_BT - logp_BT).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    return (torch.expm1(neg_x) - neg_x).clamp(max=clamp)
+
+
+KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor, RefKLConfig | None], Tensor]] = {
+    "k1": kl_k1,
+    "k2": kl_k2,
+    "k3": kl_k3,
+}
+
+
+def ref_kl_per_token(cfg: RefKLConfig, logp_BT: Tensor, ref_logp_BT: Tensor | None, ref_kl_BT: Tensor | None) -> Tensor:
+    """Per-token KL(pi || pi_ref) [B, T] by the configured estimator."""
+    if cfg.estimator == "exact":
+        if ref_kl_BT is None:
+            raise ValueError(
+                "RefKLConfig.estimator='exact' needs ref_kl_BT (per-token full-vocabulary KL from "
+                "megatron_rlvr.ops vocab_parallel_token_stats(..., want=('kl',))) in the loss inputs"
+            )
+        return ref_kl_BT
+    if ref_logp_BT is None:
+        raise ValueError(
+            f"RefKLConfig.estimator={cfg.estimator!r} needs ref_logp_BT (reference log-probs) in the loss inputs"
+        )
+    return KL_ESTIMATORS[cfg.estimator](logp_BT, ref_logp_BT.detach(), cfg)
