@@ -7,7 +7,7 @@ them, re-initialising megatron's parallel state whenever the requested (TP, PP) 
 - any rank's exception is re-raised in the caller with that rank's traceback;
 - every call finishes: a per-call timeout kills the ranks (a rank blocked in a collective cannot be recovered),
   and the next call spawns fresh ones;
-- no orphans: ranks are daemonic, killed on ``close()``/interpreter exit, and a watchdog thread in each rank exits
+- no orphans: ranks are killed on ``close()`` and at interpreter exit, and a watchdog thread in each rank exits
   it if the parent process disappears (e.g. pytest killed with SIGKILL).
 
 ``fn`` must be picklable (a module-level function); its return value must be picklable (tensors are fine).
@@ -15,6 +15,7 @@ them, re-initialising megatron's parallel state whenever the requested (TP, PP) 
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing as mp
 import os
 import pickle
@@ -158,13 +159,16 @@ class DistributedPool:
             ctx.Process(
                 target=_worker,
                 args=(r, self.world_size, port, self._tasks[r], self._results, os.getpid(), self.pg_timeout_s),
-                daemon=True,
+                # Not daemonic: ranks must be able to start children (dist_checkpointing's writer, reward workers).
+                # Cleanup is guaranteed by atexit below and by each rank's parent watchdog.
+                daemon=False,
                 name=f"rlvr-rank{r}",
             )
             for r in range(self.world_size)
         ]
         for p in self._procs:
             p.start()
+        atexit.register(_kill_all, list(self._procs))
 
     def close(self) -> None:
         """Stop the ranks: politely, then by force. Safe to call twice."""
@@ -248,6 +252,12 @@ class DistributedPool:
                 raise DistributedError(f"{fn.__name__} failed on ranks {sorted(errors)} (tp={tp}, pp={pp}):\n{text}")
             raise TimeoutError(f"{fn.__name__} timed out after {timeout:.0f}s; ranks {missing} did not finish")
         return [outputs[r] for r in range(self.world_size)]
+
+
+def _kill_all(procs: list) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()
 
 
 class _suppress:
