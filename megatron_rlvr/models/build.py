@@ -1,0 +1,194 @@
+"""Build a megatron-core GPTModel for an HF model family at a (TP, PP) layout, and run it to logits.
+
+Layer spec: Transformer-Engine's when ``transformer_engine`` imports and CUDA is available (GPU runs), megatron-core's
+local spec otherwise (torch RMSNorm, local DotProductAttention with a causal mask, the same masking HF applies).
+bf16/fp16 models are wrapped in ``Float16Module`` (it casts inputs and keeps torch norms in the model dtype).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from megatron_rlvr.models.hf_config import MegatronModelArgs
+
+
+def te_available() -> bool:
+    """True when Transformer-Engine imports and a GPU is present (TE kernels are CUDA-only)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def layer_spec(args: MegatronModelArgs, use_te: bool | None = None):
+    """ModuleSpec of one decoder layer. ``use_te=None`` picks TE when available."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if use_te is None:
+        use_te = te_available()
+    if use_te:
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=None, moe_grouped_gemm=False, qk_layernorm=args.config.qk_layernorm
+        )
+    return gpt_layer_specs.get_gpt_layer_local_spec(
+        num_experts=None, moe_grouped_gemm=False, qk_layernorm=args.config.qk_layernorm, normalization="RMSNorm"
+    )
+
+
+def _apply_rope_scaling(gpt, args: MegatronModelArgs) -> None:
+    """Llama-3 scaling with the checkpoint's own low/high frequency factors and original context length.
+
+    GPTModel's ``rope_scaling`` flag passes only ``factor`` to ``RotaryEmbedding._apply_scaling`` (the rest are
+    hard-coded to Llama-3.1's 1 / 4 / 8192; Llama-3.2 and others differ), so we recompute ``inv_freq`` with megatron's
+    own function and every HF parameter. ``inv_freq`` is a plain attribute: it is not in state dicts or checkpoints.
+    """
+    rope = args.rope
+    if rope.kind != "llama3" or not hasattr(gpt, "rotary_pos_emb"):
+        return
+    rot = gpt.rotary_pos_emb
+    dim = args.config.kv_channels
+    base = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=rot.inv_freq.device) / dim))
+    rot.inv_freq = rot._apply_scaling(
+        base,
+        factor=rope.factor,
+        low_freq_factor=rope.low_freq_factor,
+        high_freq_factor=rope.high_freq_factor,
+        original_max_position_embeddings=rope.original_max_position_embeddings,
+    )
+
+
+def build_gpt_model(
+    args: MegatronModelArgs,
+    *,
+    pg_collection=None,
+    pre_process: bool | None = None,
+    post_process: bool | None = None,
+    use_te: bool | None = None,
+    parallel_output: bool = True,
+    wrap_float16: bool = True,
+):
+    """The GPTModel of this pipeline stage (``Float16Module``-wrapped for bf16/fp16 unless ``wrap_float16=False``).
+
+    ``pg_collection``: megatron ``ProcessGroupCollection`` (default: megatron's initialised parallel_state groups).
+    ``pre_process`` / ``post_process`` default to first / last pipeline stage of ``pg_collection.pp``.
+    ``parallel_output=True`` keeps logits split over TP ([b, s, V_pad/tp]); see ``gather_vocab_parallel``.
+    """
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.module import Float16Module
+
+    if pg_collection is None:
+        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    pp_group = pg_collection.pp
+    pp_rank, pp_size = pp_group.rank(), pp_group.size()
+    tp_size = pg_collection.tp.size()
+    cfg = args.config
+    if cfg.tensor_model_parallel_size != tp_size or cfg.pipeline_model_parallel_size != pp_size:
+        raise ValueError(
+            f"model args are for TP={cfg.tensor_model_parallel_size}, PP={cfg.pipeline_model_parallel_size} but the "
+            f"process groups are TP={tp_size}, PP={pp_size}; rebuild them with megatron_model_args(tp_size=, pp_size=)"
+        )
+    if pre_process is None:
+        pre_process = pp_rank == 0
+    if post_process is None:
+        post_process = pp_rank == pp_size - 1
+    rope = args.rope
+    model = GPTModel(
+        config=cfg,
+        transformer_layer_spec=layer_spec(args, use_te),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_sequence_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=parallel_output,
+        share_embeddings_and_output_weights=args.share_embeddings_and_output_weights,
+        position_embedding_type="rope",
+        rotary_base=rope.theta,
+        seq_len_interpolation_factor=rope.factor if rope.kind == "linear" else None,
+        pg_collection=pg_collection,
+    )
+    _apply_rope_scaling(model, args)
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    if wrap_float16 and (cfg.bf16 or cfg.fp16):
+        model = Float16Module(cfg, model)
+    return model
+
+
+def unwrap(model) -> torch.nn.Module:
+    """The GPTModel inside Float16Module / DDP wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def gather_vocab_parallel(logits: torch.Tensor, tp_group, vocab_size: int | None = None) -> torch.Tensor:
+    """[..., V_pad/tp] on each TP rank -> [..., V_pad] (or [..., vocab_size] with the padding dropped)."""
+    if tp_group.size() > 1:
+        parts = [torch.empty_like(logits) for _ in range(tp_group.size())]
+        torch.distributed.all_gather(parts, logits.contiguous(), group=tp_group)
+        logits = torch.cat(parts, dim=-1)
+    return logits[..., :vocab_size] if vocab_size is not None else logits
+
+
+def forward_logits(
+    model,
+    input_ids: Sequence[torch.Tensor] | torch.Tensor,
+    *,
+    pg_collection=None,
+    vocab_size: int | None = None,
+) -> list[torch.Tensor] | None:
+    """Forward-only logits through megatron's pipeline schedule (the path the trainer uses; PP=1 included).
+
+    ``input_ids``: one [b, s] tensor per micro-batch (all the same shape), or a single [b, s] tensor.
+    Returns, on the last pipeline stage, a list of [b, s, V] float tensors (TP-gathered; ``vocab_size`` drops the
+    padding); None on other stages.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    if pg_collection is None:
+        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    batches = [input_ids] if isinstance(input_ids, torch.Tensor) else list(input_ids)
+    if not batches:
+        raise ValueError("forward_logits: no micro-batches")
+    shape = batches[0].shape
+    if any(b.shape != shape for b in batches) or len(shape) != 2:
+        raise ValueError(
+            f"forward_logits: every micro-batch must be [b, s] of one shape, got {[b.shape for b in batches]}"
+        )
+    mbs, seq = shape
+    device = next(model.parameters()).device
+    tp_group = pg_collection.tp
+
+    def forward_step(data_iterator, model_chunk):
+        tokens = next(data_iterator).to(device)
+        position_ids = torch.arange(seq, device=device).unsqueeze(0).expand(mbs, -1)
+        out = model_chunk(tokens, position_ids, None)
+
+        def collect(output_tensor):
+            full = gather_vocab_parallel(output_tensor.float(), tp_group, vocab_size)
+            # the schedule scales the returned "loss" in place: hand it a throwaway scalar
+            return torch.zeros((), device=output_tensor.device), {"logits": full.detach().clone()}
+
+        return out, collect
+
+    fwd_bwd = get_forward_backward_func(pp_size=pg_collection.pp.size())
+    with torch.no_grad():
+        data = fwd_bwd(
+            forward_step_func=forward_step,
+            data_iterator=iter(batches),
+            model=[model],
+            num_microbatches=len(batches),
+            seq_length=seq,
+            micro_batch_size=mbs,
+            forward_only=True,
+        )
+    if pg_collection.pp.rank() != pg_collection.pp.size() - 1:
+        return None
+    return [d["logits"] for d in data]

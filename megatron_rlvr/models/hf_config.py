@@ -1,0 +1,273 @@
+"""Hugging Face config -> megatron-core ``TransformerConfig`` + ``GPTModel`` arguments, per model family.
+
+Supported families live in one registry (``FAMILIES``): Llama (incl. Llama-3 rope scaling), Qwen2/2.5 (QKV bias) and
+Qwen3 (per-head q/k RMSNorm). Anything else, or any config feature these models do not implement exactly (sliding
+window, attention/MLP biases on Llama, partial rotary, non-SiLU activations, unsupported rope types), is a ValueError
+naming the field, so a model never silently computes something different from its HF reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megatron_rlvr.models.mapping import ModelDims
+
+
+@dataclass(frozen=True)
+class Family:
+    """What distinguishes one HF decoder family in megatron terms."""
+
+    qkv_bias: bool
+    """q/k/v projections have a bias (Qwen2)."""
+    qk_layernorm: bool
+    """Per-head RMSNorm on q and k (Qwen3)."""
+    bias_fields: tuple[str, ...] = ()
+    """HF config fields that must be False (bias variants megatron's dense GPT does not map 1:1)."""
+    sliding_window_field: str | None = None
+    """HF config field that must be False (sliding-window attention is not implemented)."""
+
+
+FAMILIES: dict[str, Family] = {
+    "LlamaForCausalLM": Family(qkv_bias=False, qk_layernorm=False, bias_fields=("attention_bias", "mlp_bias")),
+    "Qwen2ForCausalLM": Family(qkv_bias=True, qk_layernorm=False, sliding_window_field="use_sliding_window"),
+    "Qwen3ForCausalLM": Family(
+        qkv_bias=False, qk_layernorm=True, bias_fields=("attention_bias",), sliding_window_field="use_sliding_window"
+    ),
+}
+"""Registry of supported ``architectures[0]`` values."""
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """Rotary embedding settings in megatron's vocabulary."""
+
+    theta: float
+    """Base period (HF rope_theta)."""
+    kind: str = "default"
+    """'default', 'linear' (position interpolation) or 'llama3'."""
+    factor: float = 1.0
+    """Scaling factor for 'linear' / 'llama3'."""
+    low_freq_factor: float = 1.0
+    """llama3 only."""
+    high_freq_factor: float = 4.0
+    """llama3 only."""
+    original_max_position_embeddings: int = 8192
+    """llama3 only: context length of the unscaled model."""
+
+
+@dataclass
+class MegatronModelArgs:
+    """Everything needed to build the megatron GPTModel for one HF model at one parallel layout."""
+
+    config: Any
+    """megatron.core.transformer.TransformerConfig."""
+    dims: ModelDims
+    """Shapes for the weight mapping."""
+    architecture: str
+    """HF architectures[0]."""
+    rope: RopeSpec
+    """Rotary embedding settings."""
+    max_sequence_length: int
+    """HF max_position_embeddings."""
+    hf_config: dict = field(repr=False, default_factory=dict)
+    """The HF config as a dict (written back verbatim on export)."""
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return self.dims.padded_vocab_size
+
+    @property
+    def share_embeddings_and_output_weights(self) -> bool:
+        return self.dims.tie_word_embeddings
+
+
+def load_hf_config(source) -> dict:
+    """HF config as a plain dict from a model folder, a config.json path, a ``PretrainedConfig`` or a dict."""
+    if isinstance(source, dict):
+        return dict(source)
+    if hasattr(source, "to_dict"):
+        return source.to_dict()
+    path = os.fspath(source)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"HF config not found: {path}")
+    with open(path) as f:
+        return json.load(f)
+
+
+def _get(cfg: dict, name: str, default=None):
+    return cfg[name] if cfg.get(name) is not None else default
+
+
+def _rope_spec(cfg: dict) -> RopeSpec:
+    # transformers >= 5 stores everything in rope_parameters; older config.json files use rope_theta + rope_scaling.
+    params = dict(cfg.get("rope_parameters") or {})
+    legacy = cfg.get("rope_scaling") or {}
+    for k, v in legacy.items():
+        params.setdefault(k, v)
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    if params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError("HF config: partial_rotary_factor != 1 is not supported")
+    if kind == "default":
+        return RopeSpec(theta=float(theta))
+    if kind == "linear":
+        return RopeSpec(theta=float(theta), kind="linear", factor=float(params["factor"]))
+    if kind == "llama3":
+        return RopeSpec(
+            theta=float(theta),
+            kind="llama3",
+            factor=float(params["factor"]),
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+        )
+    raise ValueError(f"HF config: rope type {kind!r} is not supported (supported: default, linear, llama3)")
+
+
+def padded_vocab(vocab_size: int, tp_size: int, multiple: int = 128) -> int:
+    """Megatron's rule: round vocab up to a multiple of ``multiple * tp_size`` (so each TP shard is a multiple of
+    ``multiple`` rows, friendly to GEMM tiling)."""
+    if multiple <= 0:
+        raise ValueError(f"vocab padding multiple must be positive, got {multiple}")
+    step = multiple * tp_size
+    return -(-vocab_size // step) * step
+
+
+def megatron_model_args(
+    hf_config,
+    *,
+    tp_size: int = 1,
+    pp_size: int = 1,
+    dtype: torch.dtype = torch.float32,
+    vocab_multiple: int = 128,
+    padded_vocab_size: int | None = None,
+    sequence_parallel: bool = False,
+    perform_initialization: bool = True,
+    **config_overrides,
+) -> MegatronModelArgs:
+    """Translate an HF causal-LM config into megatron's TransformerConfig and GPTModel arguments.
+
+    ``padded_vocab_size`` overrides the padding rule (checkpoints keep the padded size they were saved with, so a
+    reload at another TP uses the saved value; it must then be divisible by ``tp_size``).
+    ``config_overrides`` go straight into TransformerConfig (e.g. ``recompute_granularity``).
+    """
+    from megatron.core.transformer import TransformerConfig
+
+    cfg = load_hf_config(hf_config)
+    archs = cfg.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch not in FAMILIES:
+        raise ValueError(f"HF config: architectures={archs!r} is not supported; supported: {sorted(FAMILIES)}")
+    fam = FAMILIES[arch]
+    for name in fam.bias_fields:
+        if cfg.get(name):
+            raise ValueError(f"HF config: {arch} with {name}=True is not supported")
+    if fam.sliding_window_field and cfg.get(fam.sliding_window_field):
+        raise ValueError(f"HF config: {arch} with {fam.sliding_window_field}=True is not supported")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"HF config: hidden_act={act!r} is not supported (SwiGLU with silu only)")
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+
+    heads = int(cfg["num_attention_heads"])
+    kv_heads = int(_get(cfg, "num_key_value_heads", heads))
+    hidden = int(cfg["hidden_size"])
+    head_dim = int(_get(cfg, "head_dim", hidden // heads))
+    layers = int(cfg["num_hidden_layers"])
+    ffn = int(cfg["intermediate_size"])
+    vocab = int(cfg["vocab_size"])
+    if pp_size <= 0 or layers % pp_size:
+        raise ValueError(f"pipeline parallel size {pp_size} does not divide num_hidden_layers={layers}")
+    if padded_vocab_size is None:
+        padded_vocab_size = padded_vocab(vocab, tp_size, vocab_multiple)
+    dims = ModelDims(
+        num_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=kv_heads,
+        head_dim=head_dim,
+        ffn_hidden_size=ffn,
+        vocab_size=vocab,
+        padded_vocab_size=int(padded_vocab_size),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=fam.qkv_bias,
+        qk_layernorm=fam.qk_layernorm,
+    )
+    dims.check_tp(tp_size)
+    rope = _rope_spec(cfg)
+
+    kwargs = dict(
+        num_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=kv_heads,
+        kv_channels=head_dim,
+        ffn_hidden_size=ffn,
+        normalization="RMSNorm",
+        layernorm_epsilon=float(_get(cfg, "rms_norm_eps", 1e-6)),
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=fam.qkv_bias,
+        qk_layernorm=fam.qk_layernorm,
+        # HF applies attention dropout only in training with attention_dropout > 0; RL policies train without it.
+        hidden_dropout=0.0,
+        attention_dropout=float(cfg.get("attention_dropout", 0.0) or 0.0),
+        init_method_std=float(cfg.get("initializer_range", 0.02)),
+        rotary_interleaved=False,  # HF rotate_half layout
+        attention_softmax_in_fp32=True,
+        # Fused kernels need CUDA/Apex/TE; they are also off by default. Explicit, so a GPU run opts in knowingly.
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        bias_dropout_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        tensor_model_parallel_size=tp_size,
+        pipeline_model_parallel_size=pp_size,
+        sequence_parallel=sequence_parallel and tp_size > 1,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        perform_initialization=perform_initialization,
+    )
+    kwargs.update(config_overrides)
+    config = TransformerConfig(**kwargs)
+    return MegatronModelArgs(
+        config=config,
+        dims=dims,
+        architecture=arch,
+        rope=rope,
+        max_sequence_length=int(_get(cfg, "max_position_embeddings", 4096)),
+        hf_config=cfg,
+    )
+
+
+def with_layout(args: MegatronModelArgs, *, tp_size: int, pp_size: int, **config_overrides) -> MegatronModelArgs:
+    """The same model at another parallel layout (keeps the padded vocabulary, so checkpoints stay compatible)."""
+    return megatron_model_args(
+        args.hf_config,
+        tp_size=tp_size,
+        pp_size=pp_size,
+        dtype=args.config.params_dtype,
+        padded_vocab_size=args.dims.padded_vocab_size,
+        sequence_parallel=args.config.sequence_parallel,
+        perform_initialization=args.config.perform_initialization,
+        **config_overrides,
+    )
+
+
+def replace_config(args: MegatronModelArgs, **changes) -> MegatronModelArgs:
+    """Copy with TransformerConfig fields replaced."""
+    return dataclasses.replace(args, config=dataclasses.replace(args.config, **changes))
