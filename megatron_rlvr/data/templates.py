@@ -1,0 +1,68 @@
+"""Prompt rendering: the tokenizer's chat template, or a plain-text template.
+
+The returned text is the full model input up to where the response starts. Tokenize it with
+``add_special_tokens=False``: chat templates already contain their BOS/role tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_rlvr.data.records import Example
+
+__all__ = ["DEFAULT_PROMPT_TEMPLATE", "TEMPLATES", "prompt_messages", "render_prompt"]
+
+DEFAULT_PROMPT_TEMPLATE = "{problem}\nPlease reason step by step, and put your final answer within \\boxed{}."
+"""The instruction used by Qwen2.5-Math and the MCPO/DAPO-style evaluations; ``{problem}`` is replaced."""
+
+TEMPLATES = ("chat", "plain")
+
+
+def _fill(template: str, problem: str) -> str:
+    # str.replace, not str.format: templates contain LaTeX braces such as \boxed{}.
+    return template.replace("{problem}", problem)
+
+
+def prompt_messages(example: Example, prompt_template: str = DEFAULT_PROMPT_TEMPLATE, system_prompt: str | None = None):
+    """Chat messages for ``example``: its own messages verbatim (DAPO), else one user turn with the problem in
+    ``prompt_template``; ``system_prompt`` is prepended when given and the messages have no system turn."""
+    if isinstance(example.prompt, list):
+        messages = [dict(m) for m in example.prompt]
+    else:
+        messages = [{"role": "user", "content": _fill(prompt_template, example.prompt)}]
+    if system_prompt is not None and not any(m["role"] == "system" for m in messages):
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
+def render_prompt(
+    example: Example,
+    template: str = "chat",
+    prompt_template: str = DEFAULT_PROMPT_TEMPLATE,
+    system_prompt: str | None = None,
+    tokenizer: Any = None,
+) -> str:
+    """The prompt text for ``example``.
+
+    - ``chat``: ``tokenizer.apply_chat_template(messages, add_generation_prompt=True)`` on :func:`prompt_messages`.
+    - ``plain``: the problem in ``prompt_template`` (chat-format examples: their message contents joined by blank
+      lines, used as they are since they carry their own instruction), with ``system_prompt`` in front if given.
+    """
+    if template == "chat":
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                "data.template='chat' needs a tokenizer with a chat_template; this tokenizer has none: use "
+                "data.template='plain'"
+            )
+        messages = prompt_messages(example, prompt_template, system_prompt)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if not isinstance(text, str):  # some versions return a list for batched input
+            raise ValueError(f"apply_chat_template returned {type(text).__name__}, expected str")
+        return text
+    if template == "plain":
+        if isinstance(example.prompt, list):
+            body = "\n\n".join(m["content"] for m in example.prompt)
+        else:
+            body = _fill(prompt_template, example.prompt)
+        return body if system_prompt is None else f"{system_prompt}\n\n{body}"
+    raise ValueError(f"data.template must be one of {TEMPLATES}, got {template!r}")

@@ -1,0 +1,65 @@
+"""RewardConfig: which correctness reward to compute and how the worker processes run it."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from dataclasses import dataclass
+
+from megatron_rlvr.rewards.builtin import REWARD_FNS
+from megatron_rlvr.rewards.extract import EXTRACTION_MODES
+
+__all__ = ["RewardConfig"]
+
+
+@dataclass
+class RewardConfig:
+    fn: str = "math"
+    """Reward function: a built-in name ("math": math-verify equivalence; "gsm8k": exact numeric match;
+    "reasoning_gym": the reasoning-gym task's own scorer) or a user function's dotted path ("my_pkg.my_mod:fn" or
+    "my_pkg.my_mod.fn") with signature fn(response: str, ground_truth: str, **metadata) -> float."""
+
+    extraction: str = "boxed"
+    """How built-in rewards take the answer from a response: "boxed" (last \\boxed{}/\\fbox{}), "lenient" (boxed,
+    else an "Answer: X" line, "#### X", "final answer is X", else the whole response), or "full" (the whole
+    response is the answer). Ignored by user functions, which get the raw response."""
+
+    num_workers: int = 2
+    """Worker processes scoring in parallel; they are started once and reused across batches. 0 scores in the
+    calling process: no crash isolation and the timeout only interrupts Python code (main thread only)."""
+
+    timeout_s: float = 10.0
+    """Per-item limit in seconds. The worker interrupts the item at this time (SIGALRM); the item gets reward 0 and
+    is counted in reward/n_timeout."""
+
+    kill_grace_s: float = 2.0
+    """Extra seconds after timeout_s before the parent kills a worker stuck in code that ignores the interrupt
+    (C loops, swallowed exceptions) and starts a replacement."""
+
+    start_method: str = "spawn"
+    """multiprocessing start method for workers: "spawn" (default: safe with threads and torch), "forkserver", or
+    "fork" (fastest start, unsafe once torch/gloo threads exist)."""
+
+    start_timeout_s: float = 120.0
+    """Seconds a new worker may take to import and warm up its reward function before start-up is an error."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.fn, str) or not self.fn.strip():
+            raise ValueError(f"reward.fn must be a built-in {sorted(REWARD_FNS)} or a dotted path, got {self.fn!r}")
+        if self.fn not in REWARD_FNS:
+            # Fail before any rank starts: import the user's module now (clear error naming the path).
+            from megatron_rlvr.rewards.loading import load_reward_fn
+
+            load_reward_fn(self.fn)
+        if self.extraction not in EXTRACTION_MODES:
+            raise ValueError(f"reward.extraction must be one of {EXTRACTION_MODES}, got {self.extraction!r}")
+        if not isinstance(self.num_workers, int) or self.num_workers < 0:
+            raise ValueError(f"reward.num_workers must be an int >= 0, got {self.num_workers!r}")
+        for name in ("timeout_s", "kill_grace_s", "start_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"reward.{name} must be a number > 0, got {value!r}")
+        if self.start_method not in mp.get_all_start_methods():
+            raise ValueError(
+                f"reward.start_method must be one of {mp.get_all_start_methods()} on this platform, "
+                f"got {self.start_method!r}"
+            )

@@ -1,0 +1,104 @@
+"""Resolve ``RewardConfig.fn`` (a built-in name or a user function's dotted path) into a scorer callable."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+from collections.abc import Callable
+from typing import Any
+
+from megatron_rlvr.rewards.builtin import REWARD_FNS
+
+__all__ = ["Scorer", "build_scorer", "load_reward_fn"]
+
+
+def load_reward_fn(spec: str) -> Callable[..., float]:
+    """Import a user reward function from ``"pkg.mod:fn"`` or ``"pkg.mod.fn"``.
+
+    The function's signature must be ``fn(response: str, ground_truth: str, **metadata) -> float``. Raises a
+    ValueError that names the path and what is wrong (module not importable, attribute missing, not callable, or a
+    signature that cannot take two positional arguments).
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"reward fn path must be a non-empty string like 'my_pkg.my_mod:fn', got {spec!r}")
+    spec = spec.strip()
+    if ":" in spec:
+        module_name, _, attr = spec.partition(":")
+    elif "." in spec:
+        module_name, _, attr = spec.rpartition(".")
+    else:
+        raise ValueError(
+            f"reward fn {spec!r} is neither a built-in ({sorted(REWARD_FNS)}) nor a dotted path "
+            "like 'my_pkg.my_mod:fn' or 'my_pkg.my_mod.fn'"
+        )
+    if not module_name or not attr:
+        raise ValueError(f"reward fn path {spec!r}: expected 'module:function' with both parts non-empty")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # ImportError, or the user's module raising at import
+        raise ValueError(f"reward fn {spec!r}: cannot import module {module_name!r}: {type(e).__name__}: {e}") from e
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            public = sorted(n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n, None)))
+            raise ValueError(
+                f"reward fn {spec!r}: module {module_name!r} has no attribute {attr!r} (callables there: {public[:20]})"
+            )
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"reward fn {spec!r} is not callable (got {type(obj).__name__})")
+    try:
+        inspect.signature(obj).bind("response", "ground_truth")
+    except TypeError as e:
+        raise ValueError(
+            f"reward fn {spec!r} must have the signature fn(response, ground_truth, **metadata) -> float: {e}"
+        ) from e
+    except ValueError:  # builtins without an introspectable signature: accept
+        pass
+    return obj
+
+
+class Scorer:
+    """A reward function plus the per-item contract: metadata keys are passed as keyword arguments (only those the
+    function accepts, when it has no ``**metadata``), and the result must be a finite float."""
+
+    def __init__(self, fn: Callable[..., float], name: str):
+        self.fn = fn
+        self.name = name
+        self._accepted: set[str] | None = None  # None: takes **kwargs
+        try:
+            params = inspect.signature(fn).parameters.values()
+            if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+                self._accepted = {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)} - {
+                    "response",
+                    "ground_truth",
+                }
+        except (TypeError, ValueError):
+            pass
+
+    def __call__(self, response: str, ground_truth: str, metadata: dict | None) -> float:
+        kwargs = dict(metadata or {})
+        if self._accepted is not None:
+            kwargs = {k: v for k, v in kwargs.items() if k in self._accepted}
+        value = self.fn(response, ground_truth, **kwargs)
+        try:
+            reward = float(value)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"reward fn {self.name} returned {type(value).__name__} {value!r}, not a float") from e
+        if not math.isfinite(reward):
+            raise ValueError(f"reward fn {self.name} returned a non-finite reward {reward}")
+        return reward
+
+    def warmup(self) -> None:
+        warm = getattr(self.fn, "warmup", None)
+        if callable(warm):
+            warm()
+
+
+def build_scorer(fn: str, extraction: str = "boxed") -> Scorer:
+    """A built-in reward (``"math"``, ``"gsm8k"``, ``"reasoning_gym"``) built with ``extraction``, or a user
+    function loaded from its dotted path."""
+    if fn in REWARD_FNS:
+        return Scorer(REWARD_FNS[fn](extraction=extraction), fn)
+    return Scorer(load_reward_fn(fn), fn)

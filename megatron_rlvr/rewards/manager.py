@@ -1,0 +1,123 @@
+"""RewardManager: the batch API the trainer and evaluator call."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+
+from megatron_rlvr.rewards.builtin import REWARD_FNS
+from megatron_rlvr.rewards.config import RewardConfig
+from megatron_rlvr.rewards.extract import extract_answer
+from megatron_rlvr.rewards.pool import ItemResult, ScoringPool, score_inline
+
+__all__ = ["RewardManager"]
+
+
+class RewardManager:
+    """Scores batches of responses against ground truths with the configured reward function.
+
+    Worker processes start in the constructor (they import and warm up while the caller does other work) and are
+    reused for every batch. Use as a context manager or call :meth:`close`; workers are also killed at interpreter
+    exit and exit on their own if this process dies.
+
+    Timeouts make rewards depend on machine load, so with several data-parallel ranks score each response once (on
+    one rank, or on disjoint shards) and share the rewards, rather than scoring the same batch on every rank.
+    """
+
+    def __init__(self, cfg: RewardConfig):
+        self.cfg = cfg
+        self._pool: ScoringPool | None = None
+        self._scorer = None
+        if cfg.num_workers > 0:
+            self._pool = ScoringPool(
+                cfg.fn,
+                cfg.extraction,
+                cfg.num_workers,
+                cfg.timeout_s,
+                cfg.kill_grace_s,
+                start_method=cfg.start_method,
+                start_timeout_s=cfg.start_timeout_s,
+            )
+        else:
+            from megatron_rlvr.rewards.loading import build_scorer
+
+            self._scorer = build_scorer(cfg.fn, cfg.extraction)
+        self._closed = False
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """PIDs of the current worker processes (empty with num_workers=0)."""
+        return self._pool.pids if self._pool is not None else []
+
+    def score_detailed(
+        self, responses: Sequence[str], ground_truths: Sequence[str], metas: Sequence[dict | None] | None = None
+    ) -> list[ItemResult]:
+        """Per-item results (reward, status "ok"/"timeout"/"error", error text), in input order."""
+        if self._closed:
+            raise RuntimeError("RewardManager is closed")
+        if len(responses) != len(ground_truths):
+            raise ValueError(f"got {len(responses)} responses but {len(ground_truths)} ground truths")
+        if metas is None:
+            metas = [None] * len(responses)
+        elif len(metas) != len(responses):
+            raise ValueError(f"got {len(responses)} responses but {len(metas)} metadata dicts")
+        for i, (r, g) in enumerate(zip(responses, ground_truths)):
+            if not isinstance(r, str) or not isinstance(g, str):
+                raise ValueError(
+                    f"item {i}: response and ground truth must be str, got {type(r).__name__}/{type(g).__name__}"
+                )
+        items = [(r, g, m) for r, g, m in zip(responses, ground_truths, metas)]
+        if not items:
+            return []
+        if self._pool is not None:
+            return self._pool.score(items)
+        return score_inline(self._scorer, self.cfg.timeout_s, items)
+
+    def score(
+        self, responses: Sequence[str], ground_truths: Sequence[str], metas: Sequence[dict | None] | None = None
+    ) -> tuple[list[float], dict[str, float]]:
+        """Rewards for a batch and namespaced stats.
+
+        Stats: ``reward/mean``, ``reward/n_items``, ``reward/n_timeout``, ``reward/n_error`` (both scored 0),
+        ``reward/n_no_answer`` (built-in rewards: no answer could be extracted; 0 for user functions),
+        ``reward/workers_restarted`` (in this batch), ``reward/time_s``. An empty batch gives no rewards and
+        ``reward/mean`` = NaN (there is no mean of nothing).
+        """
+        t0 = time.perf_counter()
+        restarts_before = self._pool.restarts if self._pool is not None else 0
+        results = self.score_detailed(responses, ground_truths, metas)
+        rewards = [r.reward for r in results]
+        n_no_answer = 0
+        if self.cfg.fn in REWARD_FNS:
+            n_no_answer = sum(extract_answer(r, self.cfg.extraction) is None for r in responses)
+        stats = {
+            "reward/mean": sum(rewards) / len(rewards) if rewards else math.nan,
+            "reward/n_items": float(len(results)),
+            "reward/n_timeout": float(sum(r.status == "timeout" for r in results)),
+            "reward/n_error": float(sum(r.status == "error" for r in results)),
+            "reward/n_no_answer": float(n_no_answer),
+            "reward/workers_restarted": float((self._pool.restarts if self._pool is not None else 0) - restarts_before),
+            "reward/time_s": time.perf_counter() - t0,
+        }
+        return rewards, stats
+
+    def close(self) -> None:
+        """Shut the worker processes down; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._pool is not None:
+            self._pool.close()
+
+    def __enter__(self) -> RewardManager:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,288 @@
+"""A pool of reward worker processes with a per-item timeout, crash isolation, and hung-worker replacement.
+
+Why not ``concurrent.futures.ProcessPoolExecutor``: it cannot kill the one worker stuck on one item (sympy can
+loop for minutes in C on adversarial model output) without tearing down the whole pool, and math-verify's own
+timeouts use ``signal.alarm``, which only works in a process's main thread. So each worker here is a process
+with its own pipe, scoring one item at a time in its main thread:
+
+- the worker arms ``setitimer(ITIMER_REAL, timeout_s)`` around each item; the SIGALRM handler raises
+  :class:`ItemTimeout` (a BaseException, so ``except Exception`` in user code cannot swallow it) -> status
+  "timeout", reward 0, the worker lives on;
+- the parent waits on all pipes and process sentinels at once; an item still running ``kill_grace_s`` after its
+  timeout (C code, a swallowed interrupt, a reset signal handler) gets its worker SIGKILLed and replaced;
+- a worker that dies mid-item (segfault, ``os._exit``, OOM kill) -> status "error" and a replacement;
+- an exception in the reward function -> status "error" with its message; the worker lives on.
+
+No orphans: workers are daemonic, ignore SIGINT (the parent shuts them down), exit on EOF of their pipe, and a
+watchdog thread exits them if the parent process disappears (e.g. SIGKILLed).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+
+__all__ = ["ItemResult", "ItemTimeout", "ScoringPool", "score_inline"]
+
+
+class ItemTimeout(BaseException):
+    """Raised inside a worker by SIGALRM when an item exceeds its time limit."""
+
+
+@dataclass
+class ItemResult:
+    reward: float
+    """The reward; 0.0 unless status is "ok"."""
+    status: str
+    """"ok", "timeout" (interrupted or killed at the limit) or "error" (the function raised, or the worker died)."""
+    error: str = ""
+    """Short description of the error or timeout; empty when ok."""
+
+
+def _on_alarm(signum, frame):
+    raise ItemTimeout()
+
+
+def _score_one(scorer, timeout_s: float, response: str, ground_truth: str, meta: dict | None) -> ItemResult:
+    """Score one item in this process's main thread under a SIGALRM time limit."""
+    try:
+        signal.setitimer(signal.ITIMER_REAL, timeout_s)
+        try:
+            reward = scorer(response, ground_truth, meta)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        return ItemResult(reward, "ok")
+    except ItemTimeout:
+        return ItemResult(0.0, "timeout", f"interrupted after {timeout_s:g} s")
+    except BaseException as e:  # SystemExit from user code included: never let one item end the worker
+        return ItemResult(0.0, "error", f"{type(e).__name__}: {e}"[:1000])
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(3)
+        time.sleep(1.0)
+
+
+def _worker_main(conn: Connection, fn: str, extraction: str, timeout_s: float, parent_pid: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    try:
+        from megatron_rlvr.rewards.loading import build_scorer
+
+        scorer = build_scorer(fn, extraction)
+        scorer.warmup()
+    except BaseException as e:
+        conn.send(("init_error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        return
+    signal.signal(signal.SIGALRM, _on_alarm)
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg is None:
+            # Skip interpreter teardown (seconds with sympy loaded): nothing to clean up but the std streams.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+        idx, response, ground_truth, meta = msg
+        result = _score_one(scorer, timeout_s, response, ground_truth, meta)
+        try:
+            conn.send((idx, result))
+        except (BrokenPipeError, OSError):
+            return
+
+
+def score_inline(scorer, timeout_s: float, items) -> list[ItemResult]:
+    """Score in the calling process (``num_workers=0``). The timeout interrupts only Python code and only in the
+    main thread; elsewhere it is not enforced. The caller's SIGALRM handler is restored afterwards."""
+    main = threading.current_thread() is threading.main_thread()
+    results = []
+    old = signal.signal(signal.SIGALRM, _on_alarm) if main else None
+    try:
+        for response, ground_truth, meta in items:
+            if main:
+                results.append(_score_one(scorer, timeout_s, response, ground_truth, meta))
+            else:
+                try:
+                    results.append(ItemResult(scorer(response, ground_truth, meta), "ok"))
+                except Exception as e:
+                    results.append(ItemResult(0.0, "error", f"{type(e).__name__}: {e}"[:1000]))
+    finally:
+        if main:
+            signal.signal(signal.SIGALRM, old)
+    return results
+
+
+class _Worker:
+    def __init__(self, ctx, fn: str, extraction: str, timeout_s: float):
+        parent_conn, child_conn = ctx.Pipe(duplex=True)
+        self.conn: Connection = parent_conn
+        self.proc = ctx.Process(
+            target=_worker_main,
+            args=(child_conn, fn, extraction, timeout_s, os.getpid()),
+            daemon=True,
+            name="megatron-rlvr-reward-worker",
+        )
+        self.proc.start()
+        child_conn.close()  # the parent keeps only its end, so the worker sees EOF if the parent goes
+        self.started_at = time.monotonic()
+        self.ready = False
+        self.item: int | None = None
+        self.deadline = 0.0
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(timeout=10)
+        self.conn.close()
+
+
+class ScoringPool:
+    """``num_workers`` reward worker processes, started once and reused across :meth:`score` calls."""
+
+    def __init__(
+        self,
+        fn: str,
+        extraction: str,
+        num_workers: int,
+        timeout_s: float,
+        kill_grace_s: float,
+        start_method: str = "spawn",
+        start_timeout_s: float = 120.0,
+    ):
+        if num_workers < 1:
+            raise ValueError(f"ScoringPool needs num_workers >= 1, got {num_workers}")
+        self._ctx = mp.get_context(start_method)
+        self._args = (fn, extraction, timeout_s)
+        self.timeout_s = timeout_s
+        self.kill_grace_s = kill_grace_s
+        self.start_timeout_s = start_timeout_s
+        self.restarts = 0
+        """Workers replaced after a hang or crash, over the pool's lifetime."""
+        self._closed = False
+        self._workers = [_Worker(self._ctx, *self._args) for _ in range(num_workers)]
+
+    @property
+    def pids(self) -> list[int]:
+        return [w.proc.pid for w in self._workers]
+
+    def _replace(self, i: int) -> None:
+        self._workers[i].kill()
+        self._workers[i] = _Worker(self._ctx, *self._args)
+        self.restarts += 1
+
+    def _handle_message(self, i: int, results: list) -> None:
+        w = self._workers[i]
+        try:
+            msg = w.conn.recv()
+        except (EOFError, OSError):
+            self._on_death(i, results)
+            return
+        if msg[0] == "ready":
+            w.ready = True
+        elif msg[0] == "init_error":
+            self.close()
+            raise RuntimeError(f"reward worker failed to start ({self._args[0]!r}): {msg[1]}")
+        else:
+            idx, result = msg
+            results[idx] = result
+            w.item = None
+
+    def _on_death(self, i: int, results: list) -> None:
+        w = self._workers[i]
+        w.proc.join(timeout=10)
+        if not w.ready:
+            self.close()
+            raise RuntimeError(
+                f"reward worker died during start-up (exit code {w.proc.exitcode}); its stderr has the cause. With "
+                "start_method 'spawn'/'forkserver' the main script must guard its entry point with "
+                "`if __name__ == '__main__':`"
+            )
+        if w.item is not None:
+            results[w.item] = ItemResult(0.0, "error", f"reward worker died (exit code {w.proc.exitcode})")
+        self._replace(i)
+
+    def score(self, items: list[tuple[str, str, dict | None]]) -> list[ItemResult]:
+        """Score ``items`` (response, ground_truth, metadata); results in input order. Never raises for a bad item;
+        raises RuntimeError only if a worker cannot start at all (an environment or configuration problem)."""
+        if self._closed:
+            raise RuntimeError("ScoringPool is closed")
+        results: list[ItemResult | None] = [None] * len(items)
+        pending = deque(range(len(items)))
+        while True:
+            now = time.monotonic()
+            for w in self._workers:
+                while w.ready and w.item is None and pending:
+                    idx = pending.popleft()
+                    response, gt, meta = items[idx]
+                    try:
+                        w.conn.send((idx, response, gt, meta))
+                    except Exception as e:  # unpicklable metadata: pickling fails before anything is written
+                        results[idx] = ItemResult(0.0, "error", f"cannot send item to worker: {type(e).__name__}: {e}")
+                        continue
+                    w.item = idx
+                    w.deadline = now + self.timeout_s + self.kill_grace_s
+            busy = [w for w in self._workers if w.item is not None]
+            if not pending and not busy:
+                break
+            deadlines = [w.deadline for w in busy] + [
+                w.started_at + self.start_timeout_s for w in self._workers if not w.ready
+            ]
+            wait_s = max(0.0, min(deadlines) - now) if deadlines else None
+            conn_of = {w.conn: i for i, w in enumerate(self._workers)}
+            sentinel_of = {w.proc.sentinel: i for i, w in enumerate(self._workers)}
+            ready = wait(list(conn_of) + list(sentinel_of), timeout=wait_s)
+            # Messages first: a result that arrived just before its deadline counts.
+            for obj in ready:
+                if obj in conn_of:
+                    self._handle_message(conn_of[obj], results)
+            for obj in ready:
+                if obj in sentinel_of:
+                    i = sentinel_of[obj]
+                    w = self._workers[i]
+                    if w.proc.sentinel == obj and not w.proc.is_alive():
+                        while w.conn.poll():  # drain a result sent just before exiting
+                            self._handle_message(i, results)
+                            if w.conn.closed:
+                                break
+                        if self._workers[i] is w:
+                            self._on_death(i, results)
+            now = time.monotonic()
+            for i, w in enumerate(self._workers):
+                if w.item is not None and now >= w.deadline:
+                    results[w.item] = ItemResult(
+                        0.0, "timeout", f"worker killed {self.timeout_s + self.kill_grace_s:g} s after start of item"
+                    )
+                    self._replace(i)
+                elif not w.ready and now >= w.started_at + self.start_timeout_s:
+                    self.close()
+                    raise RuntimeError(f"reward worker did not start within {self.start_timeout_s:g} s")
+        return results  # type: ignore[return-value]
+
+    def close(self) -> None:
+        """Stop all workers (polite shutdown, then kill); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for w in self._workers:
+            try:
+                if w.item is None and w.proc.is_alive():
+                    w.conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        deadline = time.monotonic() + 2.0
+        for w in self._workers:
+            w.proc.join(timeout=max(0.0, deadline - time.monotonic()))
+            w.kill()

@@ -1,0 +1,308 @@
+"""Rewards: answer extraction, math-verify equivalence and GSM8K exact numbers scored in worker processes, and the
+failure handling: a reward function that raises, hangs (interruptible or not), kills its worker or returns NaN
+gives reward 0 and is counted, the pool keeps working, and shutdown leaves no processes behind."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from fractions import Fraction
+from pathlib import Path
+
+import psutil
+import pytest
+
+from megatron_rlvr.rewards import (
+    NumericReward,
+    RewardConfig,
+    RewardManager,
+    extract_answer,
+    last_boxed,
+    load_reward_fn,
+    parse_number,
+)
+
+SHARED_DATA = Path(os.environ.get("MEGATRON_RLVR_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
+
+
+# ---------------------------------------------------------------- user reward functions, imported by the workers
+def misbehaving_reward(response: str, ground_truth: str, **metadata) -> float:
+    """Exact string match, except for responses that ask it to misbehave."""
+    if response == "raise":
+        raise RuntimeError("user reward exploded")
+    if response == "sleep":  # interruptible hang: the worker's SIGALRM stops it
+        time.sleep(600)
+    if response == "stubborn":  # swallows the interrupt: only the parent's kill stops it
+        signal.signal(signal.SIGALRM, signal.SIG_IGN)
+        while True:
+            try:
+                time.sleep(600)
+            except BaseException:
+                pass
+    if response == "exit":
+        os._exit(7)
+    if response == "nan":
+        return math.nan
+    if response == "meta":
+        return float(metadata["level"]) + (100.0 if "other" in metadata else 0.0)
+    return float(response.strip() == ground_truth.strip())
+
+
+def level_only_reward(response: str, ground_truth: str, level: int = 0) -> float:
+    """No **metadata: the manager passes only the keys it names."""
+    return float(level)
+
+
+NOT_A_FUNCTION = 3
+
+
+# ------------------------------------------------------------------------------------------------------ extraction
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        (r"so \boxed{\frac{1}{2}} done", r"\frac{1}{2}"),
+        (r"\boxed{1} then \boxed{\left( 3, \frac{\pi}{2} \right)}", r"\left( 3, \frac{\pi}{2} \right)"),
+        (r"\boxed{\{1, 2\}}", r"\{1, 2\}"),  # escaped braces are not counted
+        (r"\fbox{42}", "42"),
+        (r"\boxed 5$", "5"),
+        (r"\boxed{7} and a truncated \boxed{\frac{1", "7"),  # unclosed last box -> previous complete one
+        (r"\boxed{{a}{b}}", "{a}{b}"),
+        ("no box here", None),
+        (r"\boxedx{3}", None),
+    ],
+)
+def test_last_boxed(text, expected):
+    assert last_boxed(text) == expected
+
+
+def test_extract_answer_modes():
+    r = "Work...\n#### 1,234\nAnswer: 17\n"
+    assert extract_answer(r, "boxed") is None
+    assert extract_answer(r, "lenient") == "17"
+    assert extract_answer("so #### 1,234", "lenient") == "1,234"
+    assert extract_answer(r"Answer: 3 but \boxed{4}", "lenient") == "4"  # boxed wins
+    assert extract_answer("The final answer is 12.", "lenient") == "12"
+    assert extract_answer("  8 \n", "full") == "8"
+    with pytest.raises(ValueError, match="extraction mode"):
+        extract_answer("x", "regex")
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("18", Fraction(18)),
+        ("$1,000", Fraction(1000)),
+        ("\\$1,234,567.50", Fraction(123456750, 100)),
+        ("18 dollars", Fraction(18)),
+        ("18.00", Fraction(18)),
+        ("x = 5", Fraction(5)),
+        ("-7", Fraction(-7)),
+        ("3/4", Fraction(3, 4)),
+        ("\\frac{3}{4}", Fraction(3, 4)),
+        ("50\\%", Fraction(50)),
+        ("12 \\text{ cm}^2", Fraction(12)),
+        ("\\boxed{9}", Fraction(9)),
+        ("3 4", None),
+        ("5 x 3", None),
+        ("seven", None),
+        ("", None),
+        ("1/0", None),
+    ],
+)
+def test_parse_number(text, expected):
+    assert parse_number(text) == expected
+
+
+def test_numeric_reward_gsm8k_style():
+    """Exact numbers: commas, $, units stripped; 18.5 != 18; lenient mode falls back on the last number."""
+    boxed, lenient = NumericReward("boxed"), NumericReward("lenient")
+    assert boxed(r"She earns \boxed{\$1,080}.", "1080") == 1.0
+    assert boxed(r"\boxed{18.00 dollars}", "18") == 1.0
+    assert boxed(r"\boxed{18.5}", "18") == 0.0
+    assert boxed("The answer is 18", "18") == 0.0  # boxed mode needs a box
+    assert lenient("The answer is 18", "18") == 1.0
+    assert lenient("Janet makes 9 * 2 = 18 dollars.\n#### 18", "18") == 1.0
+    assert lenient("no number", "18") == 0.0
+    with pytest.raises(ValueError, match="not a number"):
+        boxed(r"\boxed{1}", r"\frac{\pi}{2}")
+
+
+# --------------------------------------------------------------------------------------- RewardManager, math-verify
+@pytest.fixture(scope="module")
+def math_rm():
+    with RewardManager(RewardConfig(fn="math", num_workers=2, timeout_s=20.0)) as rm:
+        yield rm
+
+
+MATH_CASES = [
+    (r"so \boxed{0.5}", r"\frac{1}{2}", 1.0),
+    (r"\boxed{\frac{2}{4}}", "0.5", 1.0),
+    (r"The point is \boxed{(3, pi/2)}", r"\left( 3, \frac{\pi}{2} \right)", 1.0),
+    (r"\boxed{\left( 3, \frac{\pi}{2} \right)}", r"\left( 3, \frac{\pi}{2} \right)", 1.0),
+    (r"\boxed{(3, \frac{\pi}{3})}", r"\left( 3, \frac{\pi}{2} \right)", 0.0),
+    (r"\boxed{-q + p}", "p - q", 1.0),
+    (r"\boxed{p + q}", "p - q", 0.0),
+    (r"\boxed{\frac{1}{\sqrt{2}}}", r"\frac{\sqrt{2}}{2}", 1.0),
+    (r"\fbox{27}", "27", 1.0),
+    (r"\boxed{28}", "27", 0.0),
+    (r"\boxed{0.49}", r"\frac{1}{2}", 0.0),
+    ("I think it is 0.5", r"\frac{1}{2}", 0.0),  # no box: no answer under 'boxed'
+]
+
+
+def test_math_verify_equivalence(math_rm):
+    responses, truths, expected = zip(*MATH_CASES)
+    rewards, stats = math_rm.score(list(responses), list(truths))
+    assert rewards == list(expected)
+    assert stats["reward/n_items"] == len(MATH_CASES)
+    assert stats["reward/n_no_answer"] == 1 and stats["reward/n_timeout"] == 0 and stats["reward/n_error"] == 0
+    assert stats["reward/mean"] == pytest.approx(sum(expected) / len(expected))
+
+
+@pytest.mark.skipif(not SHARED_DATA.is_dir(), reason="shared data not found")
+def test_math_verify_on_real_answers(math_rm):
+    """Every MATH-500 gold answer parses and matches itself when boxed; the workers are reused across batches."""
+    from megatron_rlvr.data import load_examples
+
+    pids = math_rm.worker_pids
+    exs = load_examples(str(SHARED_DATA / "math500/test.jsonl"))[:40]
+    rewards, stats = math_rm.score([f"Thus \\boxed{{{e.answer}}}." for e in exs], [e.answer for e in exs])
+    assert rewards == [1.0] * len(exs), [e.answer for e, r in zip(exs, rewards) if r != 1.0]
+    assert math_rm.worker_pids == pids and stats["reward/workers_restarted"] == 0
+
+
+def test_gsm8k_inline_mode():
+    """num_workers=0 scores in-process (no pool) with the same results."""
+    with RewardManager(RewardConfig(fn="gsm8k", num_workers=0, extraction="lenient")) as rm:
+        assert rm.worker_pids == []
+        rewards, stats = rm.score(["#### 1,000", r"\boxed{72}", "it is 71"], ["1000", "72", "72"])
+    assert rewards == [1.0, 1.0, 0.0] and stats["reward/n_error"] == 0
+
+
+# ------------------------------------------------------------------------------------------------ failure handling
+@pytest.fixture(scope="module")
+def user_rm():
+    cfg = RewardConfig(fn=f"{__name__}:misbehaving_reward", num_workers=2, timeout_s=1.0, kill_grace_s=1.5)
+    rm = RewardManager(cfg)
+    yield rm
+    rm.close()
+
+
+def test_user_fn_raise_and_nan_are_counted(user_rm):
+    pids = user_rm.worker_pids
+    rewards, stats = user_rm.score(["4", "raise", "nan", "5"], ["4", "4", "4", "4"])
+    assert rewards == [1.0, 0.0, 0.0, 0.0]
+    assert stats["reward/n_error"] == 2 and stats["reward/n_timeout"] == 0
+    details = user_rm.score_detailed(["raise", "nan"], ["1", "1"])
+    assert details[0].status == "error" and "RuntimeError: user reward exploded" in details[0].error
+    assert details[1].status == "error" and "non-finite" in details[1].error
+    assert user_rm.worker_pids == pids  # an exception does not cost a worker
+
+
+def test_user_fn_metadata_passthrough(user_rm):
+    rewards, _ = user_rm.score(["meta", "meta"], ["", ""], [{"level": 3}, {"level": 5, "other": 1}])
+    assert rewards == [3.0, 105.0]
+    with RewardManager(RewardConfig(fn=f"{__name__}.level_only_reward", num_workers=0)) as rm:
+        assert rm.score(["x"], ["y"], [{"level": 4, "subject": "algebra"}])[0] == [4.0]
+
+
+def test_interruptible_hang_times_out_without_losing_the_worker(user_rm):
+    pids = user_rm.worker_pids
+    t0 = time.monotonic()
+    rewards, stats = user_rm.score(["sleep", "1", "2"], ["1", "1", "1"])
+    elapsed = time.monotonic() - t0
+    assert rewards == [0.0, 1.0, 0.0]
+    assert stats["reward/n_timeout"] == 1 and stats["reward/workers_restarted"] == 0
+    # Stopped by the worker's own 1.0 s timer (same worker processes, none restarted), before the 2.5 s kill.
+    assert 0.95 < elapsed < 2.5
+    assert user_rm.worker_pids == pids
+
+
+def test_stuck_worker_is_killed_and_replaced(user_rm):
+    """A function that ignores the interrupt is killed at timeout_s + kill_grace_s; its worker process is gone, a
+    new one takes its place, the other items are scored, and the pool works afterwards."""
+    old = set(user_rm.worker_pids)
+    t0 = time.monotonic()
+    rewards, stats = user_rm.score(["stubborn", "1", "1", "1"], ["1", "1", "1", "1"])
+    elapsed = time.monotonic() - t0
+    assert rewards == [0.0, 1.0, 1.0, 1.0]
+    assert stats["reward/n_timeout"] == 1 and stats["reward/workers_restarted"] == 1
+    assert 2.5 <= elapsed < 15  # killed at timeout_s + kill_grace_s = 2.5 s, not earlier
+    new = set(user_rm.worker_pids)
+    killed = old - new
+    assert len(killed) == 1 and len(new) == 2
+    assert not psutil.pid_exists(killed.pop())
+    rewards, stats = user_rm.score(["7", "8"], ["7", "7"])
+    assert rewards == [1.0, 0.0] and stats["reward/n_timeout"] == 0
+
+
+def test_worker_death_is_an_error_and_replaced(user_rm):
+    rewards, stats = user_rm.score(["exit", "3"], ["3", "3"])
+    assert rewards == [0.0, 1.0]
+    assert stats["reward/n_error"] == 1 and stats["reward/workers_restarted"] == 1
+    detail = user_rm.score_detailed(["exit"], ["3"])[0]
+    assert detail.status == "error" and "exit code 7" in detail.error
+    assert user_rm.score(["3"], ["3"])[0] == [1.0]
+
+
+def test_bad_inputs(user_rm):
+    with pytest.raises(ValueError, match="2 responses but 1 ground truths"):
+        user_rm.score(["a", "b"], ["a"])
+    with pytest.raises(ValueError, match="must be str"):
+        user_rm.score([None], ["a"])
+    rewards, stats = user_rm.score([], [])
+    assert rewards == [] and math.isnan(stats["reward/mean"])
+    unpicklable = [{"level": 1, "fn": lambda: 0}]
+    details = user_rm.score_detailed(["meta"], [""], unpicklable)
+    assert details[0].status == "error" and "cannot send item" in details[0].error
+
+
+def test_close_leaves_no_processes():
+    rm = RewardManager(RewardConfig(fn=f"{__name__}:misbehaving_reward", num_workers=2))
+    assert rm.score(["1"], ["1"])[0] == [1.0]
+    pids = rm.worker_pids
+    assert all(psutil.pid_exists(p) for p in pids)
+    rm.close()
+    rm.close()  # idempotent
+    assert not any(psutil.pid_exists(p) for p in pids)
+    with pytest.raises(RuntimeError, match="closed"):
+        rm.score(["1"], ["1"])
+
+
+# ------------------------------------------------------------------------------------------------ dotted-path errors
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("no_such_pkg_xyz.mod:fn", "cannot import module 'no_such_pkg_xyz.mod': ModuleNotFoundError"),
+        (f"{__name__}:no_such_fn", f"module '{__name__}' has no attribute 'no_such_fn'"),
+        (f"{__name__}.NOT_A_FUNCTION", "is not callable (got int)"),
+        ("mathh", "neither a built-in"),
+        (f"{__name__}:", "both parts non-empty"),
+        ("os.path:join", None),  # importable and callable with two positional args: accepted
+    ],
+)
+def test_dotted_path_errors(spec, message):
+    if message is None:
+        assert callable(load_reward_fn(spec))
+        return
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        RewardConfig(fn=spec)
+
+
+def test_reward_config_validation():
+    with pytest.raises(ValueError, match="reward.extraction"):
+        RewardConfig(extraction="last")
+    with pytest.raises(ValueError, match="reward.num_workers"):
+        RewardConfig(num_workers=-1)
+    with pytest.raises(ValueError, match="reward.timeout_s"):
+        RewardConfig(timeout_s=0)
+    with pytest.raises(ValueError, match="reward.start_method"):
+        RewardConfig(start_method="thread")
+    with pytest.raises(ValueError, match="signature"):
+        load_reward_fn(f"{__name__}:_one_arg")
+
+
+def _one_arg(response):
+    return 0.0
