@@ -1,0 +1,311 @@
+"""A transformers-based rollout engine: the CPU engine for CI and the numerical reference for the vLLM engine.
+
+Batched sampling with a KV cache: the rows (prompt x sample) of a batch are left-padded to a common length, one
+prefill forward fills a ``DynamicCache``, then each step feeds one token per row. Position ids are computed from the
+attention mask so left padding does not shift RoPE positions: a row's logits equal those of an unpadded forward of
+the same tokens up to float rounding (checked in tests/test_rollout_engine.py against a full forward, 1e-5 in fp32).
+
+Sampling (see :mod:`megatron_rlvr.rollout.engine` for the log-prob convention): the temperature-scaled logits are
+top-k / top-p filtered, then a token is drawn with the exponential-race trick ``argmax(p / q), q ~ Exp(1)``, which
+samples exactly from p and lets every row own a ``torch.Generator`` seeded from (request seed, prompt index, sample
+index): the samples do not depend on how rows are batched.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megatron_rlvr.rollout.engine import (
+    Completion,
+    RolloutEngine,
+    RolloutOutput,
+    SamplingParams,
+    sample_seed,
+    validate_prompts,
+)
+
+
+@dataclass
+class HFEngineConfig:
+    """Settings of the transformers engine."""
+
+    max_batch_rows: int = 64
+    """Most rows (prompt x sample) decoded together; more rows are processed in consecutive chunks."""
+    device: str = "cpu"
+    """Device of the model ('cpu', 'cuda', 'cuda:1')."""
+
+    def __post_init__(self):
+        if not isinstance(self.max_batch_rows, int) or self.max_batch_rows < 1:
+            raise ValueError(f"HFEngineConfig.max_batch_rows must be a positive int, got {self.max_batch_rows!r}")
+        torch.device(self.device)  # raises on a malformed device string
+
+
+def filter_logits(scaled_BV: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Top-k then top-p (nucleus) filtering of temperature-scaled logits [B, V]: removed entries become -inf.
+
+    Top-p keeps the smallest prefix of the tokens sorted by probability whose mass reaches ``top_p`` (a token is
+    removed when the mass of the tokens ranked above it is already >= top_p), so the most likely token always stays.
+    Same rule as vLLM's ``apply_top_k_top_p`` (vllm 0.33.0)."""
+    out = scaled_BV
+    V = out.shape[-1]
+    if 0 < top_k < V:
+        kth = torch.topk(out, top_k, dim=-1).values[..., -1:]
+        out = out.masked_fill(out < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(out, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_above = torch.cumsum(probs, dim=-1) - probs
+        remove_sorted = mass_above >= top_p
+        remove_sorted[..., 0] = False
+        remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
+        out = out.masked_fill(remove, float("-inf"))
+    return out
+
+
+def _cache_kwarg(model) -> str:
+    # transformers 5.x renamed `past_key_values` to `cache` (deprecated alias until 5.40); support both.
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+class HFRolloutEngine(RolloutEngine):
+    """Rollout engine on a ``transformers`` causal-LM (Llama, Qwen2, Qwen3, ... any model with a KV cache).
+
+    ``tokenizer`` is optional: anything with ``decode(ids, skip_special_tokens=True) -> str``; it is needed for stop
+    strings and fills ``Completion.text``. EOS ids default to the model's generation config / config.
+    """
+
+    def __init__(self, model, tokenizer=None, *, config: HFEngineConfig | None = None, eos_token_ids=None):
+        self.config = config or HFEngineConfig()
+        self.device = torch.device(self.config.device)
+        self.model = model.to(self.device).eval()
+        self.tokenizer = tokenizer
+        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        if eos_token_ids is None:
+            gen = getattr(self.model, "generation_config", None)
+            eos_token_ids = getattr(gen, "eos_token_id", None)
+            if eos_token_ids is None:
+                eos_token_ids = getattr(self.model.config, "eos_token_id", None)
+        if eos_token_ids is None:
+            eos_token_ids = []
+        elif isinstance(eos_token_ids, int):
+            eos_token_ids = [eos_token_ids]
+        self.eos_token_ids = tuple(int(e) for e in eos_token_ids)
+        self._cache_kw = _cache_kwarg(self.model)
+        self._sleep_level = 0
+        self._dropped_shapes: dict[str, tuple[torch.Size, torch.dtype]] | None = None
+        self._weights_valid = True
+        self._closed = False
+
+    @classmethod
+    def from_config(cls, hf_config, tokenizer=None, *, dtype=torch.float32, config: HFEngineConfig | None = None, **kw):
+        """Build a randomly initialised model from an HF config (weights then arrive through ``update_weights``)."""
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        return cls(model, tokenizer, config=config, **kw)
+
+    # -- weights ---------------------------------------------------------------------------------------------------
+    def named_parameters(self):
+        """(HF name, parameter) for every parameter, tied aliases included (e.g. lm_head.weight)."""
+        return self.model.named_parameters(remove_duplicate=False)
+
+    @torch.no_grad()
+    def update_weights(self, weights: Iterable, strict: bool = True) -> int:
+        """Copy full HF-named tensors into the parameters in place.
+
+        ``weights`` yields (name, tensor) pairs or buckets (lists of pairs, as produced by the weight stream). A name
+        may be any alias of a tied parameter, but each parameter must arrive at most once; with ``strict`` every
+        parameter must arrive (ValueError naming the missing ones). Returns the number of tensors loaded."""
+        self._check_open()
+        if self._sleep_level:
+            raise RuntimeError("update_weights called while the engine sleeps: call wake_up() first")
+        params = dict(self.named_parameters())
+        received: set[int] = set()
+        count = 0
+        for item in weights:
+            pairs = item if isinstance(item, list) else [item]
+            for name, tensor in pairs:
+                p = params.get(name)
+                if p is None:
+                    raise ValueError(f"update_weights: unknown parameter name {name!r} (not in the HF model)")
+                if tuple(tensor.shape) != tuple(p.shape):
+                    raise ValueError(
+                        f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(p.shape)}"
+                    )
+                if id(p) in received:
+                    raise ValueError(f"update_weights: {name!r} (or a tied alias of it) was sent twice")
+                p.copy_(tensor)
+                received.add(id(p))
+                count += 1
+            del pairs, item  # drop references before pulling the next bucket: the stream's memory bound relies on it
+        if strict:
+            missing = [n for n, p in self.model.named_parameters() if id(p) not in received]
+            if missing:
+                raise ValueError(f"update_weights: {len(missing)} parameters were not sent, e.g. {missing[:5]}")
+        if strict:  # a complete update makes weights dropped by sleep(level=2) valid again
+            self._weights_valid = True
+        return count
+
+    # -- memory ----------------------------------------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Level 1: move the weights to host memory (a no-op when the model already lives on the CPU). Level 2: free
+        the weights entirely (their storage is released); after ``wake_up`` they hold garbage until a full
+        ``update_weights``."""
+        self._check_open()
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        if self._sleep_level:
+            return
+        if level == 1:
+            if self.device.type != "cpu":
+                self.model.to("cpu")
+                torch.cuda.empty_cache()
+        else:
+            self._dropped_shapes = {}
+            for name, p in self.model.named_parameters():
+                self._dropped_shapes[name] = (p.shape, p.dtype)
+                p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self._weights_valid = False
+        self._sleep_level = level
+
+    def wake_up(self) -> None:
+        self._check_open()
+        if self._sleep_level == 1 and self.device.type != "cpu":
+            self.model.to(self.device)
+        elif self._sleep_level == 2:
+            for name, p in self.model.named_parameters():
+                shape, dtype = self._dropped_shapes[name]
+                p.data = torch.empty(shape, dtype=dtype, device=self.device)
+            self._dropped_shapes = None
+        self._sleep_level = 0
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self._sleep_level > 0
+
+    def close(self) -> None:
+        if not self._closed:
+            self.model = None
+            self._closed = True
+
+    def _check_open(self):
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+
+    # -- generation ------------------------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[RolloutOutput]:
+        self._check_open()
+        if self._sleep_level:
+            raise RuntimeError("generate called while the engine sleeps: call wake_up() first")
+        if not self._weights_valid:
+            raise RuntimeError("weights were dropped by sleep(level=2): call update_weights before generate")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("SamplingParams.stop (stop strings) needs an engine tokenizer")
+        prompts = validate_prompts(prompts, self.vocab_size)
+        base_seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+        rows = [(i, j) for i in range(len(prompts)) for j in range(params.n)]
+        outputs = [RolloutOutput(prompt_token_ids=list(p), completions=[None] * params.n) for p in prompts]
+        step = self.config.max_batch_rows
+        for start in range(0, len(rows), step):
+            chunk = rows[start : start + step]
+            seeds = [sample_seed(base_seed, i, j) for i, j in chunk]
+            for (i, j), comp in zip(chunk, self._generate_rows([prompts[i] for i, _ in chunk], seeds, params)):
+                outputs[i].completions[j] = comp
+        return outputs
+
+    @torch.no_grad()
+    def _forward(self, input_ids, attention_mask, position_ids, cache):
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_kw: cache},
+        )
+        return out.logits[:, -1, :].float()
+
+    @torch.no_grad()
+    def _generate_rows(self, prompts: list[list[int]], seeds: list[int], params: SamplingParams) -> list[Completion]:
+        from transformers import DynamicCache
+
+        B, dev = len(prompts), self.device
+        L = max(len(p) for p in prompts)
+        input_ids = torch.zeros(B, L, dtype=torch.long, device=dev)
+        mask = torch.zeros(B, L, dtype=torch.long, device=dev)
+        for r, p in enumerate(prompts):  # left padding: the last column is every row's newest token
+            input_ids[r, L - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[r, L - len(p) :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        logits = self._forward(input_ids, mask, positions, cache)
+        next_pos = positions[:, -1:] + 1
+
+        gens = [torch.Generator(device=dev).manual_seed(s) for s in seeds]
+        stop_ids = set(params.stop_token_ids)
+        end_ids = stop_ids | (set() if params.ignore_eos else set(self.eos_token_ids))
+        toks: list[list[int]] = [[] for _ in range(B)]
+        lps: list[list[float]] = [[] for _ in range(B)]
+        done: list[Completion | None] = [None] * B
+        T = params.temperature if not params.greedy else 1.0
+        for step in range(params.max_tokens):
+            scaled = logits / T
+            logp_full = torch.log_softmax(scaled, dim=-1)
+            if params.greedy:
+                chosen = logits.argmax(dim=-1)
+            else:
+                probs = torch.softmax(filter_logits(scaled, params.top_k, params.top_p), dim=-1)
+                chosen = torch.empty(B, dtype=torch.long, device=dev)
+                for r in range(B):
+                    if done[r] is not None:
+                        chosen[r] = 0
+                        continue
+                    q = torch.empty_like(probs[r]).exponential_(generator=gens[r])
+                    chosen[r] = torch.argmax(probs[r] / q)
+            chosen_lp = logp_full.gather(-1, chosen[:, None])[:, 0].tolist()
+            chosen_l = chosen.tolist()
+            for r in range(B):
+                if done[r] is not None:
+                    continue
+                tok = chosen_l[r]
+                toks[r].append(tok)
+                lps[r].append(chosen_lp[r])
+                done[r] = self._check_finished(toks[r], lps[r], tok, stop_ids, end_ids, params)
+            if all(d is not None for d in done) or step == params.max_tokens - 1:
+                break
+            mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=dev)], dim=1)
+            logits = self._forward(chosen[:, None], mask, next_pos, cache)
+            next_pos = next_pos + 1
+        return done
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _check_finished(self, ids, lps, tok, stop_ids, end_ids, params: SamplingParams) -> Completion | None:
+        """A finished Completion for this row, or None while it goes on. Order as in vLLM: stop token, stop string,
+        then length."""
+        text = None
+        if tok in end_ids:
+            reason = tok if tok in stop_ids else None
+            text = self._decode(ids) if self.tokenizer is not None else None
+            return Completion(list(ids), list(lps), "stop", reason, text)
+        if params.stop:
+            text = self._decode(ids)
+            hits = [(text.find(s), s) for s in params.stop]
+            hits = [(pos, s) for pos, s in hits if pos >= 0]
+            if hits:
+                pos, s = min(hits)
+                cut = pos + len(s) if params.include_stop_str_in_output else pos
+                return Completion(list(ids), list(lps), "stop", s, text[:cut])
+        if len(ids) >= params.max_tokens:
+            if text is None and self.tokenizer is not None:
+                text = self._decode(ids)
+            return Completion(list(ids), list(lps), "length", None, text)
+        return None

@@ -1,0 +1,343 @@
+"""The transformers rollout engine (CPU): every behaviour of the engine interface, checked against independent
+references — a full (unpadded, uncached) forward of the same HF model in fp64 for log-probs and greedy tokens,
+hand-computed filters, the exact softmax for the sampling distribution, and sequences replayed by hand for EOS,
+stop-token, stop-string and length endings."""
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+from megatron_rlvr.rollout.engine import SamplingParams, sample_seed
+from megatron_rlvr.rollout.hf_engine import HFEngineConfig, HFRolloutEngine, filter_logits
+
+V = 96
+EOS = 1
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny matmuls on 2 shared cores: extra intra-op threads only add contention (10x slower under load).
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+class ToyTokenizer:
+    """Token k decodes to two letters (aa, ab, ...); the EOS id is special (skipped)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join("" if (t == EOS and skip_special_tokens) else chr(97 + t // 26) + chr(97 + t % 26) for t in ids)
+
+
+def llama_config(**kw):
+    return LlamaConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        eos_token_id=EOS,
+        bos_token_id=0,
+        tie_word_embeddings=False,
+        **kw,
+    )
+
+
+def qwen2_config(**kw):
+    return Qwen2Config(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        eos_token_id=EOS,
+        bos_token_id=0,
+        tie_word_embeddings=True,
+        **kw,
+    )
+
+
+def make_engine(cfg, seed=0, tokenizer=None, **engine_kw):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    # Sharpen the random model a little so sampled sequences are not pure noise (and logits span a real range).
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(4.0)
+    return HFRolloutEngine(model, tokenizer, **engine_kw)
+
+
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [20]]
+
+
+def reference_logprobs(model, prompt, completion, temperature):
+    """log_softmax(logits / T)[token] from one full fp64 forward of prompt + completion (no padding, no cache)."""
+    m64 = model.double() if next(model.parameters()).dtype != torch.float64 else model
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = m64(ids).logits[0].double()
+    model.float()
+    T = temperature if temperature > 0 else 1.0
+    lp = torch.log_softmax(logits / T, dim=-1)[len(prompt) - 1 : -1]
+    return lp.gather(-1, torch.tensor(completion)[:, None])[:, 0], logits[len(prompt) - 1 : -1]
+
+
+@pytest.mark.parametrize("cfg_fn", [llama_config, qwen2_config], ids=["llama", "qwen2_tied_bias"])
+def test_logprobs_match_full_forward_recomputation(cfg_fn):
+    """Batched, left-padded, KV-cached sampling (rows split over chunks of 4) reports log_softmax(logits/T) of
+    exactly the model's full-forward logits: max error < 1e-5 in fp32."""
+    eng = make_engine(cfg_fn(), config=HFEngineConfig(max_batch_rows=4))
+    out = eng.generate(PROMPTS, SamplingParams(n=3, temperature=0.7, max_tokens=12, seed=3, ignore_eos=True))
+    assert len(out) == 3 and all(len(o.completions) == 3 for o in out)
+    worst = 0.0
+    for o, p in zip(out, PROMPTS):
+        assert o.prompt_token_ids == p
+        for c in o.completions:
+            assert len(c.token_ids) == 12 and c.finish_reason == "length"
+            ref, _ = reference_logprobs(eng.model, p, c.token_ids, 0.7)
+            worst = max(worst, (ref - torch.tensor(c.logprobs, dtype=torch.float64)).abs().max().item())
+    assert worst < 1e-5, worst
+
+
+def test_greedy_tokens_and_logprobs_follow_the_argmax_of_the_full_forward():
+    """temperature=0: every token is the argmax of the full-forward logits and its log-prob is log_softmax(logits)
+    (the T = 1 convention)."""
+    eng = make_engine(llama_config())
+    out = eng.generate(PROMPTS, SamplingParams(n=2, temperature=0.0, max_tokens=10, ignore_eos=True))
+    for o, p in zip(out, PROMPTS):
+        a, b = o.completions
+        assert a.token_ids == b.token_ids, "greedy samples of one prompt must agree"
+        ref_lp, logits = reference_logprobs(eng.model, p, a.token_ids, 0.0)
+        assert a.token_ids == logits.argmax(-1).tolist()
+        assert torch.allclose(torch.tensor(a.logprobs, dtype=torch.float64), ref_lp, atol=1e-5)
+
+
+def test_filter_logits_hand_computed():
+    """Top-k keeps the k largest; top-p keeps the smallest prefix reaching mass p, never dropping the argmax."""
+    logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]]))
+    ninf = float("-inf")
+    k2 = filter_logits(logits, top_k=2, top_p=1.0)
+    assert torch.isfinite(k2[0, :2]).all() and (k2[0, 2:] == ninf).all()
+    # mass above each token: 0, .5, .7, .85, .95 -> p=0.7 keeps the first two (third has exactly 0.7 above it)
+    p = filter_logits(logits, top_k=0, top_p=0.7)
+    assert torch.isfinite(p[0, :2]).all() and (p[0, 2:] == ninf).all()
+    p = filter_logits(logits, top_k=0, top_p=0.71)
+    assert torch.isfinite(p[0, :3]).all() and (p[0, 3:] == ninf).all()
+    tiny = filter_logits(logits, top_k=0, top_p=0.01)
+    assert torch.isfinite(tiny[0, 0]) and (tiny[0, 1:] == ninf).all()
+    # unsorted input: the filter follows values, not positions
+    perm = torch.tensor([3, 0, 4, 1, 2])
+    assert torch.equal(filter_logits(logits[:, perm], 2, 1.0), k2[:, perm])
+    assert torch.equal(filter_logits(logits, 0, 1.0), logits)
+
+
+def chi_square(counts, probs):
+    expected = probs * counts.sum()
+    keep = expected > 0
+    return (((counts - expected) ** 2)[keep] / expected[keep]).sum().item(), int(keep.sum()) - 1
+
+
+def test_sampling_distribution_matches_softmax_and_respects_top_k():
+    """The first sampled token of 3000 independent samples follows softmax(logits/T): Pearson chi-square within
+    5 standard deviations of its degrees of freedom, while the same counts clearly reject softmax(logits) (T = 1),
+    so the check has power. With top_k=3 only the 3 most likely tokens appear, with renormalised probabilities."""
+    eng = make_engine(llama_config(), config=HFEngineConfig(max_batch_rows=3000))
+    prompt = [7, 8, 9]
+    with torch.no_grad():
+        logits = eng.model(torch.tensor([prompt])).logits[0, -1].double()
+    N, T = 3000, 0.5
+    (o,) = eng.generate([prompt], SamplingParams(n=N, temperature=T, max_tokens=1, seed=11, ignore_eos=True))
+    counts = torch.bincount(torch.tensor([c.token_ids[0] for c in o.completions]), minlength=V).double()
+    probs = torch.softmax(logits / T, -1)
+    chi2, df = chi_square(counts, probs)
+    assert chi2 < df + 5 * math.sqrt(2 * df), (chi2, df)
+    chi2_wrong, df_wrong = chi_square(counts, torch.softmax(logits, -1))
+    assert chi2_wrong > df_wrong + 10 * math.sqrt(2 * df_wrong), (chi2_wrong, df_wrong)
+    # log-prob reported for the sampled token is the full-vocabulary one, not the filtered one
+    (o,) = eng.generate([prompt], SamplingParams(n=N, temperature=T, top_k=3, max_tokens=1, seed=5))
+    top3 = set(torch.topk(logits, 3).indices.tolist())
+    first = [c.token_ids[0] for c in o.completions]
+    assert set(first) <= top3
+    p3 = probs[list(top3)] / probs[list(top3)].sum()
+    emp = torch.tensor([first.count(t) / N for t in top3], dtype=torch.float64)
+    assert (emp - p3).abs().max() < 0.04
+    lp_full = torch.log(probs)
+    for c in o.completions[:20]:
+        assert abs(c.logprobs[0] - lp_full[c.token_ids[0]].item()) < 1e-5
+
+
+def test_seed_determinism_and_batch_independence():
+    """Same seed -> identical samples; another seed -> different; a prompt's samples do not depend on which other
+    prompts share its batch or on the chunk size (per-sample generators seeded from (seed, prompt, sample))."""
+    eng = make_engine(llama_config())
+    sp = SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=42, ignore_eos=True)
+    a = eng.generate(PROMPTS, sp)
+    b = eng.generate(PROMPTS, sp)
+    assert [[c.token_ids for c in o.completions] for o in a] == [[c.token_ids for c in o.completions] for o in b]
+    c = eng.generate(PROMPTS, SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=43, ignore_eos=True))
+    assert [x.token_ids for o in a for x in o.completions] != [x.token_ids for o in c for x in o.completions]
+    eng.config.max_batch_rows = 1
+    solo = eng.generate(PROMPTS, sp)
+    assert [[x.token_ids for x in o.completions] for o in solo] == [[x.token_ids for x in o.completions] for o in a]
+    assert sample_seed(42, 0, 1) != sample_seed(42, 1, 0)
+
+
+def _greedy_sequence(eng, prompt, n_tokens):
+    (o,) = eng.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n_tokens, ignore_eos=True))
+    return o.completions[0].token_ids
+
+
+def _first_new_position(seq, start):
+    for i in range(start, len(seq)):
+        if seq[i] not in seq[:i]:
+            return i
+    pytest.skip("random model repeats itself: no fresh token to stop on")
+
+
+def test_eos_stop_token_ids_and_length():
+    """EOS ends a sample with finish 'stop' (stop_reason None) and is the last token; a stop_token_id does the same
+    with stop_reason = that id; ignore_eos runs to max_tokens with finish 'length'."""
+    probe = make_engine(llama_config())
+    seq = _greedy_sequence(probe, [3, 4], 16)
+    k = _first_new_position(seq, 3)
+    eng = make_engine(llama_config(), eos_token_ids=[seq[k]])
+    (o,) = eng.generate([[3, 4]], SamplingParams(temperature=0.0, max_tokens=16))
+    c = o.completions[0]
+    assert c.token_ids == seq[: k + 1] and c.finish_reason == "stop" and c.stop_reason is None
+    assert len(c.logprobs) == k + 1
+    j = _first_new_position(seq, 1)
+    (o,) = eng.generate([[3, 4]], SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=(seq[j],)))
+    c = o.completions[0]
+    assert c.token_ids == seq[: j + 1] and c.finish_reason == "stop" and c.stop_reason == seq[j]
+    (o,) = eng.generate([[3, 4]], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    c = o.completions[0]
+    assert c.token_ids == seq and c.finish_reason == "length" and c.stop_reason is None
+    (o,) = eng.generate([[3, 4]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    assert o.completions[0].token_ids == seq[:2] and o.completions[0].finish_reason == "length"
+
+
+def test_stop_strings_span_tokens_and_truncate_text():
+    """A stop string that straddles two tokens ends the sample at the token completing it (that token is kept in
+    token_ids), the text is cut before it (or after it with include_stop_str_in_output)."""
+    tok = ToyTokenizer()
+    eng = make_engine(llama_config(), tokenizer=tok)
+    seq = _greedy_sequence(eng, [3, 4], 16)
+    text = tok.decode(seq)
+    # the last letter of token 3 plus the first of token 4, provided it does not occur earlier
+    for k in range(3, 15):
+        stop = text[2 * k + 1 : 2 * k + 3]
+        if text.find(stop) == 2 * k + 1:
+            break
+    else:
+        pytest.skip("no unique straddling stop string in this random sequence")
+    (o,) = eng.generate([[3, 4]], SamplingParams(temperature=0.0, max_tokens=16, stop=(stop, "zzzz")))
+    c = o.completions[0]
+    assert c.token_ids == seq[: k + 2] and c.finish_reason == "stop" and c.stop_reason == stop
+    assert c.text == text[: 2 * k + 1]
+    (o,) = eng.generate(
+        [[3, 4]], SamplingParams(temperature=0.0, max_tokens=16, stop=stop, include_stop_str_in_output=True)
+    )
+    assert o.completions[0].text == text[: 2 * k + 3]
+    with pytest.raises(ValueError, match="tokenizer"):
+        make_engine(llama_config()).generate([[3]], SamplingParams(stop=("x",)))
+
+
+def test_n_samples_are_distinct_and_complete():
+    eng = make_engine(qwen2_config())
+    out = eng.generate([[2, 3, 4]], SamplingParams(n=6, temperature=1.0, max_tokens=10, seed=0, ignore_eos=True))
+    seqs = [tuple(c.token_ids) for c in out[0].completions]
+    assert len(seqs) == 6 and len(set(seqs)) == 6
+    assert all(len(c.logprobs) == len(c.token_ids) == 10 for c in out[0].completions)
+    assert all(math.isfinite(x) and x <= 0 for c in out[0].completions for x in c.logprobs)
+
+
+def test_update_weights_in_place_and_errors():
+    """update_weights copies every tensor bit for bit; names must exist, shapes match, each parameter arrive once
+    (tied aliases included) and, in strict mode, all of them arrive."""
+    src = make_engine(qwen2_config(), seed=1)
+    dst = make_engine(qwen2_config(), seed=2)
+    sd = {n: p.detach().clone() for n, p in src.model.named_parameters()}  # tied: lm_head is not listed
+    assert "lm_head.weight" not in sd
+    assert dst.update_weights(list(sd.items())) == len(sd)
+    for n, p in dst.named_parameters():
+        ref = sd["model.embed_tokens.weight"] if n == "lm_head.weight" else sd[n]
+        assert torch.equal(p, ref), n
+    sp = SamplingParams(n=2, max_tokens=6, seed=9, ignore_eos=True)
+    assert [c.token_ids for c in dst.generate(PROMPTS, sp)[0].completions] == [
+        c.token_ids for c in src.generate(PROMPTS, sp)[0].completions
+    ]
+    # buckets (lists of pairs) are accepted as well
+    items = list(sd.items())
+    assert dst.update_weights([items[:3], items[3:]]) == len(sd)
+    with pytest.raises(ValueError, match="unknown parameter name"):
+        dst.update_weights([("model.nope.weight", torch.zeros(1))])
+    with pytest.raises(ValueError, match="shape"):
+        dst.update_weights([("model.norm.weight", torch.zeros(3))])
+    with pytest.raises(ValueError, match="sent twice"):
+        dst.update_weights(
+            [("model.embed_tokens.weight", sd["model.embed_tokens.weight"])] * 1
+            + [("lm_head.weight", sd["model.embed_tokens.weight"])]
+        )
+    with pytest.raises(ValueError, match="not sent"):
+        dst.update_weights(items[:-1])
+    assert dst.update_weights(items[:1], strict=False) == 1
+
+
+def test_sleep_wake_levels():
+    """Level 1 keeps weights (no-op on CPU); level 2 frees them (storage released) and generate refuses until a full
+    update_weights; generate and update_weights refuse while asleep; close() makes the engine unusable."""
+    eng = make_engine(llama_config())
+    sp = SamplingParams(max_tokens=5, seed=1, ignore_eos=True)
+    before = eng.generate([[3, 4]], sp)[0].completions[0].token_ids
+    sd = {n: p.detach().clone() for n, p in eng.model.named_parameters()}
+    eng.sleep(1)
+    assert eng.is_sleeping
+    with pytest.raises(RuntimeError, match="sleeps"):
+        eng.generate([[3]], sp)
+    eng.wake_up()
+    assert eng.generate([[3, 4]], sp)[0].completions[0].token_ids == before
+    eng.sleep(2)
+    assert all(p.numel() == 0 for p in eng.model.parameters())
+    with pytest.raises(RuntimeError, match="sleeps"):
+        eng.update_weights(sd.items())
+    eng.wake_up()
+    with pytest.raises(RuntimeError, match="update_weights"):
+        eng.generate([[3]], sp)
+    eng.update_weights(sd.items())
+    assert eng.generate([[3, 4]], sp)[0].completions[0].token_ids == before
+    eng.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        eng.generate([[3]], sp)
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        (dict(n=0), "n"),
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_k=-1), "top_k"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(stop=("",)), "stop"),
+        (dict(stop_token_ids=(-2,)), "stop_token_ids"),
+    ],
+)
+def test_sampling_params_validation(kw, field):
+    with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
+        SamplingParams(**kw)
+
+
+def test_prompt_validation():
+    eng = make_engine(llama_config())
+    with pytest.raises(ValueError, match="empty"):
+        eng.generate([[1, 2], []], SamplingParams())
+    with pytest.raises(ValueError, match="outside"):
+        eng.generate([[V]], SamplingParams())
+    with pytest.raises(ValueError, match="flat list"):
+        eng.generate([1, 2, 3], SamplingParams())
