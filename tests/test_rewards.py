@@ -173,6 +173,19 @@ def test_math_verify_on_real_answers(math_rm):
     assert math_rm.worker_pids == pids and stats["reward/workers_restarted"] == 0
 
 
+def test_math_lenient_mode_reads_dapo_answer_lines():
+    """DAPO-Math-17k prompts ask for a last line "Answer: X"; lenient extraction scores it, boxed does not."""
+    from megatron_rlvr.rewards import MathVerifyReward
+
+    lenient, boxed = MathVerifyReward("lenient"), MathVerifyReward("boxed")
+    response = "Adding the halves...\nAnswer: $\\frac{1}{2}$"
+    assert lenient(response, "0.5") == 1.0 and boxed(response, "0.5") == 0.0
+    assert lenient("Answer: 34", "35") == 0.0
+    assert lenient("so we get $x = 5$ in the end", "5") == 1.0  # no marker: math-verify reads the whole response
+    with pytest.raises(ValueError, match="cannot parse the ground truth"):
+        lenient("Answer: 1", "}{")
+
+
 def test_gsm8k_inline_mode():
     """num_workers=0 scores in-process (no pool) with the same results."""
     with RewardManager(RewardConfig(fn="gsm8k", num_workers=0, extraction="lenient")) as rm:
@@ -233,7 +246,7 @@ def test_stuck_worker_is_killed_and_replaced(user_rm):
     new = set(user_rm.worker_pids)
     killed = old - new
     assert len(killed) == 1 and len(new) == 2
-    assert not psutil.pid_exists(killed.pop())
+    assert not _alive(killed.pop())
     rewards, stats = user_rm.score(["7", "8"], ["7", "7"])
     assert rewards == [1.0, 0.0] and stats["reward/n_timeout"] == 0
 
@@ -263,12 +276,46 @@ def test_close_leaves_no_processes():
     rm = RewardManager(RewardConfig(fn=f"{__name__}:misbehaving_reward", num_workers=2))
     assert rm.score(["1"], ["1"])[0] == [1.0]
     pids = rm.worker_pids
-    assert all(psutil.pid_exists(p) for p in pids)
+    assert all(_alive(p) for p in pids)
     rm.close()
     rm.close()  # idempotent
-    assert not any(psutil.pid_exists(p) for p in pids)
+    assert not any(psutil.pid_exists(p) for p in pids)  # stopped and reaped
     with pytest.raises(RuntimeError, match="closed"):
         rm.score(["1"], ["1"])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _manager_in_daemonic_child(queue) -> None:
+    with RewardManager(RewardConfig(fn="gsm8k", num_workers=2)) as rm:
+        queue.put((rm.score([r"\boxed{3}", "4"], ["3", "3"])[0], rm.worker_pids))
+        time.sleep(600)  # until the test kills this process
+
+
+def test_workers_inside_a_daemonic_process_exit_when_it_is_killed():
+    """A RewardManager works inside a daemonic process (a rank of the multi-process harness), and its workers exit
+    by themselves when that process is SIGKILLed (no cleanup code runs there): no orphans."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_manager_in_daemonic_child, args=(queue,), daemon=True)
+    proc.start()
+    try:
+        rewards, pids = queue.get(timeout=60)
+        assert rewards == [1.0, 0.0] and len(pids) == 2 and all(_alive(p) for p in pids)
+    finally:
+        proc.kill()
+        proc.join()
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids)
 
 
 # ------------------------------------------------------------------------------------------------ dotted-path errors

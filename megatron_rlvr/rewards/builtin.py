@@ -8,6 +8,7 @@ reward worker processes (:mod:`megatron_rlvr.rewards.pool`), which enforce the p
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 
@@ -43,6 +44,8 @@ class MathVerifyReward:
         logging.getLogger("math_verify").setLevel(logging.ERROR)
         self._mv = math_verify
         self._latex_cfg = [LatexExtractionConfig()]
+        # A group of rollouts shares one ground truth: parse it once per worker.
+        self._gold = functools.lru_cache(maxsize=4096)(self.parse_gold)
 
     def _parse_boxed(self, s: str) -> list:
         return self._mv.parse("\\boxed{" + s + "}", extraction_config=self._latex_cfg, parsing_timeout=None)
@@ -60,12 +63,13 @@ class MathVerifyReward:
         return bool(pred) and self._mv.verify(gold, pred, timeout_seconds=None)
 
     def __call__(self, response: str, ground_truth: str, **metadata) -> float:
-        gold = self.parse_gold(ground_truth)
+        gold = self._gold(ground_truth)
         candidate = extract_answer(response, self.extraction)
         if candidate is None:
             if self.extraction != "lenient":
                 return 0.0
             return 1.0 if self._equal(gold, self._mv.parse(response, parsing_timeout=None)) else 0.0
+        candidate = candidate.strip().strip("$").strip()  # "Answer: $\frac{1}{2}$" (DAPO format)
         if self._equal(gold, self._parse_boxed(candidate)):
             return 1.0
         plain = candidate

@@ -54,6 +54,9 @@ def _on_alarm(signum, frame):
 def _score_one(scorer, timeout_s: float, response: str, ground_truth: str, meta: dict | None) -> ItemResult:
     """Score one item in this process's main thread under a SIGALRM time limit."""
     try:
+        # Re-armed per item: a reward function may have replaced the handler (math-verify's own timeouts do, and
+        # restore it only when they finish; while one is active it also cancels this timer: the kill remains).
+        signal.signal(signal.SIGALRM, _on_alarm)
         signal.setitimer(signal.ITIMER_REAL, timeout_s)
         try:
             reward = scorer(response, ground_truth, meta)
@@ -62,6 +65,8 @@ def _score_one(scorer, timeout_s: float, response: str, ground_truth: str, meta:
         return ItemResult(reward, "ok")
     except ItemTimeout:
         return ItemResult(0.0, "timeout", f"interrupted after {timeout_s:g} s")
+    except KeyboardInterrupt:  # only reachable inline (workers ignore SIGINT): Ctrl-C must still stop the run
+        raise
     except BaseException as e:  # SystemExit from user code included: never let one item end the worker
         return ItemResult(0.0, "error", f"{type(e).__name__}: {e}"[:1000])
 
@@ -84,7 +89,6 @@ def _worker_main(conn: Connection, fn: str, extraction: str, timeout_s: float, p
     except BaseException as e:
         conn.send(("init_error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         return
-    signal.signal(signal.SIGALRM, _on_alarm)
     conn.send(("ready", os.getpid()))
     while True:
         try:
@@ -125,6 +129,21 @@ def score_inline(scorer, timeout_s: float, items) -> list[ItemResult]:
     return results
 
 
+def _start_allowing_daemonic_parent(proc) -> None:
+    """Start ``proc`` even when this process is itself a daemonic multiprocessing child (e.g. a rank of the test
+    harness), which multiprocessing forbids because a daemon's children could outlive it. Reward workers cannot:
+    they exit on EOF of their pipe and a watchdog exits them once their parent is gone."""
+    me = mp.current_process()
+    if not me.daemon:
+        proc.start()
+        return
+    me.daemon = False
+    try:
+        proc.start()
+    finally:
+        me.daemon = True
+
+
 class _Worker:
     def __init__(self, ctx, fn: str, extraction: str, timeout_s: float):
         parent_conn, child_conn = ctx.Pipe(duplex=True)
@@ -135,7 +154,7 @@ class _Worker:
             daemon=True,
             name="megatron-rlvr-reward-worker",
         )
-        self.proc.start()
+        _start_allowing_daemonic_parent(self.proc)
         child_conn.close()  # the parent keeps only its end, so the worker sees EOF if the parent goes
         self.started_at = time.monotonic()
         self.ready = False
