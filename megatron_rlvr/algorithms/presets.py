@@ -130,12 +130,12 @@ def f_grpo() -> AlgorithmConfig:
 
 
 def f_dapo() -> AlgorithmConfig:
-    """F-DAPO: :func:`dapo` + focal scaling gamma = 0.5 (F-GRPO paper, Sec. 5)."""
+    """F-DAPO: :func:`dapo` (arXiv 2503.14476) + focal scaling gamma = 0.5 (F-GRPO, arXiv 2602.06717, Sec. 5)."""
     return _focal(dapo(), "f_dapo")
 
 
 def f_cispo() -> AlgorithmConfig:
-    """F-CISPO: :func:`cispo` + focal scaling gamma = 0.5 (F-GRPO paper, Sec. 5)."""
+    """F-CISPO: :func:`cispo` (arXiv 2506.13585) + focal scaling gamma = 0.5 (F-GRPO, arXiv 2602.06717, Sec. 5)."""
     return _focal(cispo(), "f_cispo")
 
 
@@ -154,8 +154,8 @@ def mcpo() -> AlgorithmConfig:
 
 
 def mcpo_margin() -> AlgorithmConfig:
-    """MCPO + margin credit: :func:`mcpo` with the top-2-margin token credit (thresholds ours: tau_lo = 0.3,
-    tau_hi = 0.9, floor = 0.5; see :mod:`.margin_credit`)."""
+    """MCPO + margin credit (MCPO, arXiv 2604.16972): :func:`mcpo` with the top-2-margin token credit (thresholds
+    ours: tau_lo = 0.3, tau_hi = 0.9, floor = 0.5; see :mod:`.margin_credit`)."""
     return AlgorithmConfig.from_dict({"name": "mcpo_margin", "margin_credit": {"enabled": True}}, base=mcpo())
 
 
