@@ -1,0 +1,625 @@
+"""Exact per-token statistics of a policy whose output layer is split over tensor-parallel (TP) ranks.
+
+Each TP rank holds a shard ``logits [T, V/tp]`` of the (padded) vocabulary: rank r owns global token ids
+``[r * V/tp, (r + 1) * V/tp)``. Megatron pads the vocabulary to a multiple of ``tp x 128``; ids ``>= vocab_size``
+are padding and are excluded from every result and get zero gradient. Per token t, with ``z = logits / temperature``
+over the TRUE vocabulary ``j < vocab_size``:
+
+    lse       = log sum_j exp(z_j)                  p_j = exp(z_j - lse)
+    logprob   = z_y - lse                                               (y: the given token id)
+    entropy   = -sum_j p_j log p_j  = lse - E_p[z]
+    margin    = p_(1) - p_(2)                                           (top-2 probabilities; 0 on a tie)
+    kl        = KL(pi || q) = sum_j p_j (log p_j - log q_j)             (q: softmax of other_logits / temperature)
+    kl_rev    = KL(q || pi) = sum_j q_j (log q_j - log p_j)
+
+Nothing of size V is ever communicated. A forward pass over the shard's tokens in chunks produces per-token
+partial statistics relative to a per-shard shift (the shard's row max m_r): s_r = sum exp(z - m_r),
+a_r = sum exp(z - m_r) (z - m_r), the target logit, the shard's top-2 logits. Then, per call, ONE all-reduce(MAX)
+of the shifts, ONE all-reduce(SUM) of the rescaled partials (``x * exp(m_r - M)``: the log-sum-exp merge) and, for
+the margin, ONE all-gather of each shard's top-2 values ``[T, 2]``. These are exact merges, not approximations.
+
+Gradients (derived analytically; ``d/dlogits = d/dz / temperature``), with log p_j = z_j - lse, log q_j = w_j - lse_w:
+
+    d logprob / d z_j = 1[j = y] - p_j
+    d entropy / d z_j = -p_j (log p_j + entropy)
+    d kl      / d z_j = p_j (log p_j - log q_j - kl)        d kl     / d w_j = q_j - p_j
+    d kl_rev  / d z_j = p_j - q_j                           d kl_rev / d w_j = q_j (log q_j - log p_j - kl_rev)
+
+Each involves only the local element and per-token GLOBAL statistics (lse, entropy, kl) saved from the forward,
+so the backward needs no communication: every TP rank computes the gradient of its own shard. This assumes, as
+megatron's own ``vocab_parallel_cross_entropy`` does, that the per-token upstream gradient is identical on all
+TP ranks (each TP rank evaluates the same loss on the same replicated per-token statistics).
+
+Memory: the autograd Function saves only the input logits (no copy) and O(T) statistics; the backward recomputes
+p (and q) chunk by chunk, so extra memory is a few ``chunk x V/tp`` fp32 buffers, independent of T (besides the
+gradient itself). All arithmetic is in fp32 for bf16/fp16 inputs (fp64 inputs stay fp64). Inputs are never
+modified: all in-place arithmetic is on this module's own temporaries.
+
+The margin is returned detached (stop-gradient). MCPO's margin credit uses p_(1) - p_(2) as a confidence weight on
+a token's credit, which multiplies the policy-gradient term like an advantage and must not itself be optimised
+(otherwise the policy could raise its loss weight by flattening or sharpening its top-2); it is also not
+differentiable where the top-2 tie or swap order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.autograd.function import once_differentiable
+
+__all__ = [
+    "STAT_NAMES",
+    "vocab_parallel_token_stats",
+    "vocab_parallel_logprobs",
+    "vocab_parallel_entropy",
+    "vocab_parallel_top2_margin",
+    "vocab_parallel_kl",
+]
+
+STAT_NAMES = ("logprob", "entropy", "margin", "kl", "kl_rev")
+"""Statistics `vocab_parallel_token_stats` can return (keys of its ``want`` argument and of its result)."""
+
+# Default chunk budget in elements of one fp32 temporary ([chunk, V/tp]). On CPU small chunks keep the several
+# passes over a chunk inside the last-level cache; on GPU larger chunks amortise kernel launches.
+_CPU_CHUNK_ELEMENTS = 1 << 21
+_GPU_CHUNK_ELEMENTS = 1 << 26
+# Row-max search for the margin works on blocks of this many logits (see `_row_top2`).
+_TOP2_BLOCK = 256
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Everything the autograd Function needs besides tensors (validated by `vocab_parallel_token_stats`)."""
+
+    want: tuple[str, ...]
+    temperature: float
+    tp_group: object
+    tp_rank: int
+    tp_size: int
+    vocab_start: int
+    """Global id of this shard's first column."""
+    n_valid: int
+    """Columns of this shard that hold real (non-padding) tokens: a prefix of the shard."""
+    chunk_rows: int
+    compute_dtype: torch.dtype
+
+    @property
+    def need_kl(self) -> bool:
+        return "kl" in self.want or "kl_rev" in self.want
+
+
+# ---------------------------------------------------------------------------------------------------- collectives
+def _all_reduce_(t: torch.Tensor, op, plan: _Plan) -> torch.Tensor:
+    if plan.tp_size > 1 and t.numel():  # every TP rank has the same T, so all skip together
+        # gloo collectives on non-contiguous tensors are silently wrong (platform-facts.md): always contiguous.
+        t = t.contiguous()
+        dist.all_reduce(t, op=op, group=plan.tp_group)
+    return t
+
+
+def _all_gather_rows(t: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    """[T, k] on every rank -> [T, tp * k] (rank-major)."""
+    if plan.tp_size == 1 or t.numel() == 0:
+        return t
+    t = t.contiguous()
+    parts = [torch.empty_like(t) for _ in range(plan.tp_size)]
+    dist.all_gather(parts, t, group=plan.tp_group)
+    return torch.cat(parts, dim=-1)
+
+
+# ------------------------------------------------------------------------------------------------ per-chunk pieces
+def _row_top2(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Largest and second-largest value of every row of ``x [c, n]`` (duplicates count: a tie gives top1 == top2).
+
+    ``torch.topk``/``argmax`` over 76k columns cost ~5x a plain max on CPU, so: one ``amax`` over blocks of
+    `_TOP2_BLOCK` columns, top-2 among block maxima (small), then top-2 inside the winning block only. The second
+    largest is either the runner-up block's max or the runner-up inside the winning block. Returns exact elements
+    of ``x`` (-inf where the row has fewer than 2 entries)."""
+    c, n = x.shape
+    ninf = torch.tensor(float("-inf"), dtype=x.dtype, device=x.device)
+    if n <= _TOP2_BLOCK:
+        vals = torch.topk(x, min(2, n), dim=-1).values
+        top2 = vals[:, 1] if n >= 2 else ninf.expand(c)
+        return vals[:, 0], top2
+    q, rem = divmod(n, _TOP2_BLOCK)
+    block_max = x[:, : q * _TOP2_BLOCK].unflatten(1, (q, _TOP2_BLOCK)).amax(-1)  # [c, q]
+    if rem:
+        block_max = torch.cat([block_max, x[:, q * _TOP2_BLOCK :].amax(-1, keepdim=True)], dim=1)
+    bvals, bidx = torch.topk(block_max, 2, dim=-1)  # q + (rem > 0) >= 2 blocks here
+    cols = bidx[:, :1] * _TOP2_BLOCK + torch.arange(_TOP2_BLOCK, device=x.device)  # [c, B] columns of winning block
+    inside = x.gather(1, cols.clamp_max(n - 1))
+    inside = inside.masked_fill(cols >= n, ninf)  # the clamped tail duplicates must not fake a tie
+    in_vals = torch.topk(inside, 2, dim=-1).values
+    return bvals[:, 0], torch.maximum(bvals[:, 1], in_vals[:, 1])
+
+
+def _shifted(x: torch.Tensor, shift_x: torch.Tensor, inv_temp: float, out: torch.Tensor) -> torch.Tensor:
+    """``out = (x - shift_x) / temperature`` in the compute dtype (x may be bf16: the subtraction promotes to fp32
+    through the fp32 ``shift_x``; one pass)."""
+    torch.sub(x, shift_x.unsqueeze(-1), out=out)
+    if inv_temp != 1.0:
+        out.mul_(inv_temp)
+    return out
+
+
+def _rowdot(a: torch.Tensor, b: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
+    """sum_j a[:, j] * b[:, j] via a reusable temporary (no allocation of a [c, n] product)."""
+    return torch.mul(a, b, out=tmp).sum(-1)
+
+
+class _Buffers:
+    """Reusable [chunk, n_valid] temporaries of the compute dtype, allocated on first use."""
+
+    def __init__(self, rows: int, cols: int, dtype: torch.dtype, device: torch.device):
+        self.rows, self.cols, self.dtype, self.device = rows, cols, dtype, device
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, c: int) -> torch.Tensor:
+        buf = self._bufs.get(name)
+        if buf is None:
+            buf = self._bufs[name] = torch.empty(self.rows, self.cols, dtype=self.dtype, device=self.device)
+        return buf[:c]
+
+
+# -------------------------------------------------------------------------------------------------------- forward
+def _local_partials(logits: torch.Tensor, other: torch.Tensor | None, ids: torch.Tensor | None, plan: _Plan):
+    """One chunked pass over this shard: per-token partial statistics relative to the shard's row max.
+
+    Returns a dict of [T] tensors (compute dtype). Shifts are in z units (logits / temperature)."""
+    T = logits.shape[0]
+    n = plan.n_valid
+    dt = plan.compute_dtype
+    dev = logits.device
+    inv_t = 1.0 / plan.temperature
+    want = set(plan.want)
+    need_ez = "entropy" in want or "kl" in want  # sum_j e_j (z_j - m)
+    out: dict[str, torch.Tensor] = {}
+
+    def new(name: str, fill: float = 0.0) -> torch.Tensor:
+        out[name] = torch.full((T,), fill, dtype=dt, device=dev)
+        return out[name]
+
+    m_z, s_z = new("m_z", float("-inf")), new("s_z")
+    a_zz = new("a_zz") if need_ez else None
+    z_y = new("z_y") if "logprob" in want else None
+    top2 = new("top2", float("-inf")) if "margin" in want else None
+    if plan.need_kl:
+        m_w, s_w = new("m_w", float("-inf")), new("s_w")
+        a_zw = new("a_zw") if "kl" in want else None
+        a_ww = new("a_ww") if "kl_rev" in want else None
+        a_wz = new("a_wz") if "kl_rev" in want else None
+    if n == 0 or T == 0:  # this shard is all padding: contributes nothing (shift -inf, sums 0)
+        return out
+
+    bufs = _Buffers(min(plan.chunk_rows, T), n, dt, dev)
+    for a in range(0, T, plan.chunk_rows):
+        b = min(a + plan.chunk_rows, T)
+        c = b - a
+        x = logits[a:b, :n]  # a view; padded columns are simply not part of it
+        # Row max (and the runner-up for the margin) in logits units; exact elements of x.
+        if top2 is not None:
+            mx, second = _row_top2(x)
+            top2[a:b] = second.to(dt) * inv_t
+        else:
+            mx = x.amax(-1)
+        mx = mx.to(dt)
+        m_z[a:b] = mx * inv_t
+        d_z = _shifted(x, mx, inv_t, bufs.get("d_z", c))  # z - m  (<= 0)
+        if need_ez or plan.need_kl and "kl_rev" in want:
+            e_z = torch.exp(d_z, out=bufs.get("e_z", c))
+        else:
+            e_z = d_z.exp_()  # d_z no longer needed: exponentiate our own buffer in place
+        s_z[a:b] = e_z.sum(-1)
+        tmp = bufs.get("tmp", c) if (need_ez or plan.need_kl) else None
+        if a_zz is not None:
+            a_zz[a:b] = _rowdot(e_z, d_z, tmp)
+        if z_y is not None:
+            loc = ids[a:b] - plan.vocab_start
+            mine = (loc >= 0) & (loc < n)
+            picked = x.gather(1, loc.clamp(0, n - 1).unsqueeze(-1)).squeeze(-1).to(dt) * inv_t
+            z_y[a:b] = torch.where(mine, picked, torch.zeros((), dtype=dt, device=dev))
+        if plan.need_kl:
+            xw = other[a:b, :n]
+            mxw = xw.amax(-1).to(dt)
+            m_w[a:b] = mxw * inv_t
+            d_w = _shifted(xw, mxw, inv_t, bufs.get("d_w", c))
+            if a_zw is not None:
+                a_zw[a:b] = _rowdot(e_z, d_w, tmp)
+            e_w = torch.exp(d_w, out=bufs.get("e_w", c))
+            s_w[a:b] = e_w.sum(-1)
+            if a_ww is not None:
+                a_ww[a:b] = _rowdot(e_w, d_w, tmp)
+                a_wz[a:b] = _rowdot(e_w, d_z, tmp)
+    return out
+
+
+def _merge(part: dict[str, torch.Tensor], plan: _Plan) -> dict[str, torch.Tensor]:
+    """Exact merge of the shards' partials: all-reduce(MAX) of shifts, rescale, all-reduce(SUM), top-2 all-gather.
+
+    Returns global per-token values: the requested statistics plus ``lse_z`` (and ``lse_w``) for the backward."""
+    want = set(plan.want)
+    maxes = [part["m_z"]] + ([part["m_w"]] if plan.need_kl else [])
+    glob_max = _all_reduce_(torch.stack(maxes, dim=-1), dist.ReduceOp.MAX, plan)
+    M_z = glob_max[:, 0]
+    # Log-sum-exp merge: a partial taken relative to the shard's shift m_r is rescaled by exp(m_r - M) to the
+    # global shift M. A shard with no valid columns has m_r = -inf and zero partials: force its terms to 0
+    # explicitly (0 * (-inf) would be NaN).
+    has = part["s_z"] > 0
+    r_z = torch.exp(part["m_z"] - M_z)
+    dm_z = torch.where(has, part["m_z"] - M_z, torch.zeros_like(M_z))  # m_r - M (<= 0)
+    names, cols = ["s_z"], [part["s_z"] * r_z]
+    if "a_zz" in part:  # sum e (z - M) = sum e (z - m_r) + (m_r - M) sum e
+        names.append("a_zz")
+        cols.append((part["a_zz"] + dm_z * part["s_z"]) * r_z)
+    if "z_y" in part:
+        names.append("z_y")
+        cols.append(part["z_y"])  # only the owning shard is non-zero
+    if plan.need_kl:
+        M_w = glob_max[:, 1]
+        r_w = torch.exp(part["m_w"] - M_w)
+        dm_w = torch.where(has, part["m_w"] - M_w, torch.zeros_like(M_w))
+        names.append("s_w")
+        cols.append(part["s_w"] * r_w)
+        if "a_zw" in part:  # sum e_z (w - M_w)
+            names.append("a_zw")
+            cols.append((part["a_zw"] + dm_w * part["s_z"]) * r_z)
+        if "a_ww" in part:  # sum e_w (w - M_w), sum e_w (z - M_z)
+            names += ["a_ww", "a_wz"]
+            cols.append((part["a_ww"] + dm_w * part["s_w"]) * r_w)
+            cols.append((part["a_wz"] + dm_z * part["s_w"]) * r_w)
+    summed = _all_reduce_(torch.stack(cols, dim=-1), dist.ReduceOp.SUM, plan)
+    g = {name: summed[:, i] for i, name in enumerate(names)}
+
+    res: dict[str, torch.Tensor] = {}
+    log_s_z = torch.log(g["s_z"])
+    res["lse_z"] = M_z + log_s_z
+    if "logprob" in want:
+        res["logprob"] = (g["z_y"] - M_z) - log_s_z
+    mean_dz = g["a_zz"] / g["s_z"] if "a_zz" in g else None  # E_p[z] - M_z
+    if "entropy" in want:
+        res["entropy"] = log_s_z - mean_dz  # lse - E_p[z], both relative to M_z
+    if plan.need_kl:
+        log_s_w = torch.log(g["s_w"])
+        res["lse_w"] = M_w + log_s_w
+        if "kl" in want:  # E_p[log p] - E_p[log q]
+            res["kl"] = (mean_dz - log_s_z) - (g["a_zw"] / g["s_z"] - log_s_w)
+        if "kl_rev" in want:  # E_q[log q] - E_q[log p]
+            res["kl_rev"] = (g["a_ww"] / g["s_w"] - log_s_w) - (g["a_wz"] / g["s_w"] - log_s_z)
+    if "margin" in want:
+        # Global top-2 from every shard's local top-2 (its max is m_z): exact, ties give exactly 0.
+        local = torch.stack([part["m_z"], part["top2"]], dim=-1)
+        cand = _all_gather_rows(local, plan)
+        top = torch.topk(cand, 2, dim=-1).values
+        res["margin"] = torch.exp(top[:, 0] - res["lse_z"]) - torch.exp(top[:, 1] - res["lse_z"])
+    return res
+
+
+# ------------------------------------------------------------------------------------------------------- backward
+def _grad_coefficients(plan: _Plan, grads: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]):
+    """Per-token coefficients ([T], already divided by temperature; None = term absent) of
+
+        grad_z = p * (alpha + beta * log p + gamma * log q) - klr * q + lp * onehot(y)
+        grad_w = q * (alpha_w + klr * (log q - log p)) - kl * p
+
+    obtained by collecting the per-statistic formulas of the module docstring weighted by their upstream grads."""
+    inv_t = 1.0 / plan.temperature
+    g = {k: v.to(plan.compute_dtype) * inv_t for k, v in grads.items()}
+    lp, ent, kl, klr = g.get("logprob"), g.get("entropy"), g.get("kl"), g.get("kl_rev")
+
+    def total(*terms):
+        terms = [t for t in terms if t is not None]
+        return sum(terms[1:], terms[0]) if terms else None
+
+    return dict(
+        lp=lp,
+        kl=kl,
+        klr=klr,
+        alpha=total(
+            -lp if lp is not None else None,
+            -ent * saved["entropy"] if ent is not None else None,
+            -kl * saved["kl"] if kl is not None else None,
+            klr,
+        ),
+        beta=total(kl, -ent if ent is not None else None),
+        gamma=-kl if kl is not None else None,
+        alpha_w=total(kl, -klr * saved["kl_rev"] if klr is not None else None),
+    )
+
+
+def _backward(plan: _Plan, logits, other, ids, saved, grads, need_gz: bool, need_gw: bool):
+    T = logits.shape[0]
+    n = plan.n_valid
+    dt = plan.compute_dtype
+    inv_t = 1.0 / plan.temperature
+    co = _grad_coefficients(plan, grads, saved)
+    grad_z = torch.empty_like(logits, memory_format=torch.contiguous_format) if need_gz else None
+    grad_w = torch.empty_like(other, memory_format=torch.contiguous_format) if need_gw else None
+    for gt in (grad_z, grad_w):
+        if gt is not None and n < gt.shape[1]:
+            gt[:, n:] = 0  # padded vocabulary entries get zero gradient
+    if n == 0 or T == 0:
+        return grad_z, grad_w
+    # log q is needed when the z-gradient has a KL term, or for any w-gradient; q itself when kl_rev flows to z, or
+    # for the w-gradient.
+    need_logq = (need_gz and co["gamma"] is not None) or need_gw
+    need_q = (need_gz and co["klr"] is not None) or need_gw
+    need_logp_kept = (need_gz and co["beta"] is not None) or need_gw
+    lse_z = saved["lse_z"]
+    lse_w = saved.get("lse_w")
+    bufs = _Buffers(min(plan.chunk_rows, T), n, dt, logits.device)
+    for a in range(0, T, plan.chunk_rows):
+        b = min(a + plan.chunk_rows, T)
+        c = b - a
+        x = logits[a:b, :n]
+        logp = _shifted(x, lse_z[a:b] * plan.temperature, inv_t, bufs.get("logp", c))  # z - lse
+        p = torch.exp(logp, out=bufs.get("p", c)) if need_logp_kept else logp.exp_()
+        logq = q = None
+        if need_logq or need_q:
+            xw = other[a:b, :n]
+            logq = _shifted(xw, lse_w[a:b] * plan.temperature, inv_t, bufs.get("logq", c))
+            if need_q:
+                q = torch.exp(logq, out=bufs.get("q", c))
+        if need_gw:
+            # grad_w = q * (alpha_w + klr * (log q - log p)) - kl * p
+            t = bufs.get("tw", c)
+            if co["klr"] is not None:
+                torch.sub(logq, logp, out=t).mul_(co["klr"][a:b, None]).add_(co["alpha_w"][a:b, None])
+                gw = t.mul_(q)
+            else:
+                gw = torch.mul(q, co["alpha_w"][a:b, None], out=t)
+            if co["kl"] is not None:
+                gw.addcmul_(p, co["kl"][a:b, None], value=-1.0)
+            grad_w[a:b, :n] = gw
+        if need_gz:
+            gz_view = grad_z[a:b, :n]
+            same_dtype = grad_z.dtype == dt
+            target = gz_view if same_dtype else bufs.get("gz", c)
+            if co["beta"] is not None:
+                # factor = alpha + beta * log p (+ gamma * log q), built in the log p buffer (ours)
+                factor = logp.mul_(co["beta"][a:b, None])
+                if co["alpha"] is not None:
+                    factor.add_(co["alpha"][a:b, None])
+                if co["gamma"] is not None:
+                    factor.addcmul_(logq, co["gamma"][a:b, None])
+                torch.mul(p, factor, out=target)
+            elif co["alpha"] is not None:
+                torch.mul(p, co["alpha"][a:b, None], out=target)
+            else:
+                target.zero_()
+            if co["klr"] is not None:
+                target.addcmul_(q, co["klr"][a:b, None], value=-1.0)
+            if co["lp"] is not None:
+                loc = ids[a:b] - plan.vocab_start
+                mine = (loc >= 0) & (loc < n)
+                rows = torch.nonzero(mine).squeeze(-1)
+                target[rows, loc[rows]] += co["lp"][a:b][rows]
+            if not same_dtype:
+                gz_view.copy_(target)
+    return grad_z, grad_w
+
+
+class _TokenStats(torch.autograd.Function):
+    """Chunked fused forward, recompute-in-backward. Outputs are in ``plan.want`` order."""
+
+    @staticmethod
+    def forward(ctx, logits, other, ids, plan: _Plan):
+        part = _local_partials(logits, other, ids, plan)
+        res = _merge(part, plan)
+        saved_names = ["lse_z"] + [k for k in ("lse_w", "entropy", "kl", "kl_rev") if k in res]
+        ctx.plan = plan
+        ctx.saved_names = saved_names
+        ctx.save_for_backward(logits, other, ids, *[res[k] for k in saved_names])
+        ctx.set_materialize_grads(False)
+        outs = tuple(res[k].clone() for k in plan.want)  # clones: callers may modify outputs in place
+        if "margin" in plan.want:
+            ctx.mark_non_differentiable(outs[plan.want.index("margin")])
+        return outs
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grad_outs):
+        plan: _Plan = ctx.plan
+        logits, other, ids, *stats = ctx.saved_tensors
+        saved = dict(zip(ctx.saved_names, stats))
+        grads = {k: g for k, g in zip(plan.want, grad_outs) if k != "margin" and g is not None}
+        need_gz, need_gw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if not grads:
+            return None, None, None, None
+        need_gw = need_gw and ("kl" in grads or "kl_rev" in grads)
+        grad_z, grad_w = _backward(plan, logits, other, ids, saved, grads, need_gz, need_gw)
+        return grad_z, grad_w, None, None
+
+
+# ------------------------------------------------------------------------------------------------------ public API
+def _group_rank_size(tp_group) -> tuple[int, int]:
+    if tp_group is None:
+        return 0, 1
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("tp_group was given but torch.distributed is not initialised")
+    return dist.get_rank(group=tp_group), dist.get_world_size(group=tp_group)
+
+
+def vocab_parallel_token_stats(
+    logits_TV: torch.Tensor,
+    *,
+    tp_group=None,
+    token_ids_T: torch.Tensor | None = None,
+    other_logits_TV: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    vocab_size: int | None = None,
+    want: Sequence[str] = ("logprob",),
+    chunk_size: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """Per-token statistics over the FULL vocabulary from this rank's logits shard, in one fused pass.
+
+    Args:
+        logits_TV: this rank's shard ``[T, V/tp]`` (leading dims ``[..., V/tp]`` are flattened and restored),
+            bf16/fp16/fp32/fp64. Rank r of ``tp_group`` owns global ids ``[r * V/tp, (r+1) * V/tp)``. Never modified.
+        tp_group: the tensor-parallel process group, or None for one unsharded shard (no communication; None never
+            means the default WORLD group).
+        token_ids_T: global token ids ``[T]`` (integer), needed for "logprob"; must lie in ``[0, vocab_size)``.
+        other_logits_TV: second distribution's shard (same shape, e.g. reference or old-policy logits), needed for
+            "kl" and "kl_rev"; scaled by the same temperature. Gradients flow to it if it requires grad.
+        temperature: logits are divided by it (> 0).
+        vocab_size: true vocabulary size; global ids ``>= vocab_size`` are padding, excluded from every result and
+            given zero gradient. Default: all ``tp x V/tp`` columns are real.
+        want: any subset of `STAT_NAMES`: "logprob", "entropy", "margin" (p1 - p2, detached), "kl" (KL(pi||other)),
+            "kl_rev" (KL(other||pi)).
+        chunk_size: tokens per chunk; extra memory is a few ``chunk_size x V/tp`` compute-dtype buffers. Default
+            (None): about 2M elements per buffer on CPU (cache-sized), 64M on GPU.
+
+    Returns:
+        dict name -> ``[T]`` (or the leading shape) tensor, fp32 (fp64 for fp64 inputs), identical on all TP ranks.
+        "logprob", "entropy", "kl", "kl_rev" are differentiable w.r.t. the logits; "margin" is not (see module doc).
+
+    Raises:
+        ValueError: on a bad argument, naming it; or if a result is NaN/inf (non-finite logits).
+    """
+    if not torch.is_tensor(logits_TV) or logits_TV.dim() < 1 or not logits_TV.is_floating_point():
+        raise ValueError(f"logits_TV must be a floating-point tensor [..., V/tp], got {_describe(logits_TV)}")
+    want_t = tuple(dict.fromkeys(want))  # ordered, de-duplicated
+    if isinstance(want, str) or not want_t:
+        raise ValueError(f"want must be a non-empty sequence of names from {STAT_NAMES}, got {want!r}")
+    unknown = [w for w in want_t if w not in STAT_NAMES]
+    if unknown:
+        raise ValueError(f"want has unknown statistic(s) {unknown}; available: {STAT_NAMES}")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    lead, v_local = tuple(logits_TV.shape[:-1]), logits_TV.shape[-1]
+    if v_local < 1:
+        raise ValueError("logits_TV has an empty vocabulary dimension")
+    tp_rank, tp_size = _group_rank_size(tp_group)
+    padded = v_local * tp_size
+    if vocab_size is None:
+        vocab_size = padded
+    if not isinstance(vocab_size, int) or not 1 <= vocab_size <= padded:
+        raise ValueError(f"vocab_size must be an int in [1, tp * V/tp = {padded}], got {vocab_size!r}")
+    logits = logits_TV.reshape(-1, v_local)
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    other = None
+    if "kl" in want_t or "kl_rev" in want_t:
+        if other_logits_TV is None:
+            raise ValueError('"kl"/"kl_rev" need other_logits_TV (the second distribution\'s logits shard)')
+        if not torch.is_tensor(other_logits_TV) or not other_logits_TV.is_floating_point():
+            raise ValueError(f"other_logits_TV must be a floating-point tensor, got {_describe(other_logits_TV)}")
+        if other_logits_TV.shape != logits_TV.shape:
+            raise ValueError(
+                f"other_logits_TV shape {tuple(other_logits_TV.shape)} != logits_TV shape {tuple(logits_TV.shape)}"
+            )
+        if other_logits_TV.device != logits_TV.device:
+            raise ValueError(f"other_logits_TV is on {other_logits_TV.device}, logits_TV on {logits_TV.device}")
+        other = other_logits_TV.reshape(-1, v_local)
+        if other.stride(-1) != 1:
+            other = other.contiguous()
+    ids = None
+    if "logprob" in want_t:
+        if token_ids_T is None:
+            raise ValueError('"logprob" needs token_ids_T (global token ids, shape logits_TV.shape[:-1])')
+        if not torch.is_tensor(token_ids_T) or token_ids_T.is_floating_point() or token_ids_T.is_complex():
+            raise ValueError(f"token_ids_T must be an integer tensor, got {_describe(token_ids_T)}")
+        if tuple(token_ids_T.shape) != lead:
+            raise ValueError(f"token_ids_T shape {tuple(token_ids_T.shape)} != logits_TV.shape[:-1] {lead}")
+        ids = token_ids_T.reshape(-1).to(device=logits.device, dtype=torch.long)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+            raise ValueError(
+                f"token_ids_T must lie in [0, vocab_size={vocab_size}); got range [{int(ids.min())}, {int(ids.max())}]"
+            )
+    compute_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    n_valid = max(0, min(v_local, vocab_size - tp_rank * v_local))
+    if chunk_size is None:
+        budget = _GPU_CHUNK_ELEMENTS if logits.is_cuda else _CPU_CHUNK_ELEMENTS
+        chunk_rows = max(1, budget // max(1, n_valid))
+    elif isinstance(chunk_size, int) and chunk_size >= 1:
+        chunk_rows = chunk_size
+    else:
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    plan = _Plan(
+        want=want_t,
+        temperature=float(temperature),
+        tp_group=tp_group,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        vocab_start=tp_rank * v_local,
+        n_valid=n_valid,
+        chunk_rows=chunk_rows,
+        compute_dtype=compute_dtype,
+    )
+    outs = _TokenStats.apply(logits, other, ids, plan)
+    result = {}
+    for name, t in zip(want_t, outs):
+        if t.numel() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).nonzero()[0, 0])
+            raise ValueError(
+                f"vocab_parallel_token_stats: {name} is non-finite at token {bad}; logits_TV"
+                + (" or other_logits_TV" if other is not None else "")
+                + " contain NaN/inf"
+            )
+        result[name] = t.reshape(lead)
+    return result
+
+
+def _describe(t) -> str:
+    if torch.is_tensor(t):
+        return f"tensor(shape={tuple(t.shape)}, dtype={t.dtype})"
+    return type(t).__name__
+
+
+def vocab_parallel_logprobs(
+    logits_TV, token_ids_T, tp_group=None, temperature=1.0, vocab_size=None, chunk_size=None
+) -> torch.Tensor:
+    """log pi(token) over the full vocabulary: ``[T]`` fp32, differentiable. See `vocab_parallel_token_stats`."""
+    return vocab_parallel_token_stats(
+        logits_TV,
+        tp_group=tp_group,
+        token_ids_T=token_ids_T,
+        temperature=temperature,
+        vocab_size=vocab_size,
+        want=("logprob",),
+        chunk_size=chunk_size,
+    )["logprob"]
+
+
+def vocab_parallel_entropy(logits_TV, tp_group=None, temperature=1.0, vocab_size=None, chunk_size=None):
+    """Entropy of pi over the full vocabulary: ``[T]`` fp32, differentiable."""
+    return vocab_parallel_token_stats(
+        logits_TV,
+        tp_group=tp_group,
+        temperature=temperature,
+        vocab_size=vocab_size,
+        want=("entropy",),
+        chunk_size=chunk_size,
+    )["entropy"]
+
+
+def vocab_parallel_top2_margin(logits_TV, tp_group=None, temperature=1.0, vocab_size=None, chunk_size=None):
+    """p_(1) - p_(2) of pi over the full vocabulary: ``[T]`` fp32, detached (a stop-gradient credit weight)."""
+    return vocab_parallel_token_stats(
+        logits_TV,
+        tp_group=tp_group,
+        temperature=temperature,
+        vocab_size=vocab_size,
+        want=("margin",),
+        chunk_size=chunk_size,
+    )["margin"]
+
+
+def vocab_parallel_kl(
+    logits_TV, other_logits_TV, tp_group=None, temperature=1.0, vocab_size=None, reverse=False, chunk_size=None
+):
+    """Exact KL(pi || other) (or KL(other || pi) with ``reverse=True``) per token: ``[T]`` fp32, differentiable
+    w.r.t. both logits."""
+    key = "kl_rev" if reverse else "kl"
+    return vocab_parallel_token_stats(
+        logits_TV,
+        tp_group=tp_group,
+        other_logits_TV=other_logits_TV,
+        temperature=temperature,
+        vocab_size=vocab_size,
+        want=(key,),
+        chunk_size=chunk_size,
+    )[key]

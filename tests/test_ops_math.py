@@ -1,0 +1,303 @@
+"""Single-process checks of megatron_rlvr.ops against float64 full-vocabulary torch references.
+
+The op runs unsharded here (tp_group=None); the multi-rank TP=2/4 checks are in test_ops_tp.py and share the
+reference in `reference_stats`. Each test names the behaviour it checks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megatron_rlvr.ops import (
+    kl_estimator,
+    vocab_parallel_entropy,
+    vocab_parallel_kl,
+    vocab_parallel_logprobs,
+    vocab_parallel_token_stats,
+    vocab_parallel_top2_margin,
+)
+
+ALL = ("logprob", "entropy", "margin", "kl", "kl_rev")
+DIFFERENTIABLE = ("logprob", "entropy", "kl", "kl_rev")
+
+
+def reference_stats(x, w, ids, temperature, vocab_size):
+    """float64 full-vocabulary reference, straight from the definitions (autograd gives reference gradients).
+    x, w: full padded logits [T, Vp]; only columns < vocab_size are the distribution."""
+    z = x.double()[:, :vocab_size] / temperature
+    lp = torch.log_softmax(z, -1)
+    p = lp.exp()
+    out = {"entropy": -(p * lp).sum(-1)}
+    top = p.topk(min(2, vocab_size), -1).values
+    out["margin"] = (top[:, 0] - top[:, 1]) if vocab_size > 1 else top[:, 0]
+    if ids is not None:
+        out["logprob"] = lp.gather(1, ids[:, None]).squeeze(1)
+    if w is not None:
+        lq = torch.log_softmax(w.double()[:, :vocab_size] / temperature, -1)
+        q = lq.exp()
+        out["kl"] = (p * (lp - lq)).sum(-1)
+        out["kl_rev"] = (q * (lq - lp)).sum(-1)
+    return out
+
+
+def make_case(T, V, dtype, seed=0, scale=3.0, padded_to=None):
+    g = torch.Generator().manual_seed(seed)
+    Vp = padded_to or V
+    x = (torch.randn(T, Vp, generator=g, dtype=torch.float64) * scale).to(dtype)
+    w = (x.double() + torch.randn(T, Vp, generator=g, dtype=torch.float64)).to(dtype)
+    ids = torch.randint(0, V, (T,), generator=g)
+    weights = {k: torch.randn(T, generator=g, dtype=torch.float64) for k in ALL}
+    return x, w, ids, weights
+
+
+def grads_of(outs, weights, inputs):
+    loss = sum((outs[k].double() * weights[k]).sum() for k in outs if k in DIFFERENTIABLE)
+    return torch.autograd.grad(loss, inputs, allow_unused=True)
+
+
+# Tolerances: fp32 compute vs fp64 reference. bf16 inputs are upcast exactly, so the reference is computed from
+# the same bf16 values and only fp32 accumulation error remains.
+TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 2e-5}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_fused_all_stats_forward_backward_match_fp64_reference(dtype, temperature):
+    """Every statistic and the gradients w.r.t. BOTH logits inputs equal the fp64 full-vocab reference, with a
+    chunk size that does not divide T (several chunks plus a ragged last one)."""
+    T, V = 23, 517
+    x, w, ids, wt = make_case(T, V, dtype)
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    out = vocab_parallel_token_stats(
+        x, token_ids_T=ids, other_logits_TV=w, temperature=temperature, want=ALL, chunk_size=5
+    )
+    ref = reference_stats(x.detach(), w.detach(), ids, temperature, V)
+    xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref_g = reference_stats(xr, wr, ids, temperature, V)
+    tol = TOL[dtype]
+    for k in ALL:
+        assert out[k].dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+        torch.testing.assert_close(out[k].double(), ref[k], atol=tol, rtol=tol, msg=k)
+    gx, gw = grads_of(out, wt, (x, w))
+    rx, rw = grads_of(ref_g, wt, (xr, wr))
+    assert gx.dtype == dtype and gw.dtype == dtype
+    # a bf16 gradient is the exact one rounded to bf16: within 2^-8 relative (plus fp32 accumulation error)
+    gtol = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 2e-5}[dtype]
+    grel = 2.0**-8 if dtype == torch.bfloat16 else gtol
+    torch.testing.assert_close(gx.double(), rx, atol=gtol, rtol=grel)
+    torch.testing.assert_close(gw.double(), rw, atol=gtol, rtol=grel)
+
+
+@pytest.mark.parametrize("key", DIFFERENTIABLE)
+def test_each_stat_alone_has_exact_gradient(key):
+    """A single requested statistic (not only the fused set) back-propagates its own exact gradient; the second
+    logits input gets a gradient exactly when the statistic depends on it."""
+    T, V = 9, 300
+    x, w, ids, wt = make_case(T, V, torch.float64, seed=3)
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    out = vocab_parallel_token_stats(x, token_ids_T=ids, other_logits_TV=w, temperature=1.3, want=(key,))
+    xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ref = reference_stats(xr, wr, ids, 1.3, V)
+    gx, gw = grads_of(out, wt, (x, w))
+    rx, rw = grads_of({key: ref[key]}, wt, (xr, wr))
+    torch.testing.assert_close(gx, rx, atol=1e-11, rtol=1e-10)
+    if key in ("kl", "kl_rev"):
+        torch.testing.assert_close(gw, rw, atol=1e-11, rtol=1e-10)
+    else:
+        assert gw is None and rw is None
+
+
+def test_gradcheck_fp64():
+    """Numerical differentiation (torch.autograd.gradcheck) agrees with the analytic backward for the fused call,
+    with padding and temperature."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 12, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(4, 12, dtype=torch.float64, generator=g, requires_grad=True)
+    ids = torch.tensor([0, 3, 9, 5])
+
+    def f(a, b):
+        o = vocab_parallel_token_stats(
+            a, token_ids_T=ids, other_logits_TV=b, temperature=0.8, vocab_size=10, want=ALL, chunk_size=3
+        )
+        return tuple(o[k] for k in DIFFERENTIABLE)
+
+    assert torch.autograd.gradcheck(f, (x, w), eps=1e-6, atol=1e-7)
+
+
+def test_padded_vocab_does_not_leak():
+    """Columns with global id >= vocab_size (megatron's padding) change no result and get zero gradient, even
+    when they hold huge values."""
+    T, V, Vp = 6, 1000, 1024
+    x, w, ids, wt = make_case(T, V, torch.float32, padded_to=Vp)
+    x[:, V:] = 1e4  # would dominate every statistic if it leaked
+    w[:, V:] = -1e4
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    out = vocab_parallel_token_stats(x, token_ids_T=ids, other_logits_TV=w, vocab_size=V, want=ALL, chunk_size=4)
+    ref = reference_stats(x.detach(), w.detach(), ids, 1.0, V)
+    for k in ALL:
+        torch.testing.assert_close(out[k].double(), ref[k], atol=2e-5, rtol=2e-5, msg=k)
+    gx, gw = grads_of(out, wt, (x, w))
+    assert torch.all(gx[:, V:] == 0) and torch.all(gw[:, V:] == 0)
+
+
+def test_exact_top2_ties_give_zero_margin():
+    """Two equal largest logits (in one row, possibly far apart in the vocab) give a margin of exactly 0; a
+    unique max gives p1 - p2 > 0 equal to the reference; bf16 ties as well."""
+    T, V = 4, 2000
+    x = torch.randn(T, V, dtype=torch.float64) * 2
+    x[0, 5] = x[0, 1900] = 9.0  # tie across distant blocks
+    x[1, 300] = x[1, 301] = 9.0  # tie inside one block
+    x[2, :] = 0.0  # uniform row: everything ties
+    x[3, 7] = 9.0  # unique max
+    for dtype in (torch.float32, torch.bfloat16):
+        m = vocab_parallel_top2_margin(x.to(dtype), temperature=0.6)
+        assert m[0].item() == 0.0 and m[1].item() == 0.0 and m[2].item() == 0.0
+        ref = reference_stats(x.to(dtype), None, None, 0.6, V)["margin"]
+        assert m[3].item() > 0
+        torch.testing.assert_close(m.double(), ref, atol=1e-6, rtol=1e-5)
+
+
+def test_margin_is_detached():
+    """The margin is a stop-gradient weight: it does not require grad even when the logits do."""
+    x = torch.randn(3, 50, requires_grad=True)
+    out = vocab_parallel_token_stats(x, want=("margin", "entropy"))
+    assert not out["margin"].requires_grad and out["entropy"].requires_grad
+
+
+def test_masked_tokens_get_zero_gradient_and_inputs_are_unchanged():
+    """A loss mask multiplying the outputs zeroes the gradient on masked rows exactly; neither logits input is
+    modified (checked bitwise, fp32 and bf16)."""
+    T, V = 10, 400
+    for dtype in (torch.float32, torch.bfloat16):
+        x, w, ids, _ = make_case(T, V, dtype, seed=7)
+        x0, w0 = x.clone(), w.clone()
+        x.requires_grad_(True)
+        w.requires_grad_(True)
+        mask = torch.tensor([1, 0, 1, 1, 0, 0, 1, 0, 1, 1], dtype=torch.float32)
+        out = vocab_parallel_token_stats(x, token_ids_T=ids, other_logits_TV=w, want=ALL, chunk_size=3)
+        loss = sum((out[k] * mask).sum() for k in DIFFERENTIABLE)
+        loss.backward()
+        masked = mask == 0
+        assert torch.all(x.grad[masked] == 0) and torch.all(w.grad[masked] == 0)
+        assert torch.all(x.grad[~masked].abs().sum(-1) > 0)
+        assert torch.equal(x.detach(), x0) and torch.equal(w.detach(), w0)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 64, None])
+def test_chunked_equals_unchunked(chunk):
+    """Results and gradients do not depend on the chunk size (1 token per chunk up to one chunk for all)."""
+    T, V = 17, 700
+    x, w, ids, wt = make_case(T, V, torch.float32, seed=11)
+
+    def run(cs):
+        a, b = x.clone().requires_grad_(), w.clone().requires_grad_()
+        o = vocab_parallel_token_stats(a, token_ids_T=ids, other_logits_TV=b, want=ALL, chunk_size=cs)
+        return o, grads_of(o, wt, (a, b))
+
+    o1, g1 = run(chunk)
+    o2, g2 = run(T)
+    for k in ALL:
+        torch.testing.assert_close(o1[k], o2[k], atol=1e-6, rtol=1e-6)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-6)
+
+
+def test_wrappers_and_leading_dims():
+    """The convenience wrappers equal the fused call, and [S, B, V] inputs keep their leading shape."""
+    S, B, V = 3, 4, 90
+    x = torch.randn(S, B, V)
+    w = torch.randn(S, B, V)
+    ids = torch.randint(0, V, (S, B))
+    out = vocab_parallel_token_stats(x, token_ids_T=ids, other_logits_TV=w, want=ALL)
+    assert all(v.shape == (S, B) for v in out.values())
+    torch.testing.assert_close(vocab_parallel_logprobs(x, ids), out["logprob"])
+    torch.testing.assert_close(vocab_parallel_entropy(x), out["entropy"])
+    torch.testing.assert_close(vocab_parallel_top2_margin(x), out["margin"])
+    torch.testing.assert_close(vocab_parallel_kl(x, w), out["kl"])
+    torch.testing.assert_close(vocab_parallel_kl(x, w, reverse=True), out["kl_rev"])
+
+
+def test_extreme_logits_stay_finite_and_exact():
+    """Large-magnitude logits (max-shift needed), a one-hot-like row and T=0 are handled."""
+    x = torch.tensor([[1000.0, 999.0, -1000.0, 0.0], [-500.0, -501.0, -502.0, -503.0], [0.0, 0.0, 0.0, 0.0]])
+    ids = torch.tensor([0, 3, 2])
+    out = vocab_parallel_token_stats(x, token_ids_T=ids, want=("logprob", "entropy", "margin"))
+    ref = reference_stats(x, None, ids, 1.0, 4)
+    for k in out:
+        torch.testing.assert_close(out[k].double(), ref[k], atol=1e-5, rtol=1e-5)
+    empty = vocab_parallel_token_stats(torch.zeros(0, 8, requires_grad=True), token_ids_T=torch.zeros(0).long())
+    assert empty["logprob"].shape == (0,)
+
+
+def test_bad_arguments_raise_clear_errors():
+    """Bad input gets a ValueError naming the argument."""
+    x = torch.randn(4, 10)
+    ids = torch.tensor([0, 1, 2, 3])
+    cases = [
+        (dict(want=("logprob",)), "token_ids_T"),
+        (dict(want=("kl",)), "other_logits_TV"),
+        (dict(want=("bogus",)), "unknown"),
+        (dict(want=()), "want"),
+        (dict(want="entropy"), "want"),
+        (dict(want=("entropy",), temperature=0.0), "temperature"),
+        (dict(want=("entropy",), vocab_size=11), "vocab_size"),
+        (dict(want=("entropy",), chunk_size=0), "chunk_size"),
+        (dict(want=("logprob",), token_ids_T=torch.tensor([0, 1, 2, 10])), "token_ids_T"),
+        (dict(want=("logprob",), token_ids_T=ids, vocab_size=3), "vocab_size=3"),
+        (dict(want=("logprob",), token_ids_T=ids.float()), "integer"),
+        (dict(want=("kl",), other_logits_TV=torch.randn(4, 9)), "shape"),
+    ]
+    for kwargs, needle in cases:
+        with pytest.raises(ValueError, match=needle):
+            vocab_parallel_token_stats(x, **kwargs)
+    bad = x.clone()
+    bad[2, 3] = float("nan")
+    with pytest.raises(ValueError, match="non-finite at token 2"):
+        vocab_parallel_entropy(bad)
+    with pytest.raises(ValueError, match="logits_TV"):
+        vocab_parallel_entropy(torch.arange(10))
+
+
+# ----------------------------------------------------------------------------------------------- KL estimators
+def test_kl_estimators_match_formulas_and_are_unbiased():
+    """k1/k2/k3 equal their closed forms; sampled from pi, k1 and k3 average to the exact KL(pi || ref)
+    (Schulman 2020), k3 and k2 are >= 0."""
+    g = torch.Generator().manual_seed(0)
+    logp = torch.randn(50, generator=g, dtype=torch.float64) - 3
+    logq = torch.randn(50, generator=g, dtype=torch.float64) - 3
+    d = logp - logq
+    torch.testing.assert_close(kl_estimator(logp, logq, "k1", clamp=None), d)
+    torch.testing.assert_close(kl_estimator(logp, logq, "k2", clamp=None), 0.5 * d**2)
+    torch.testing.assert_close(kl_estimator(logp, logq, "k3", clamp=None), torch.exp(-d) + d - 1)
+    assert (kl_estimator(logp, logq, "k3") >= 0).all()
+    # unbiasedness on a small categorical distribution, exact expectation over its support
+    zp, zq = torch.randn(7, generator=g, dtype=torch.float64), torch.randn(7, generator=g, dtype=torch.float64)
+    lp, lq = zp.log_softmax(0), zq.log_softmax(0)
+    exact = (lp.exp() * (lp - lq)).sum()
+    for kind in ("k1", "k3"):
+        est = (lp.exp() * kl_estimator(lp, lq, kind, clamp=None)).sum()
+        torch.testing.assert_close(est, exact)
+
+
+def test_kl_estimator_clamp_and_errors():
+    """clamp bounds log r before exp (k3 stays finite for a huge ratio); bad kind/shape/clamp raise."""
+    logp = torch.tensor([-200.0, -1.0])
+    logq = torch.tensor([-1.0, -1.0])
+    k3 = kl_estimator(logp, logq, "k3", clamp=20.0)
+    assert torch.isfinite(k3).all()
+    assert math.isclose(k3[0].item(), math.expm1(20.0) - 20.0, rel_tol=1e-6)
+    assert torch.isinf(kl_estimator(logp, logq, "k3", clamp=None)[0])
+    lp = torch.tensor([-1.0, -2.0], requires_grad=True)
+    kl_estimator(lp, torch.tensor([-1.5, -1.0]), "k3").sum().backward()
+    torch.testing.assert_close(lp.grad, 1 - torch.exp(torch.tensor([-0.5, 1.0])))  # d/dlogp [e^{-d} + d - 1]
+    with pytest.raises(ValueError, match="kind"):
+        kl_estimator(logp, logq, "k4")
+    with pytest.raises(ValueError, match="shape"):
+        kl_estimator(logp, logq[:1], "k1")
+    with pytest.raises(ValueError, match="clamp"):
+        kl_estimator(logp, logq, "k1", clamp=0)

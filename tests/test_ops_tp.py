@@ -1,0 +1,152 @@
+"""Multi-rank (gloo) checks of the vocab-parallel token statistics at TP = 2 and 4.
+
+Every rank builds the same full-vocabulary logits, keeps its TP shard, runs the op, and compares results and its
+gradient shard with the float64 full-vocabulary reference of test_ops_math (and, for log-probs, with
+megatron-core's own vocab_parallel_cross_entropy). All checks of one TP size run in ONE call on the shared 4-rank
+pool (at TP=2 the two data-parallel replicas simply repeat the checks). Ranks return per-check errors; the test
+asserts them here so a failure names the check."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_ops_math import ALL, grads_of, make_case, reference_stats
+
+from megatron_rlvr.ops import vocab_parallel_token_stats
+
+
+def _shard(t, rank, tp):
+    v = t.shape[-1] // tp
+    return t[..., rank * v : (rank + 1) * v]
+
+
+def _padded(V, tp):
+    """megatron's padding: a multiple of 128 * tp."""
+    m = 128 * tp
+    return (V + m - 1) // m * m
+
+
+def _grad_err(g, ref):
+    """Max abs error; for a bf16 gradient, the error beyond bf16's rounding of the exact value (2^-8 relative)."""
+    err = (g.double() - ref).abs()
+    if g.dtype == torch.bfloat16:
+        err = err - 2.0**-8 * ref.abs()
+    return err.max().item()
+
+
+def _check_against_reference(name, group, rank, tp, T, V, dtype, temperature, chunk, errs, tie_rows=False):
+    Vp = _padded(V, tp)
+    x, w, ids, wt = make_case(T, V, dtype, seed=T + V, padded_to=Vp)
+    x[:, V:] = 50.0  # padding holds large garbage: must not leak
+    if tie_rows:
+        x[0, :] = x[0, :].clamp_max(1.0)
+        x[0, 3] = x[0, Vp // tp + 5] = 8.0  # top-2 tie across two shards
+        x[1, :] = x[1, :].clamp_max(1.0)
+        x[1, V - 2] = x[1, V - 3] = 8.0  # tie inside the last valid shard
+    mask = (torch.arange(T) % 3 != 1).double()  # every third token masked out
+    wt = {k: v * mask for k, v in wt.items()}
+    xs, ws = _shard(x, rank, tp).clone(), _shard(w, rank, tp).clone()
+    xs0, ws0 = xs.clone(), ws.clone()
+    xs.requires_grad_(True)
+    ws.requires_grad_(True)
+    out = vocab_parallel_token_stats(
+        xs,
+        tp_group=group,
+        token_ids_T=ids,
+        other_logits_TV=ws,
+        temperature=temperature,
+        vocab_size=V,
+        want=ALL,
+        chunk_size=chunk,
+    )
+    xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
+    ref = reference_stats(xr, wr, ids, temperature, V)
+    for k in ALL:
+        errs[f"{name}/{k}"] = (out[k].double() - ref[k].detach()).abs().max().item()
+    gx, gw = grads_of(out, wt, (xs, ws))
+    rx, rw = grads_of(ref, wt, (xr, wr))
+    errs[f"{name}/grad_logits"] = _grad_err(gx, _shard(rx, rank, tp))
+    errs[f"{name}/grad_other"] = _grad_err(gw, _shard(rw, rank, tp))
+    masked = mask == 0
+    errs[f"{name}/grad_on_masked_rows"] = max(gx[masked].abs().max().item(), gw[masked].abs().max().item())
+    pad_from = max(0, min(Vp // tp, V - rank * (Vp // tp)))  # this shard's first padding column
+    errs[f"{name}/grad_on_padding"] = float(gx[:, pad_from:].abs().sum() + gw[:, pad_from:].abs().sum())
+    errs[f"{name}/input_changed"] = float(not (torch.equal(xs.detach(), xs0) and torch.equal(ws.detach(), ws0)))
+    if tie_rows:
+        errs[f"{name}/tie_margin"] = max(abs(out["margin"][0].item()), abs(out["margin"][1].item()))
+    return out, (gx, gw)
+
+
+def _megatron_reference(group, rank, tp, dtype, errs):
+    """megatron-core's vocab_parallel_cross_entropy (reads megatron's TP group: the harness initialised it) gives
+    -logprob and, for loss weights g, the gradient of sum(g * -logprob)."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    T, V = 12, 256 * tp
+    x, _, ids, wt = make_case(T, V, dtype, seed=99)
+    xs = _shard(x, rank, tp).clone()
+    xm = xs.clone().requires_grad_(True)  # megatron may modify its input in place: give it its own copy
+    loss = vocab_parallel_cross_entropy(xm, ids)
+    (loss * wt["logprob"].to(loss.dtype)).sum().backward()
+    xo = xs.clone().requires_grad_(True)
+    lp = vocab_parallel_token_stats(xo, tp_group=group, token_ids_T=ids, want=("logprob",))["logprob"]
+    (-lp * wt["logprob"].float()).sum().backward()
+    errs[f"megatron_{dtype}/logprob"] = (lp.double() + loss.double()).abs().max().item()
+    errs[f"megatron_{dtype}/grad"] = _grad_err(xo.grad, xm.grad.double())
+
+
+def _tp_checks():
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_tensor_model_parallel_group()
+    rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    errs: dict[str, float] = {}
+    # fp32 + temperature + padded vocab (V=1000 -> 1024) + ties + masking, several chunks
+    _check_against_reference("fp32_t0.7_pad", group, rank, tp, 11, 1000, torch.float32, 0.7, 4, errs, tie_rows=True)
+    # bf16 inputs, fp32 accumulation
+    _check_against_reference("bf16_t1.0", group, rank, tp, 9, 512 * tp, torch.bfloat16, 1.0, None, errs)
+    # fp64: exactness of the merge itself; V=300 at tp=4 pads to 512, so the last shard is ALL padding
+    out_c, g_c = _check_against_reference("fp64_t1.3_pad", group, rank, tp, 10, 300, torch.float64, 1.3, 3, errs)
+    out_u, g_u = _check_against_reference(
+        "fp64_t1.3_pad_1chunk", group, rank, tp, 10, 300, torch.float64, 1.3, 10, errs
+    )
+    errs["chunked_vs_unchunked"] = max(
+        max((out_c[k] - out_u[k]).abs().max().item() for k in ALL),
+        max((a - b).abs().max().item() for a, b in zip(g_c, g_u)),
+    )
+    # all TP ranks return identical statistics
+    lp = out_c["logprob"].contiguous()
+    gathered = [torch.empty_like(lp) for _ in range(tp)]
+    torch.distributed.all_gather(gathered, lp, group=group)
+    errs["ranks_agree"] = max((g - lp).abs().max().item() for g in gathered)
+    _megatron_reference(group, rank, tp, torch.float32, errs)
+    _megatron_reference(group, rank, tp, torch.bfloat16, errs)
+    return errs
+
+
+TOLS = {"fp32": 3e-5, "bf16": 3e-5, "fp64": 1e-10, "megatron": 1e-5}
+EXACT = ("grad_on_masked_rows", "grad_on_padding", "input_changed", "tie_margin", "ranks_agree")
+
+
+def _tol(key: str) -> float:
+    if key.endswith(EXACT):
+        return 0.0
+    if key == "chunked_vs_unchunked":
+        return 1e-12
+    return TOLS[key.split("_")[0]]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_vocab_parallel_stats_match_full_vocab_reference(dist_pool, tp):
+    """At TP=tp: logprob/entropy/margin/kl/kl_rev and gradients w.r.t. both sharded logits equal the fp64
+    full-vocabulary reference (fp32, bf16, fp64 inputs; temperature != 1; padded vocab incl. an all-padding shard;
+    cross-shard and in-shard top-2 ties give margin exactly 0; masked tokens get zero gradient; inputs unchanged;
+    chunked == unchunked; all TP ranks agree) and log-probs and their gradient equal megatron-core's
+    vocab_parallel_cross_entropy."""
+    results = dist_pool.run(_tp_checks, tp=tp, timeout=240)
+    failures = []
+    for rank, errs in enumerate(results):
+        for key, err in errs.items():
+            if not err <= _tol(key):
+                failures.append(f"rank {rank}: {key} error {err:.3g} > tol {_tol(key):.1g}")
+    assert not failures, "\n".join(failures)
