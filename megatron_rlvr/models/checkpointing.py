@@ -1,0 +1,383 @@
+"""Training checkpoints with megatron-core dist_checkpointing: model, optimizer, RNG states, trainer state.
+
+Layout of ``save_dir``::
+
+    step_000000100/          a complete checkpoint: dist_checkpointing files + rlvr_meta.json + trainer_state.json
+    step_000000200/
+    latest                   text file naming the newest complete checkpoint (informational; loaders scan)
+    .tmp-step_000000300/     a save in progress (or one that crashed): ignored by loaders, removed by the next save
+
+Atomic save: every rank writes into ``.tmp-step_N``; after all ranks finished (barrier), rank 0 writes the metadata
+and renames the folder to ``step_N`` (a single ``rename`` on one filesystem), so a crash at any point before the
+rename leaves the previous checkpoints untouched, and a folder named ``step_N`` is always complete. Then the oldest
+complete checkpoints beyond ``keep_last`` are deleted.
+
+Resharding: model and optimizer states are saved as megatron ShardedTensors, so a checkpoint saved at one
+(TP, PP, DP) layout loads at another. The DistributedOptimizer's ``dp_reshardable`` format stores its internal
+bucket layout, which only survives a change of DP: loading it at another TP/PP is refused with a clear error; use
+``fully_reshardable`` (the default here) to change TP/PP. RNG states are per rank: restored when the layout is the
+same, skipped otherwise (the new ranks keep the seeds they were initialised with).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from megatron_rlvr.models.hf_config import MegatronModelArgs, megatron_model_args
+
+META_FILE = "rlvr_meta.json"
+TRAINER_STATE_FILE = "trainer_state.json"
+LATEST_FILE = "latest"
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"^step_(\d{9})$")
+
+SHARDING_TYPES = ("fully_reshardable", "dp_reshardable", "fully_sharded_model_space")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Where and how training checkpoints are written."""
+
+    save_dir: str
+    """Folder holding the step_N checkpoints of one run."""
+    keep_last: int = 2
+    """Number of newest complete checkpoints kept; older ones are deleted after each successful save (0 = keep all)."""
+    distrib_optim_sharding_type: str = "fully_reshardable"
+    """DistributedOptimizer state format: 'fully_reshardable' (any TP/PP/DP on load), 'dp_reshardable' (fully
+    parallel save, DP-only resharding) or 'fully_sharded_model_space'. Ignored for non-distributed optimizers."""
+
+    def __post_init__(self):
+        if not self.save_dir:
+            raise ValueError("CheckpointConfig.save_dir must be a non-empty path")
+        if self.keep_last < 0:
+            raise ValueError(f"CheckpointConfig.keep_last must be >= 0, got {self.keep_last}")
+        if self.distrib_optim_sharding_type not in SHARDING_TYPES:
+            raise ValueError(
+                f"CheckpointConfig.distrib_optim_sharding_type={self.distrib_optim_sharding_type!r}; "
+                f"choose one of {SHARDING_TYPES}"
+            )
+
+
+def step_dir_name(step: int) -> str:
+    if step < 0:
+        raise ValueError(f"checkpoint step must be >= 0, got {step}")
+    return f"step_{step:09d}"
+
+
+def list_checkpoints(save_dir: str) -> list[tuple[int, str]]:
+    """Complete checkpoints in ``save_dir`` as sorted (step, path); temporary folders are ignored."""
+    if not os.path.isdir(save_dir):
+        return []
+    out = []
+    for name in os.listdir(save_dir):
+        m = _STEP_DIR.match(name)
+        path = os.path.join(save_dir, name)
+        if m and os.path.isfile(os.path.join(path, META_FILE)):
+            out.append((int(m.group(1)), path))
+    return sorted(out)
+
+
+def latest_checkpoint(save_dir: str) -> str | None:
+    """Path of the newest complete checkpoint, or None."""
+    ckpts = list_checkpoints(save_dir)
+    return ckpts[-1][1] if ckpts else None
+
+
+def read_meta(ckpt_dir: str) -> dict:
+    path = os.path.join(ckpt_dir, META_FILE)
+    if not os.path.isfile(path):
+        raise ValueError(f"{ckpt_dir} is not a complete megatron-rlvr checkpoint (no {META_FILE})")
+    with open(path) as f:
+        return json.load(f)
+
+
+def checkpoint_model_args(ckpt_dir: str, *, tp_size: int, pp_size: int, **kwargs) -> MegatronModelArgs:
+    """Model args to rebuild the checkpoint's model at a (possibly different) layout: the saved HF config and the
+    saved padded vocabulary (which must divide by the new TP size)."""
+    meta = read_meta(ckpt_dir)
+    if "hf_config" not in meta:
+        raise ValueError(f"{ckpt_dir}/{META_FILE} has no hf_config: it was saved without model args")
+    dtype = kwargs.pop("dtype", getattr(torch, meta.get("params_dtype", "float32")))
+    return megatron_model_args(
+        meta["hf_config"],
+        tp_size=tp_size,
+        pp_size=pp_size,
+        dtype=dtype,
+        padded_vocab_size=meta["padded_vocab_size"],
+        **kwargs,
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# RNG
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _rng_state() -> dict:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _layout(pg) -> dict:
+    return {"tp": pg.tp.size(), "pp": pg.pp.size(), "dp": pg.dp.size()}
+
+
+def _rng_sharded_object(pg, state):
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    lay = _layout(pg)
+    return ShardedObject(
+        "rng_state",
+        state,
+        (lay["pp"], lay["tp"], lay["dp"]),
+        (pg.pp.rank(), pg.tp.rank(), pg.dp.rank()),
+        replica_id=0,
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Save / load
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _unwrap(model):
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _is_distributed_optimizer(optimizer) -> bool:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    return any(isinstance(o, DistributedOptimizer) for o in inner)
+
+
+def _sharded_state(model, optimizer, scheduler, pg, sharding_type, *, is_loading: bool, rng: bool) -> dict:
+    model_sd = _unwrap(model).sharded_state_dict()
+    state = {"model": model_sd}
+    if optimizer is not None:
+        metadata = {"distrib_optim_sharding_type": sharding_type}
+        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
+    if scheduler is not None:
+        state["scheduler"] = scheduler.state_dict()
+    if rng:
+        state["rng_state"] = _rng_sharded_object(pg, _rng_state())
+    return state
+
+
+def _barrier():
+    torch.distributed.barrier()
+
+
+def _broadcast_error(err: str | None) -> None:
+    box = [err]
+    torch.distributed.broadcast_object_list(box, src=0)
+    if box[0]:
+        raise RuntimeError(box[0])
+
+
+def save_checkpoint(
+    cfg: CheckpointConfig,
+    step: int,
+    *,
+    model,
+    optimizer=None,
+    scheduler=None,
+    trainer_state: dict | None = None,
+    model_args: MegatronModelArgs | None = None,
+    pg_collection=None,
+) -> str:
+    """Atomically save step ``step``; collective over all ranks. Returns the final checkpoint path.
+
+    ``trainer_state``: small JSON-serialisable dict (step counters, data cursor, metrics) written by rank 0.
+    ``model_args``: stored (HF config, padded vocab, dtype) so the checkpoint can be rebuilt / converted to HF alone.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    if pg_collection is None:
+        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    if trainer_state is not None:
+        json.dumps(trainer_state)  # fail early (on every rank) if it is not JSON-serialisable
+    rank = torch.distributed.get_rank()
+    final = os.path.join(cfg.save_dir, step_dir_name(step))
+    tmp = os.path.join(cfg.save_dir, "." + "tmp-" + step_dir_name(step))
+
+    err = None
+    if rank == 0:
+        try:
+            os.makedirs(cfg.save_dir, exist_ok=True)
+            for name in os.listdir(cfg.save_dir):  # leftovers of crashed saves
+                if name.startswith(".tmp-") or name.startswith(".trash-"):
+                    shutil.rmtree(os.path.join(cfg.save_dir, name), ignore_errors=True)
+            os.makedirs(tmp)
+        except OSError as e:
+            err = f"cannot prepare checkpoint folder {tmp}: {e}"
+    _broadcast_error(err)
+
+    distributed_opt = optimizer is not None and _is_distributed_optimizer(optimizer)
+    sharding_type = cfg.distrib_optim_sharding_type if distributed_opt else None
+    state = _sharded_state(model, optimizer, scheduler, pg_collection, sharding_type, is_loading=False, rng=True)
+    dist_checkpointing.save(state, tmp, content_metadata={"distrib_optim_sharding_type": sharding_type})
+    _barrier()  # every rank's shards are on disk
+
+    err = None
+    if rank == 0:
+        try:
+            meta = {
+                "format_version": FORMAT_VERSION,
+                "step": step,
+                "layout": _layout(pg_collection),
+                "distributed_optimizer": distributed_opt,
+                "distrib_optim_sharding_type": sharding_type,
+                "has_optimizer": optimizer is not None,
+                "has_scheduler": scheduler is not None,
+                "checkpoint_config": asdict(cfg),
+            }
+            if model_args is not None:
+                meta.update(
+                    hf_config=model_args.hf_config,
+                    padded_vocab_size=model_args.dims.padded_vocab_size,
+                    params_dtype=str(model_args.config.params_dtype).removeprefix("torch."),
+                )
+            _write_json(os.path.join(tmp, TRAINER_STATE_FILE), trainer_state or {})
+            _write_json(os.path.join(tmp, META_FILE), meta)  # written last: its presence marks completeness
+            _fsync_dir(tmp)
+            if os.path.exists(final):  # re-saving a step: move the old one aside first (rename needs a free name)
+                trash = os.path.join(cfg.save_dir, ".trash-" + os.path.basename(final))
+                os.replace(final, trash)
+                os.replace(tmp, final)
+                shutil.rmtree(trash, ignore_errors=True)
+            else:
+                os.replace(tmp, final)
+            _fsync_dir(cfg.save_dir)
+            _write_text_atomic(os.path.join(cfg.save_dir, LATEST_FILE), os.path.basename(final) + "\n")
+            if cfg.keep_last > 0:
+                for _, path in list_checkpoints(cfg.save_dir)[: -cfg.keep_last]:
+                    shutil.rmtree(path, ignore_errors=True)
+        except Exception as e:  # tell every rank: nobody may believe this step was saved
+            err = f"checkpoint save of step {step} to {final} failed: {type(e).__name__}: {e}"
+    _broadcast_error(err)
+    return final
+
+
+def load_checkpoint(
+    ckpt_dir: str,
+    *,
+    model,
+    optimizer=None,
+    scheduler=None,
+    pg_collection=None,
+    load_rng: bool = True,
+) -> dict:
+    """Load a complete checkpoint (a step_N folder, or a save_dir: its newest) into model / optimizer / scheduler at
+    the CURRENT layout. Returns the trainer state dict. Collective over all ranks."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    if pg_collection is None:
+        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    if not os.path.isfile(os.path.join(ckpt_dir, META_FILE)):
+        latest = latest_checkpoint(ckpt_dir)
+        if latest is None:
+            raise ValueError(f"no complete checkpoint in {ckpt_dir}")
+        ckpt_dir = latest
+    meta = read_meta(ckpt_dir)
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{ckpt_dir}: checkpoint format {meta.get('format_version')} != {FORMAT_VERSION}")
+    if optimizer is not None and not meta.get("has_optimizer"):
+        raise ValueError(f"{ckpt_dir} holds no optimizer state; load with optimizer=None")
+    saved, now = meta["layout"], _layout(pg_collection)
+    distributed_opt = optimizer is not None and _is_distributed_optimizer(optimizer)
+    if optimizer is not None and distributed_opt != meta["distributed_optimizer"]:
+        raise ValueError(
+            f"{ckpt_dir} was saved with distributed_optimizer={meta['distributed_optimizer']}, the current optimizer "
+            f"has {distributed_opt}: optimizer states are not convertible between the two"
+        )
+    sharding_type = meta.get("distrib_optim_sharding_type")
+    if distributed_opt and sharding_type == "dp_reshardable" and (saved["tp"], saved["pp"]) != (now["tp"], now["pp"]):
+        raise ValueError(
+            f"{ckpt_dir}: DistributedOptimizer state in 'dp_reshardable' format was saved at TP={saved['tp']}, "
+            f"PP={saved['pp']} and can only be loaded at that TP/PP (now TP={now['tp']}, PP={now['pp']}); save with "
+            f"distrib_optim_sharding_type='fully_reshardable' to change TP/PP"
+        )
+    same_layout = saved == now
+    rng = load_rng and same_layout
+    with torch.no_grad():
+        state = _sharded_state(
+            model,
+            optimizer,
+            scheduler if meta.get("has_scheduler") else None,
+            pg_collection,
+            sharding_type,
+            is_loading=True,
+            rng=rng,
+        )
+        loaded = dist_checkpointing.load(state, ckpt_dir)
+        _unwrap(model).load_state_dict(loaded["model"], strict=True)
+        if optimizer is not None:
+            optimizer.load_state_dict(loaded["optimizer"])
+    if scheduler is not None and "scheduler" in loaded:
+        scheduler.load_state_dict(loaded["scheduler"])
+    if rng:
+        _set_rng_state(loaded["rng_state"])
+    with open(os.path.join(ckpt_dir, TRAINER_STATE_FILE)) as f:
+        return json.load(f)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Files
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _write_json(path: str, obj) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_text_atomic(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

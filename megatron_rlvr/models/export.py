@@ -1,0 +1,221 @@
+"""Megatron (any TP x PP) -> Hugging Face folder that ``AutoModelForCausalLM.from_pretrained`` loads unchanged.
+
+Writes config.json, generation_config.json, safetensors shards (each <= ``max_shard_bytes``, 5 GB by default, with
+``model.safetensors.index.json``; a single ``model.safetensors`` when everything fits in one) and copies the tokenizer
+files of the source HF model. Memory: each pipeline stage gathers its own parameters over TP one at a time and
+streams them into its shard files, so no rank holds more than one shard file's worth of tensors.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+from collections.abc import Iterator
+
+import torch
+
+from megatron_rlvr.models.hf_config import MegatronModelArgs
+from megatron_rlvr.models.loading import SAFE_INDEX, SAFE_SINGLE
+from megatron_rlvr.models.mapping import WeightMapping, layer_offset
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+"""Files copied verbatim from the source HF model folder when present."""
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _gather_tp(t: torch.Tensor, tp_dim: int | None, tp_group) -> torch.Tensor:
+    if tp_dim is None or tp_group.size() == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(tp_group.size())]
+    torch.distributed.all_gather(parts, t.contiguous(), group=tp_group)  # gloo: contiguous inputs only
+    return torch.cat(parts, dim=tp_dim)
+
+
+@torch.no_grad()
+def iter_hf_tensors(model, args: MegatronModelArgs, *, pg_collection=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, tensor)`` for every HF tensor held by this pipeline stage, TP-gathered.
+
+    Collective over the TP group (every TP rank of the stage must iterate to the end); every TP rank gets the same
+    tensors. The last stage's copy of a tied embedding is skipped (HF stores it once, on the first stage).
+    """
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    if pg_collection is None:
+        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    tp_group = pg_collection.tp
+    mapping = WeightMapping(args.dims)
+    offset = layer_offset(args.config, pg_collection.pp.rank())
+    for name, param in model.named_parameters():
+        p = mapping.resolve(name, layer_offset=offset)
+        if p.skip_on_export:
+            continue
+        full = _gather_tp(param.detach(), p.tp_dim, tp_group)
+        yield from p.to_hf(full, tp_group.size()).items()
+
+
+def export_dtype(args: MegatronModelArgs, dtype: torch.dtype | str | None) -> torch.dtype:
+    """Explicit dtype, else the source HF config's dtype, else the model's parameter dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = dtype or args.hf_config.get("dtype") or args.hf_config.get("torch_dtype")
+    if name is None:
+        return args.config.params_dtype
+    name = str(name).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"export dtype {name!r} is not one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def hf_config_dict(args: MegatronModelArgs, dtype: torch.dtype) -> dict:
+    """The source HF config with the exported dtype."""
+    cfg = dict(args.hf_config)
+    name = str(dtype).removeprefix("torch.")
+    cfg["dtype"] = name
+    if "torch_dtype" in cfg:
+        cfg["torch_dtype"] = name
+    cfg.pop("quantization_config", None)  # weights are written dequantised
+    return cfg
+
+
+def _generation_config(cfg: dict) -> dict:
+    out = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k) is not None}
+    out["_from_model_config"] = True
+    return out
+
+
+def export_hf(
+    model,
+    args: MegatronModelArgs,
+    out_dir: str | os.PathLike,
+    *,
+    source_dir: str | os.PathLike | None = None,
+    dtype: torch.dtype | str | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    pg_collection=None,
+    overwrite: bool = False,
+) -> str:
+    """Write this (TP, PP) model as an HF folder. Collective over all ranks; returns ``out_dir``.
+
+    ``source_dir``: the HF model the run started from; its generation_config.json and tokenizer files are copied.
+    ``dtype``: tensor dtype in the files (default: the source config's dtype, else the parameter dtype).
+    """
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from safetensors.torch import save_file
+
+    if pg_collection is None:
+        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    out_dir = os.fspath(out_dir)
+    dtype = export_dtype(args, dtype)
+    rank = torch.distributed.get_rank()
+    pp_rank = pg_collection.pp.rank()
+    writer = pg_collection.tp.rank() == 0 and pg_collection.dp.rank() == 0
+
+    err = None
+    if rank == 0:
+        existing = glob.glob(os.path.join(out_dir, "model*.safetensors*"))
+        if existing and not overwrite:
+            err = f"{out_dir} already holds an HF checkpoint ({os.path.basename(existing[0])}); pass overwrite=True"
+        else:
+            for f in existing:
+                os.remove(f)
+            os.makedirs(out_dir, exist_ok=True)
+    err = _broadcast_object(err)
+    if err:
+        raise ValueError(err)
+
+    # 1. every stage streams its tensors into temporary shard files
+    files: list[tuple[str, list[str], int]] = []  # (temp path, names, bytes)
+    pending: dict[str, torch.Tensor] = {}
+    pending_bytes = 0
+
+    def flush():
+        nonlocal pending, pending_bytes
+        if not pending:
+            return
+        path = os.path.join(out_dir, f".tmp-pp{pp_rank:03d}-{len(files):05d}.safetensors")
+        save_file(pending, path, metadata={"format": "pt"})
+        files.append((path, list(pending), pending_bytes))
+        pending, pending_bytes = {}, 0
+
+    for name, tensor in iter_hf_tensors(model, args, pg_collection=pg_collection):
+        if not writer:
+            continue
+        t = tensor.to(device="cpu", dtype=dtype).contiguous().clone()
+        nbytes = t.numel() * t.element_size()
+        if pending and pending_bytes + nbytes > max_shard_bytes:
+            flush()
+        pending[name] = t
+        pending_bytes += nbytes
+    if writer:
+        flush()
+
+    # 2. rank 0 names the shards globally and writes the index, config and tokenizer
+    plans = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(plans, (pp_rank, files) if writer else None)
+    err = None
+    if rank == 0:
+        all_files = [f for plan in sorted((p for p in plans if p), key=lambda p: p[0]) for f in plan[1]]
+        try:
+            _finalise(all_files, out_dir, args, dtype, source_dir)
+        except Exception as e:  # tell every rank, so none waits forever for rank 0
+            err = f"{type(e).__name__}: {e}"
+    err = _broadcast_object(err)
+    if err:
+        raise RuntimeError(f"HF export to {out_dir} failed on rank 0: {err}")
+    return out_dir
+
+
+def _finalise(files, out_dir, args: MegatronModelArgs, dtype, source_dir) -> None:
+    expected = set(WeightMapping(args.dims).hf_names())
+    written = [n for _, names, _ in files for n in names]
+    if sorted(written) != sorted(expected):
+        missing, extra = sorted(expected - set(written)), sorted(set(written) - expected)
+        raise RuntimeError(f"export wrote the wrong tensor set: missing {missing[:5]}, unexpected {extra[:5]}")
+    if len(files) == 1:
+        os.replace(files[0][0], os.path.join(out_dir, SAFE_SINGLE))
+    else:
+        weight_map, total = {}, 0
+        for i, (path, names, nbytes) in enumerate(files):
+            final = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+            os.replace(path, os.path.join(out_dir, final))
+            weight_map.update(dict.fromkeys(names, final))
+            total += nbytes
+        with open(os.path.join(out_dir, SAFE_INDEX), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    cfg = hf_config_dict(args, dtype)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+    src_gen = os.path.join(source_dir, "generation_config.json") if source_dir else None
+    if src_gen and os.path.isfile(src_gen):
+        shutil.copyfile(src_gen, os.path.join(out_dir, "generation_config.json"))
+    else:
+        with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+            json.dump(_generation_config(cfg), f, indent=2)
+    if source_dir:
+        for name in TOKENIZER_FILES:
+            src = os.path.join(source_dir, name)
+            if os.path.isfile(src):
+                shutil.copyfile(src, os.path.join(out_dir, name))
+
+
+def _broadcast_object(obj):
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
