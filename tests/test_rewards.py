@@ -173,6 +173,14 @@ def test_math_verify_on_real_answers(math_rm):
     assert math_rm.worker_pids == pids and stats["reward/workers_restarted"] == 0
 
 
+def test_math_verify_hang_on_adversarial_answer_times_out():
+    """A power tower makes sympy evaluate for minutes: the item times out (reward 0, counted) and the next item in
+    the same batch is still scored."""
+    with RewardManager(RewardConfig(fn="math", num_workers=1, timeout_s=1.0, kill_grace_s=2.0)) as rm:
+        rewards, stats = rm.score([r"\boxed{9^{9^{9^{9}}}}", r"\boxed{7}"], ["7", "7"])
+    assert rewards == [0.0, 1.0] and stats["reward/n_timeout"] == 1 and stats["reward/n_error"] == 0
+
+
 def test_math_lenient_mode_reads_dapo_answer_lines():
     """DAPO-Math-17k prompts ask for a last line "Answer: X"; lenient extraction scores it, boxed does not."""
     from megatron_rlvr.rewards import MathVerifyReward
@@ -318,6 +326,26 @@ def test_workers_inside_a_daemonic_process_exit_when_it_is_killed():
     assert not any(_alive(p) for p in pids)
 
 
+def test_unguarded_main_script_is_not_reimported(tmp_path):
+    """Workers do not re-run the caller's __main__ (multiprocessing's spawn would, once per worker): a script with
+    no `if __name__ == "__main__":` guard runs its body exactly once and scores."""
+    import subprocess
+    import sys
+
+    marker = tmp_path / "runs.txt"
+    script = tmp_path / "train_like.py"
+    script.write_text(
+        "from megatron_rlvr.rewards import RewardConfig, RewardManager\n"
+        f"open({str(marker)!r}, 'a').write('ran\\n')\n"
+        "rm = RewardManager(RewardConfig(fn='gsm8k', num_workers=2))\n"
+        "print(rm.score([r'\\boxed{5}'], ['5'])[0])\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[1.0]" and marker.read_text() == "ran\n"
+
+
 # ------------------------------------------------------------------------------------------------ dotted-path errors
 @pytest.mark.parametrize(
     "spec,message",
@@ -345,8 +373,6 @@ def test_reward_config_validation():
         RewardConfig(num_workers=-1)
     with pytest.raises(ValueError, match="reward.timeout_s"):
         RewardConfig(timeout_s=0)
-    with pytest.raises(ValueError, match="reward.start_method"):
-        RewardConfig(start_method="thread")
     with pytest.raises(ValueError, match="signature"):
         load_reward_fn(f"{__name__}:_one_arg")
 

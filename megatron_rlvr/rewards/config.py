@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 from dataclasses import dataclass
 
 from megatron_rlvr.rewards.builtin import REWARD_FNS
@@ -35,10 +34,6 @@ class RewardConfig:
     """Extra seconds after timeout_s before the parent kills a worker stuck in code that ignores the interrupt
     (C loops, swallowed exceptions) and starts a replacement."""
 
-    start_method: str = "spawn"
-    """multiprocessing start method for workers: "spawn" (default: safe with threads and torch), "forkserver", or
-    "fork" (fastest start, unsafe once torch/gloo threads exist)."""
-
     start_timeout_s: float = 120.0
     """Seconds a new worker may take to import and warm up its reward function before start-up is an error."""
 
@@ -58,8 +53,3 @@ class RewardConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"reward.{name} must be a number > 0, got {value!r}")
-        if self.start_method not in mp.get_all_start_methods():
-            raise ValueError(
-                f"reward.start_method must be one of {mp.get_all_start_methods()} on this platform, "
-                f"got {self.start_method!r}"
-            )

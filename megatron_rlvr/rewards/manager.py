@@ -18,7 +18,7 @@ class RewardManager:
     """Scores batches of responses against ground truths with the configured reward function.
 
     Worker processes start in the constructor (they import and warm up while the caller does other work) and are
-    reused for every batch. Use as a context manager or call :meth:`close`; workers are also killed at interpreter
+    reused for every batch. Use as a context manager or call :meth:`close`; workers are also stopped at interpreter
     exit and exit on their own if this process dies.
 
     Timeouts make rewards depend on machine load, so with several data-parallel ranks score each response once (on
@@ -36,7 +36,6 @@ class RewardManager:
                 cfg.num_workers,
                 cfg.timeout_s,
                 cfg.kill_grace_s,
-                start_method=cfg.start_method,
                 start_timeout_s=cfg.start_timeout_s,
             )
         else:

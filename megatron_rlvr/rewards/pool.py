@@ -8,24 +8,33 @@ with its own pipe, scoring one item at a time in its main thread:
 - the worker arms ``setitimer(ITIMER_REAL, timeout_s)`` around each item; the SIGALRM handler raises
   :class:`ItemTimeout` (a BaseException, so ``except Exception`` in user code cannot swallow it) -> status
   "timeout", reward 0, the worker lives on;
-- the parent waits on all pipes and process sentinels at once; an item still running ``kill_grace_s`` after its
-  timeout (C code, a swallowed interrupt, a reset signal handler) gets its worker SIGKILLed and replaced;
+- the parent waits on all workers' sockets at once (a dead worker's socket reads EOF); an item still running
+  ``kill_grace_s`` after its timeout (C code, a swallowed interrupt, a reset signal handler) gets its worker
+  SIGKILLed and replaced;
 - a worker that dies mid-item (segfault, ``os._exit``, OOM kill) -> status "error" and a replacement;
 - an exception in the reward function -> status "error" with its message; the worker lives on.
 
-No orphans: workers are daemonic, ignore SIGINT (the parent shuts them down), exit on EOF of their pipe, and a
-watchdog thread exits them if the parent process disappears (e.g. SIGKILLed).
+Workers are plain ``python -c`` subprocesses talking over a socketpair (a multiprocessing Connection), not
+multiprocessing children: the caller's ``__main__`` is not re-imported in every worker (a training script's
+torch/megatron imports would cost seconds and hundreds of MB per worker, and an unguarded script would recurse), and
+they can be started from daemonic processes such as the ranks of the multi-process test harness.
+
+No orphans: workers ignore SIGINT (the parent shuts them down), exit on EOF of their socket, and a watchdog thread
+exits them if the parent process disappears (e.g. SIGKILLed); :meth:`ScoringPool.close` runs at interpreter exit.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
+import atexit
 import os
 import signal
+import socket
+import subprocess
 import sys
 import threading
 import time
 import traceback
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
@@ -108,6 +117,19 @@ def _worker_main(conn: Connection, fn: str, extraction: str, timeout_s: float, p
             return
 
 
+# The worker's entry point: sys.path comes from the parent before anything of ours is imported, so the worker finds
+# the same packages (and the user's reward module) as the parent.
+_BOOTSTRAP = """
+import sys
+from multiprocessing.connection import Connection
+conn = Connection(int(sys.argv[1]))
+init = conn.recv()
+sys.path[:] = init["sys_path"]
+from megatron_rlvr.rewards.pool import _worker_main
+_worker_main(conn, init["fn"], init["extraction"], init["timeout_s"], init["parent_pid"])
+"""
+
+
 def score_inline(scorer, timeout_s: float, items) -> list[ItemResult]:
     """Score in the calling process (``num_workers=0``). The timeout interrupts only Python code and only in the
     main thread; elsewhere it is not enforced. The caller's SIGALRM handler is restored afterwards."""
@@ -129,43 +151,51 @@ def score_inline(scorer, timeout_s: float, items) -> list[ItemResult]:
     return results
 
 
-def _start_allowing_daemonic_parent(proc) -> None:
-    """Start ``proc`` even when this process is itself a daemonic multiprocessing child (e.g. a rank of the test
-    harness), which multiprocessing forbids because a daemon's children could outlive it. Reward workers cannot:
-    they exit on EOF of their pipe and a watchdog exits them once their parent is gone."""
-    me = mp.current_process()
-    if not me.daemon:
-        proc.start()
-        return
-    me.daemon = False
-    try:
-        proc.start()
-    finally:
-        me.daemon = True
-
-
 class _Worker:
-    def __init__(self, ctx, fn: str, extraction: str, timeout_s: float):
-        parent_conn, child_conn = ctx.Pipe(duplex=True)
-        self.conn: Connection = parent_conn
-        self.proc = ctx.Process(
-            target=_worker_main,
-            args=(child_conn, fn, extraction, timeout_s, os.getpid()),
-            daemon=True,
-            name="megatron-rlvr-reward-worker",
-        )
-        _start_allowing_daemonic_parent(self.proc)
-        child_conn.close()  # the parent keeps only its end, so the worker sees EOF if the parent goes
+    def __init__(self, fn: str, extraction: str, timeout_s: float):
+        parent_sock, child_sock = socket.socketpair()
+        self.conn = Connection(parent_sock.detach())
+        child_fd = child_sock.detach()
+        try:
+            # close_fds (the default) keeps every other descriptor, e.g. a sibling's socket, out of the worker, so
+            # each worker's socket reaches EOF exactly when that worker or the parent goes away.
+            self.proc = subprocess.Popen([sys.executable, "-c", _BOOTSTRAP, str(child_fd)], pass_fds=(child_fd,))
+        finally:
+            os.close(child_fd)
+        init = {
+            "sys_path": list(sys.path),
+            "fn": fn,
+            "extraction": extraction,
+            "timeout_s": timeout_s,
+            "parent_pid": os.getpid(),
+        }
+        self.conn.send(init)
         self.started_at = time.monotonic()
         self.ready = False
         self.item: int | None = None
         self.deadline = 0.0
 
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
     def kill(self) -> None:
-        if self.proc.is_alive():
+        if self.proc.poll() is None:
             self.proc.kill()
-        self.proc.join(timeout=10)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL not delivered within 10 s
+            pass
         self.conn.close()
+
+
+_LIVE_POOLS: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_pools() -> None:
+    for pool in list(_LIVE_POOLS):
+        pool.close()
 
 
 class ScoringPool:
@@ -178,12 +208,10 @@ class ScoringPool:
         num_workers: int,
         timeout_s: float,
         kill_grace_s: float,
-        start_method: str = "spawn",
         start_timeout_s: float = 120.0,
     ):
         if num_workers < 1:
             raise ValueError(f"ScoringPool needs num_workers >= 1, got {num_workers}")
-        self._ctx = mp.get_context(start_method)
         self._args = (fn, extraction, timeout_s)
         self.timeout_s = timeout_s
         self.kill_grace_s = kill_grace_s
@@ -191,22 +219,25 @@ class ScoringPool:
         self.restarts = 0
         """Workers replaced after a hang or crash, over the pool's lifetime."""
         self._closed = False
-        self._workers = [_Worker(self._ctx, *self._args) for _ in range(num_workers)]
+        self._workers: list[_Worker] = []
+        _LIVE_POOLS.add(self)
+        for _ in range(num_workers):
+            self._workers.append(_Worker(*self._args))
 
     @property
     def pids(self) -> list[int]:
-        return [w.proc.pid for w in self._workers]
+        return [w.pid for w in self._workers]
 
     def _replace(self, i: int) -> None:
         self._workers[i].kill()
-        self._workers[i] = _Worker(self._ctx, *self._args)
+        self._workers[i] = _Worker(*self._args)
         self.restarts += 1
 
     def _handle_message(self, i: int, results: list) -> None:
         w = self._workers[i]
         try:
             msg = w.conn.recv()
-        except (EOFError, OSError):
+        except (EOFError, OSError):  # the worker is gone: its end of the socket closed
             self._on_death(i, results)
             return
         if msg[0] == "ready":
@@ -221,16 +252,15 @@ class ScoringPool:
 
     def _on_death(self, i: int, results: list) -> None:
         w = self._workers[i]
-        w.proc.join(timeout=10)
+        try:
+            code = w.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # socket closed but the process lingers: treat as dead
+            code = None
         if not w.ready:
             self.close()
-            raise RuntimeError(
-                f"reward worker died during start-up (exit code {w.proc.exitcode}); its stderr has the cause. With "
-                "start_method 'spawn'/'forkserver' the main script must guard its entry point with "
-                "`if __name__ == '__main__':`"
-            )
+            raise RuntimeError(f"reward worker died during start-up (exit code {code}); its stderr has the cause")
         if w.item is not None:
-            results[w.item] = ItemResult(0.0, "error", f"reward worker died (exit code {w.proc.exitcode})")
+            results[w.item] = ItemResult(0.0, "error", f"reward worker died (exit code {code})")
         self._replace(i)
 
     def score(self, items: list[tuple[str, str, dict | None]]) -> list[ItemResult]:
@@ -248,6 +278,9 @@ class ScoringPool:
                     response, gt, meta = items[idx]
                     try:
                         w.conn.send((idx, response, gt, meta))
+                    except (BrokenPipeError, ConnectionResetError):
+                        pending.appendleft(idx)  # worker died while idle: its EOF is handled below
+                        break
                     except Exception as e:  # unpicklable metadata: pickling fails before anything is written
                         results[idx] = ItemResult(0.0, "error", f"cannot send item to worker: {type(e).__name__}: {e}")
                         continue
@@ -259,25 +292,13 @@ class ScoringPool:
             deadlines = [w.deadline for w in busy] + [
                 w.started_at + self.start_timeout_s for w in self._workers if not w.ready
             ]
-            wait_s = max(0.0, min(deadlines) - now) if deadlines else None
+            wait_s = max(0.0, min(deadlines) - now) if deadlines else 1.0
             conn_of = {w.conn: i for i, w in enumerate(self._workers)}
-            sentinel_of = {w.proc.sentinel: i for i, w in enumerate(self._workers)}
-            ready = wait(list(conn_of) + list(sentinel_of), timeout=wait_s)
-            # Messages first: a result that arrived just before its deadline counts.
-            for obj in ready:
-                if obj in conn_of:
-                    self._handle_message(conn_of[obj], results)
-            for obj in ready:
-                if obj in sentinel_of:
-                    i = sentinel_of[obj]
-                    w = self._workers[i]
-                    if w.proc.sentinel == obj and not w.proc.is_alive():
-                        while w.conn.poll():  # drain a result sent just before exiting
-                            self._handle_message(i, results)
-                            if w.conn.closed:
-                                break
-                        if self._workers[i] is w:
-                            self._on_death(i, results)
+            # A result that arrived just before its deadline counts: messages are read before deadlines are checked.
+            for conn in wait(list(conn_of), timeout=wait_s):
+                i = conn_of[conn]
+                if self._workers[i].conn is conn:  # not already replaced in this round
+                    self._handle_message(i, results)
             now = time.monotonic()
             for i, w in enumerate(self._workers):
                 if w.item is not None and now >= w.deadline:
@@ -297,11 +318,14 @@ class ScoringPool:
         self._closed = True
         for w in self._workers:
             try:
-                if w.item is None and w.proc.is_alive():
+                if w.item is None and w.proc.poll() is None:
                     w.conn.send(None)
-            except (BrokenPipeError, OSError):
+            except OSError:
                 pass
         deadline = time.monotonic() + 2.0
         for w in self._workers:
-            w.proc.join(timeout=max(0.0, deadline - time.monotonic()))
+            try:
+                w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
             w.kill()
