@@ -40,8 +40,8 @@ def _raw_rows(path: Path) -> list[dict]:
 # --------------------------------------------------------------------------------------------- shared benchmark files
 # Row counts from shared/data/README.md; first-row values read by hand from the files.
 SHARED_CASES = [
-    ("gsm8k/train.jsonl", 7473, "gsm8k", "72", "Natalia sold clips", "train.jsonl:1"),
-    ("gsm8k/test.jsonl", 1319, "gsm8k", "18", "Janet\u2019s ducks lay 16 eggs", "test.jsonl:1"),
+    ("gsm8k/train.jsonl", 7473, "gsm8k", "72", "Natalia sold clips", "gsm8k/train.jsonl:1"),
+    ("gsm8k/test.jsonl", 1319, "gsm8k", "18", "Janet\u2019s ducks lay 16 eggs", "gsm8k/test.jsonl:1"),
     ("math500/test.jsonl", 500, "problem_answer", r"\left( 3, \frac{\pi}{2} \right)", "Convert the point", None),
     ("aime24/test.jsonl", 30, "problem_answer", "204", "Every morning Aya", "60"),
     ("amc23/test.jsonl", 40, "problem_answer", "27", "Cities $A$ and $B$", "0"),
@@ -166,7 +166,7 @@ def test_skip_malformed_counts(tmp_path):
     ds = load_examples(path, skip_malformed=True)
     assert len(ds) == 3 and ds.n_malformed == 3
     assert [m.split(": ")[0] for m in ds.malformed] == [f"{path}:2", f"{path}:4", f"{path}:5"]
-    assert [e.id for e in ds] == ["d.jsonl:1", "d.jsonl:3", "d.jsonl:6"]
+    assert [e.id for e in ds] == [f"{tmp_path.name}/d.jsonl:{n}" for n in (1, 3, 6)]
     both = load_dataset([path, path], skip_malformed=True)
     assert len(both) == 6 and both.n_malformed == 6
 
@@ -194,6 +194,8 @@ def test_data_config_validation(tmp_path):
         DataConfig(eval_files=[str(tmp_path / "x.csv")])
     with pytest.raises(ValueError, match="data.schema"):
         DataConfig(schema="json")
+    with pytest.raises(ValueError, match="data.seed must be an int >= 0"):
+        DataConfig(seed=-1)
     with pytest.raises(ValueError, match="data.template"):
         DataConfig(template="alpaca")
     with pytest.raises(ValueError, match="must contain '{problem}'"):

@@ -71,8 +71,8 @@ class DataConfig:
             raise ValueError(f"data.template must be one of {TEMPLATES}, got {self.template!r}")
         if "{problem}" not in self.prompt_template:
             raise ValueError(f"data.prompt_template must contain '{{problem}}', got {self.prompt_template!r}")
-        if not isinstance(self.seed, int):
-            raise ValueError(f"data.seed must be an int, got {self.seed!r}")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"data.seed must be an int >= 0, got {self.seed!r}")
 
 
 def build_train_dataset(cfg: DataConfig) -> PromptDataset:

@@ -86,7 +86,8 @@ def load_examples(path: str, schema: str = "auto", skip_malformed: bool = False)
     malformed: list[str] = []
     n_malformed = 0
     parser = None if schema == "auto" else SCHEMAS[schema]
-    base = os.path.basename(path)
+    # "<folder>/<file>:<line>" ids: benchmark folders reuse file names (gsm8k/test.jsonl, math500/test.jsonl).
+    base = os.path.join(os.path.basename(os.path.dirname(os.path.abspath(path))), os.path.basename(path))
 
     def bad(msg: str) -> None:
         nonlocal n_malformed

@@ -27,7 +27,7 @@ class Example:
     source: str
     """Where it came from: the file path (or the row's ``data_source`` field), or the procedural task name."""
     id: str
-    """Stable identifier: the row's own id field if it has one, else ``<file name>:<line>``."""
+    """Stable identifier: the row's own id field if it has one, else ``<folder>/<file name>:<line>``."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """Extra scalar fields (e.g. ``level``, ``subject``, ``solution``); passed to reward functions as keywords."""
 

@@ -48,6 +48,8 @@ class PromptSampler:
             raise ValueError(f"num_examples must be >= 1, got {num_examples}")
         if dp_world < 1 or not 0 <= dp_rank < dp_world:
             raise ValueError(f"need 0 <= dp_rank < dp_world, got dp_rank={dp_rank}, dp_world={dp_world}")
+        if not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be an int >= 0, got {seed!r}")
         self._check_batch(global_batch_size, dp_world)
         self.num_examples = num_examples
         self.global_batch_size = global_batch_size
