@@ -23,13 +23,15 @@ def _k3(d):
 
 
 def test_kl_estimators_hand_computed():
-    logp = torch.tensor([-1.0, -30.0], dtype=torch.float64)
-    ref = torch.tensor([-1.5, 0.0], dtype=torch.float64)
-    torch.testing.assert_close(kl_k1(logp, ref), torch.tensor([0.5, -30.0], dtype=torch.float64))
-    torch.testing.assert_close(kl_k2(logp, ref), torch.tensor([0.125, 450.0], dtype=torch.float64))
-    # k3 = e^{-x} - 1 + x with x = logp - ref; the second token (x = -30) hits the clamp at 10
-    torch.testing.assert_close(kl_k3(logp, ref), torch.tensor([math.exp(-0.5) - 0.5, 10.0], dtype=torch.float64))
-    assert kl_k3(logp, ref, RefKLConfig(k3_clamp=5.0))[1] == 5.0
+    """x = logp - ref = 0.5 and -3: k1 = x, k2 = x^2/2, k3 = e^-x - 1 + x; x = -30 is clamped to -20 first, and the
+    k3 value to <= 10 (k3_clamp)."""
+    logp = torch.tensor([-1.0, -4.0, -30.0], dtype=torch.float64)
+    ref = torch.tensor([-1.5, -1.0, 0.0], dtype=torch.float64)
+    torch.testing.assert_close(kl_k1(logp, ref), torch.tensor([0.5, -3.0, -20.0], dtype=torch.float64))
+    torch.testing.assert_close(kl_k2(logp, ref), torch.tensor([0.125, 4.5, 200.0], dtype=torch.float64))
+    k3 = [math.exp(-0.5) - 0.5, min(math.exp(3.0) - 1 - 3.0, 10.0), 10.0]
+    torch.testing.assert_close(kl_k3(logp, ref), torch.tensor(k3, dtype=torch.float64))
+    assert kl_k3(logp, ref, RefKLConfig(k3_clamp=5.0))[2] == 5.0
 
 
 def _one_row_inputs(logp, old, **kw):

@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -43,6 +44,9 @@ from torch import Tensor
 from .cpgd import CPGD_WEIGHTS, cpgd_weighted_advantages
 from .focal import focal_weight
 from .mcpo import HingeKLConfig, implied_query_weight, mastered_groups, mcpo_query_scale
+
+if TYPE_CHECKING:
+    from .config import AlgorithmConfig
 
 STD_KINDS = ("population", "unbiased")
 
@@ -212,9 +216,9 @@ def rollout_accuracy(
 
 
 def mastered_rollouts(
-    cfg, rewards_G_n: Tensor, *, valid_G_n: Tensor | None = None, correct_G_n: Tensor | None = None
+    cfg: AlgorithmConfig, rewards_G_n: Tensor, *, valid_G_n: Tensor | None = None, correct_G_n: Tensor | None = None
 ) -> Tensor:
-    """bool [G, n]: valid rollouts of mastered prompts (``cfg`` an AlgorithmConfig); flatten to ``mastered_B`` for
+    """bool [G, n]: valid rollouts of mastered prompts; flatten to ``mastered_B`` for
     the MCPO hinge-KL."""
     r, valid, correct = _check_inputs(rewards_G_n, valid_G_n, correct_G_n)
     acc = rollout_accuracy(cfg.advantage, r, valid, correct)
@@ -222,9 +226,9 @@ def mastered_rollouts(
 
 
 def compute_advantages(
-    cfg, rewards_G_n: Tensor, *, valid_G_n: Tensor | None = None, correct_G_n: Tensor | None = None
+    cfg: AlgorithmConfig, rewards_G_n: Tensor, *, valid_G_n: Tensor | None = None, correct_G_n: Tensor | None = None
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Advantages [G, n] for the global batch and their metrics (``cfg`` an :class:`AlgorithmConfig`).
+    """Advantages [G, n] for the global batch and their metrics.
 
     Estimator (registry) -> x F-GRPO focal weight g(x) -> / MCPO scale(p) -> invalid rollouts set to 0.
     """

@@ -104,7 +104,7 @@ def compute_policy_loss(
         margin = _clean(inputs.margin_BT.detach(), mask)
         w = margin_credit_weights(cfg.margin_credit, margin, mask)
         adv = adv * w.to(adv.dtype)
-        metrics.update(margin_credit_metrics(margin, w, mask))
+        metrics.update(margin_credit_metrics(cfg.margin_credit, margin, w, mask))
 
     pl_BT, pl_metrics = POLICY_LOSSES[cfg.policy_loss.name](cfg.policy_loss, logp, old, adv, mask)
     pg_loss = aggregate(pl_BT, mask, cfg.aggregation, norms)

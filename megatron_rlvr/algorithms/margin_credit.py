@@ -70,11 +70,16 @@ def margin_credit_weights(cfg: MarginCreditConfig, margin_BT: Tensor, mask_BT: T
     return torch.where(mask, w, torch.zeros_like(w))
 
 
-def margin_credit_metrics(margin_BT: Tensor, weights_BT: Tensor, mask_BT: Tensor) -> dict[str, Tensor]:
-    """Margin stats and credit spread (std of the weights within sequences, averaged over tokens)."""
+def margin_credit_metrics(
+    cfg: MarginCreditConfig, margin_BT: Tensor, weights_BT: Tensor, mask_BT: Tensor
+) -> dict[str, Tensor]:
+    """Margin stats and credit spread (RMS of w - 1 over tokens: the pooled within-sequence std, as each sequence's
+    weights have mean 1)."""
     mask = mask_BT.bool()
     return {
         "credit/margin_mean": masked_mean(margin_BT, mask),
+        "credit/full_credit_frac": masked_mean((margin_BT <= cfg.tau_lo).double(), mask),
+        "credit/floor_frac": masked_mean((margin_BT >= cfg.tau_hi).double(), mask),
         "credit/weight_max": masked_max(weights_BT, mask),
         "credit/upweighted_frac": masked_mean((weights_BT > 1.0).double(), mask),
         "credit/weight_spread": masked_mean((weights_BT - 1.0) ** 2, mask).sqrt(),

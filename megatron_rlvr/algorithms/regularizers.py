@@ -8,6 +8,8 @@ x = logp - logp_ref:
 - ``k2``: x^2 / 2                            (biased, low variance)
 - ``k3``: e^{-x} - 1 + x, clamped to <= ``k3_clamp`` (unbiased, >= 0; the clamp, 10 as in verl, bounds the
           value and gradient of a token the policy has moved far from the reference)
+
+x is clamped to [-20, 20] first (zero gradient beyond; keeps e^{-x} finite).
 - ``exact``: the full-vocabulary KL(pi || pi_ref) per token, computed by the vocab-parallel ops
           (``vocab_parallel_token_stats(..., other_logits_TV=ref_logits, want=("kl",))``) and passed in as
           ``ref_kl_BT``; its gradient flows through the ops to the logits.
@@ -22,9 +24,12 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
+from megatron_rlvr.ops.kl import kl_estimator
+
+# The estimators are the ops' (megatron_rlvr.ops.kl, pure torch); log(ref/pi) is clamped to +-20 before them (as
+# verl's low_var_kl), and the k3 value additionally to <= k3_clamp.
 _LOG_RATIO_CLAMP = 20.0
 
 
@@ -63,17 +68,16 @@ class EntropyConfig:
 
 
 def kl_k1(logp_BT: Tensor, ref_logp_BT: Tensor, cfg: RefKLConfig | None = None) -> Tensor:
-    return logp_BT - ref_logp_BT
+    return kl_estimator(logp_BT, ref_logp_BT, "k1", clamp=_LOG_RATIO_CLAMP)
 
 
 def kl_k2(logp_BT: Tensor, ref_logp_BT: Tensor, cfg: RefKLConfig | None = None) -> Tensor:
-    return 0.5 * (logp_BT - ref_logp_BT) ** 2
+    return kl_estimator(logp_BT, ref_logp_BT, "k2", clamp=_LOG_RATIO_CLAMP)
 
 
 def kl_k3(logp_BT: Tensor, ref_logp_BT: Tensor, cfg: RefKLConfig | None = None) -> Tensor:
     clamp = 10.0 if cfg is None else cfg.k3_clamp
-    neg_x = (ref_logp_BT - logp_BT).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-    return (torch.expm1(neg_x) - neg_x).clamp(max=clamp)
+    return kl_estimator(logp_BT, ref_logp_BT, "k3", clamp=_LOG_RATIO_CLAMP).clamp(max=clamp)
 
 
 KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor, RefKLConfig | None], Tensor]] = {
