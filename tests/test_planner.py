@@ -1,0 +1,218 @@
+"""Layout planner: parameter counts and memory terms against hand-computed closed forms, layout validation,
+config loading, and the CLI's exit codes. Pure Python, well under a second."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_rlvr.planner import (
+    BUILTIN_SPECS,
+    GIB,
+    ClusterConfig,
+    ModelSpec,
+    ParallelConfig,
+    PlanConfig,
+    TrainConfig,
+    activation_bytes_per_layer,
+    estimate_memory,
+    get_model_spec,
+    load_plan_config,
+    model_spec_from_hf_config,
+    plan_main,
+    validate_layout,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Qwen/Qwen2.5-14B config.json: hidden 5120, intermediate 13824, 48 layers, 40 heads, 8 KV heads (head_dim 128),
+# vocab 152064, untied LM head, Qwen2 attention has q/k/v biases, RMSNorm weights only.
+H, F, L, A, KV, D, V = 5120, 13824, 48, 40, 8, 128, 152064
+
+
+def qwen14b_layer_by_hand():
+    q = H * (A * D) + A * D  # q_proj weight + bias
+    k = H * (KV * D) + KV * D  # k_proj weight + bias
+    v = H * (KV * D) + KV * D  # v_proj weight + bias
+    o = (A * D) * H  # o_proj, no bias
+    mlp = 3 * H * F  # gate_proj, up_proj, down_proj
+    norms = 2 * H  # input_layernorm, post_attention_layernorm
+    return q, k, v, o, mlp, norms
+
+
+def test_qwen25_14b_param_count_closed_form():
+    q, k, v, o, mlp, norms = qwen14b_layer_by_hand()
+    total = V * H + L * (q + k + v + o + mlp + norms) + H + V * H  # embed + layers + final norm + lm_head
+    assert total == 14_770_033_664
+    assert abs(total / 1e9 - 14.77) < 0.005  # the published size
+    assert get_model_spec("Qwen/Qwen2.5-14B-Instruct").param_count() == total
+
+
+def _plan(model, tp, pp, rtp, nodes, gpn=8, **train):
+    cfg = PlanConfig(
+        model=model,
+        parallel=ParallelConfig(tp=tp, pp=pp, rollout_tp=rtp),
+        train=TrainConfig(**train),
+        cluster=ClusterConfig(nodes=nodes, gpus_per_node=gpn, gpu_mem_gb=80),
+    )
+    return estimate_memory(cfg)
+
+
+def test_qwen25_14b_per_gpu_weights_grads_optimizer_tp4_dp8():
+    """TP=4, PP=1 on 32 GPUs: each GPU holds 1/4 of every matrix and bias, full copies of the norms, 1/4 of the
+    (128*4-padded) vocab rows of embedding and LM head; bf16 weights 2 B, fp32 grads 4 B, optimizer 12 B / DP."""
+    q, k, v, o, mlp, norms = qwen14b_layer_by_hand()
+    tp, dp = 4, 8
+    v_pad = -(-V // (128 * tp)) * (128 * tp)
+    assert v_pad == V  # 152064 = 297 * 512: no padding needed at TP=4
+    per_gpu = L * ((q + k + v + o + mlp) // tp + norms) + H + 2 * (v_pad * H // tp)
+    plan = _plan(get_model_spec("qwen2.5-14b"), tp, 1, 2, nodes=4)
+    assert plan.fits and plan.dp == dp
+    c = plan.components
+    assert c["weights"] == 2 * per_gpu
+    assert c["grads"] == 4 * per_gpu
+    assert c["optimizer"] == pytest.approx(12 * per_gpu / dp)
+    # Megatron's "bf16 parameters, fp32 gradients: 6 + 12/d bytes per parameter" (distributed optimizer guide)
+    assert c["weights"] + c["grads"] + c["optimizer"] == pytest.approx((6 + 12 / dp) * per_gpu)
+    assert c["weights"] / GIB == pytest.approx(6.88, abs=0.01)
+
+
+def test_qwen25_14b_vocab_padding_and_pipeline_stages_tp8_pp2():
+    q, k, v, o, mlp, norms = qwen14b_layer_by_hand()
+    tp, pp = 8, 2
+    v_pad = 152576  # next multiple of 128 * 8 = 1024 above 152064
+    assert get_model_spec("qwen2.5-14b").padded_vocab(tp) == v_pad
+    layer = (q + k + v + o + mlp) // tp + norms
+    first = (L // pp) * layer + v_pad * H // tp  # embedding on stage 0
+    last = (L // pp) * layer + H + v_pad * H // tp  # final norm + LM head on the last stage
+    plan = _plan(get_model_spec("qwen2.5-14b"), tp, pp, 2, nodes=4)
+    assert plan.stage_param_counts == [first, last]
+    assert plan.dp == 2
+
+
+def test_activation_formula_reduces_to_korthikanti_for_gpt_shapes():
+    """Korthikanti et al. 2022: a GPT layer stores 34 s*b*h (+ 5 a s^2 b) bytes; with flash attention (no s^2
+    term) and without its two s*b*h dropout masks that is 32 s*b*h, divided by TP under sequence parallelism."""
+    h = 1024
+    gpt = ModelSpec(name="gpt", hidden=h, ffn=4 * h, layers=2, heads=16, kv_heads=16, vocab=1000, gated_mlp=False)
+    tokens, tp = 4096, 4
+    assert activation_bytes_per_layer(gpt, tokens, tp, sequence_parallel=True) == 32 * tokens * h // tp
+    # without SP the paper's 10 s*b*h (here 8, no dropout mask) stay replicated and 24 are split
+    assert activation_bytes_per_layer(gpt, tokens, tp, sequence_parallel=False) == tokens * (8 * h + 24 * h // tp)
+
+
+def test_full_recompute_and_kv_cache_by_hand():
+    m = get_model_spec("qwen2.5-14b")
+    T = 16384
+    plan = _plan(m, 4, 1, 2, nodes=4, micro_batch_tokens=T, recompute="full")
+    # full recompute: each of the 48 layers keeps its input [T, h] bf16 sharded over TP (SP), plus one layer rebuilt
+    per_layer_full = T * (8 * H + 4 * A * D + 4 * KV * D + 6 * F) // 4
+    assert plan.components["act_full"] == L * (2 * T * H // 4) + per_layer_full
+    assert plan.components["act_none"] == L * per_layer_full
+    # vLLM at TP=2 keeps 8/2 = 4 KV heads per GPU: 2 (K, V) x 48 layers x 4 x 128 x 2 bytes per token
+    kv_per_token = 2 * L * 4 * D * 2
+    assert plan.kv_tokens == int(plan.components["kv_cache"] // kv_per_token)
+
+
+def test_builtin_specs_match_their_hf_configs(tmp_path):
+    qwen3 = {
+        "model_type": "qwen3",
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+    }
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(qwen3))
+    spec = model_spec_from_hf_config(tmp_path)  # a folder holding config.json
+    assert spec == ModelSpec(**{**BUILTIN_SPECS["qwen3-8b"].__dict__, "name": spec.name})
+    assert spec.qk_norm and not spec.qkv_bias
+    qwen2 = {"model_type": "qwen2", "hidden_size": H, "intermediate_size": F, "num_hidden_layers": L}
+    qwen2 |= {"num_attention_heads": A, "num_key_value_heads": KV, "vocab_size": V, "tie_word_embeddings": False}
+    assert model_spec_from_hf_config(qwen2).param_count() == get_model_spec("qwen2.5-14b").param_count()
+
+
+def test_bad_model_inputs_name_the_problem(tmp_path):
+    with pytest.raises(ValueError, match="unknown model 'gpt-5'"):
+        get_model_spec("gpt-5")
+    bad = tmp_path / "config.json"
+    bad.write_text(json.dumps({"model_type": "mixtral", "hidden_size": 8}))
+    with pytest.raises(ValueError, match=r"config.json: model_type 'mixtral'"):
+        model_spec_from_hf_config(bad)
+    with pytest.raises(ValueError, match="heads .* multiple of kv_heads"):
+        ModelSpec(name="x", hidden=96, ffn=128, layers=2, heads=6, kv_heads=4, vocab=100)
+
+
+def test_invalid_layouts_give_clear_errors():
+    m14 = get_model_spec("qwen2.5-14b")
+    errs, _ = validate_layout(m14, ParallelConfig(tp=3, pp=1), world_size=24)
+    assert any("tp=3 does not divide the 40 attention heads" in e for e in errs)
+    errs, _ = validate_layout(m14, ParallelConfig(tp=4, pp=5), world_size=40)
+    assert any("pp=5 does not divide the 48 layers" in e for e in errs)
+    errs, _ = validate_layout(m14, ParallelConfig(tp=4, pp=4), world_size=8)
+    assert any("not divisible by tp x pp = 4 x 4 = 16" in e for e in errs)
+    errs, _ = validate_layout(m14, ParallelConfig(tp=2, rollout_tp=4), world_size=6, gpus_per_node=6)
+    assert any("not divisible by rollout_tp=4" in e for e in errs)
+    # KV heads: 12 query heads in 4 groups; TP=6 divides the heads but neither divides nor is divided by 4
+    odd = ModelSpec(name="odd", hidden=768, ffn=3072, layers=4, heads=12, kv_heads=4, vocab=1000)
+    errs, _ = validate_layout(odd, ParallelConfig(tp=6), world_size=6)
+    assert any("4 KV heads: one must divide the other" in e for e in errs)
+    # Megatron replicates KV heads when tp is a multiple of them: Llama-3.1-70B (8 KV heads) at TP=16 is valid
+    errs, warns = validate_layout(get_model_spec("llama-3.1-70b"), ParallelConfig(tp=16), world_size=16)
+    assert errs == [] and any("spans nodes" in w for w in warns)
+    with pytest.raises(ValueError, match="parallel.tp must be a positive integer"):
+        ParallelConfig(tp=0)
+
+
+def test_cli_fits_refuses_and_rejects(capsys, tmp_path):
+    assert plan_main([str(REPO / "configs" / "mcpo_14b.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "TP=4 PP=1 DP=8" in out and "FITS" in out and "KV cache" in out
+    # TP=1 cannot hold 14.8 B params with fp32 grads: refused with the reason, exit 1
+    assert plan_main(["qwen2.5-14b", "--nodes", "4", "parallel.tp=1"]) == 1
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out and "training phase needs" in out
+    assert plan_main(["qwen2.5-14b", "--nodes", "4", "parallel.tp=3"]) == 1
+    assert "INVALID LAYOUT" in capsys.readouterr().out
+    # a vLLM share too small for its own weights
+    assert plan_main(["qwen2.5-14b", "--nodes", "4", "parallel.tp=4", "rollout.gpu_memory_utilization=0.2"]) == 1
+    assert "no room for a KV cache" in capsys.readouterr().out
+    # bad input: exit 2 with the field named
+    assert plan_main(["qwen2.5-14b", "parallel.tp=abc"]) == 2
+    assert "parallel.tp must be a positive integer" in capsys.readouterr().err
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: {name: qwen2.5-7b}\nparallel: {tp: 2, tensor_parallel: 4}\n")
+    assert plan_main([str(cfg)]) == 2
+    assert "unknown key(s) in parallel: tensor_parallel" in capsys.readouterr().err
+    # no --nodes: the smallest node count that fits
+    assert plan_main(["qwen2.5-7b", "parallel.tp=2"]) == 0
+    assert "smallest node count that fits is" in capsys.readouterr().out
+
+
+def test_configs_in_repo_fit_and_match_slurm_scripts():
+    for name, nodes, tp, rtp in (("mcpo_14b", 4, 4, 2), ("dapo_7b", 2, 2, 1)):
+        cfg = load_plan_config(REPO / "configs" / f"{name}.yaml")
+        assert (cfg.cluster.nodes, cfg.parallel.tp, cfg.parallel.rollout_tp) == (nodes, tp, rtp)
+        assert estimate_memory(cfg).fits
+        script = (REPO / "slurm" / f"{name}.sh").read_text()
+        assert f"#SBATCH --nodes={nodes}\n" in script and f"configs/{name}.yaml" in script
+
+
+def test_module_entry_point():
+    r = subprocess.run(
+        [sys.executable, "-m", "megatron_rlvr.planner", "llama-3.1-8b", "--nodes", "1", "parallel.tp=4"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "Llama-3.1-8B" in r.stdout and "FITS" in r.stdout
