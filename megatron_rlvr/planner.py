@@ -609,19 +609,27 @@ class MemoryPlan:
     """The planner's verdict for one config on one allocation."""
 
     config: PlanConfig
+    """The config that was planned."""
     world_size: int
+    """nodes x GPUs per node."""
     dp: int
+    """Data-parallel size world / (tp x pp): the distributed optimizer's sharding factor."""
     errors: list[str]
     """Layout errors (the layout cannot be built); memory is not estimated when non-empty."""
     warnings: list[str]
+    """Legal but slow choices (TP across nodes)."""
     reasons: list[str] = field(default_factory=list)
     """Why the layout does not fit in memory (empty when it fits)."""
     components: dict[str, float] = field(default_factory=dict)
     """Bytes per GPU of each term, for the worst pipeline stage (keys: see ``estimate_memory``)."""
     worst_stage: int = 0
+    """The pipeline stage with the largest peak (reported in the table)."""
     stage_param_counts: list[int] = field(default_factory=list)
+    """Parameters held by one GPU of each pipeline stage."""
     train_peak: float = 0.0
+    """Bytes per GPU while training (vLLM asleep), worst stage."""
     rollout_peak: float = 0.0
+    """Bytes per GPU while vLLM generates (training state resident unless offloaded), worst stage."""
     kv_tokens: int = 0
     """KV-cache capacity of one vLLM engine in tokens (all layers)."""
 
