@@ -128,21 +128,8 @@ class HFRolloutEngine(RolloutEngine):
         received: set[int] = set()
         count = 0
         for item in weights:
-            pairs = item if isinstance(item, list) else [item]
-            for name, tensor in pairs:
-                p = params.get(name)
-                if p is None:
-                    raise ValueError(f"update_weights: unknown parameter name {name!r} (not in the HF model)")
-                if tuple(tensor.shape) != tuple(p.shape):
-                    raise ValueError(
-                        f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(p.shape)}"
-                    )
-                if id(p) in received:
-                    raise ValueError(f"update_weights: {name!r} (or a tied alias of it) was sent twice")
-                p.copy_(tensor)
-                received.add(id(p))
-                count += 1
-            del pairs, item  # drop references before pulling the next bucket: the stream's memory bound relies on it
+            count += self._load_pairs(item if isinstance(item, list) else [item], params, received)
+            del item  # drop the bucket before pulling the next one: the stream's memory bound relies on it
         if strict:
             missing = [n for n, p in self.model.named_parameters() if id(p) not in received]
             if missing:
@@ -150,6 +137,22 @@ class HFRolloutEngine(RolloutEngine):
         if strict:  # a complete update makes weights dropped by sleep(level=2) valid again
             self._weights_valid = True
         return count
+
+    @staticmethod
+    def _load_pairs(pairs, params: dict, received: set[int]) -> int:
+        for name, tensor in pairs:
+            p = params.get(name)
+            if p is None:
+                raise ValueError(f"update_weights: unknown parameter name {name!r} (not in the HF model)")
+            if tuple(tensor.shape) != tuple(p.shape):
+                raise ValueError(
+                    f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(p.shape)}"
+                )
+            if id(p) in received:
+                raise ValueError(f"update_weights: {name!r} (or a tied alias of it) was sent twice")
+            p.copy_(tensor)
+            received.add(id(p))
+        return len(pairs)
 
     # -- memory ----------------------------------------------------------------------------------------------------
     def sleep(self, level: int = 1) -> None:

@@ -1,0 +1,351 @@
+"""Stream a Megatron (TP x PP) model's weights as full Hugging-Face-named tensors, in byte-bounded buckets.
+
+Every rank of the world iterates the SAME global sequence of parameters (``WeightMapping.all_params()`` order, i.e.
+HF order), so the collectives line up without any per-tensor handshake:
+
+1. plan (once per call): each pipeline stage lists the HF tensors it owns (shapes via ``to_hf`` on meta tensors)
+   and the lists are exchanged over the PP group; every HF tensor must be owned by exactly one stage (the last
+   stage's copy of a tied embedding is skipped: HF stores it once);
+2. on the owning stage, the TP shards are all-gathered into the FULL megatron tensor and ``ResolvedParam.to_hf``
+   (the single mapping table, ``megatron_rlvr.models.mapping``) applies the inverse QKV interleave / gate-up split
+   and drops the vocabulary padding; nothing here knows a layout;
+3. the HF tensors are broadcast from the owning stage to the other stages of the PP group;
+4. tensors are grouped into buckets: a bucket is yielded (a list of ``(hf_name, tensor)``) before the next tensor is
+   assembled if that assembly would push the buffered bytes past ``bucket_bytes``.
+
+Memory bound. "Buffered bytes" are the bytes of every buffer the stream allocates (gather buffers, layout copies,
+PP receive buffers) that are still referenced — by the stream or by the consumer holding a yielded bucket; tensors
+that merely alias the trainer's own parameters (TP=1 identity layouts, replicated norms) cost nothing. With ``S`` the
+largest tensor and the flush rule above, the peak is at most ``bucket_bytes + S`` provided the consumer drops a
+bucket before asking for the next one (both engines do) and ``bucket_bytes`` is at least the largest conversion
+scratch (a gathered tensor that ``to_hf`` copies, checked with a ValueError at plan time). ``MemoryMeter`` measures
+the real peak through weak references to every buffer and every yielded tensor; tests assert the bound with it.
+Staging memory inside the communication library (gloo copies through its own flat buffer) is not counted.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megatron_rlvr.models.mapping import ResolvedParam, WeightMapping, layer_offset
+
+Bucket = list[tuple[str, torch.Tensor]]
+
+_DTYPES = {str(t): t for t in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
+
+
+@dataclass
+class WeightStreamConfig:
+    """How the trainer's weights are streamed to the rollout engine."""
+
+    bucket_bytes: int = 1 << 30
+    """Most bytes gathered before a bucket is handed to the engine (peak extra memory <= this + largest tensor)."""
+
+    def __post_init__(self):
+        if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 1:
+            raise ValueError(f"WeightStreamConfig.bucket_bytes must be a positive int, got {self.bucket_bytes!r}")
+
+
+class MemoryMeter:
+    """Live bytes of the buffers a stream allocated, found through weak references (no allocator hooks).
+
+    A storage is live while any tracked tensor object on it (the buffer itself, or a view the stream yielded) is
+    alive. Live bytes only grow at allocations, and every allocation is followed by ``track``, so sampling there
+    gives the exact peak as seen from Python."""
+
+    def __init__(self):
+        self._storages: dict[tuple, list] = {}  # (device, data_ptr) -> [nbytes, [weakref, ...]]
+        self.peak_bytes = 0
+
+    def _purge(self) -> None:
+        dead = [k for k, (_, refs) in self._storages.items() if all(r() is None for r in refs)]
+        for k in dead:
+            del self._storages[k]
+
+    def track(self, *tensors: torch.Tensor) -> None:
+        self._purge()  # before adding: a freed address may be reused by the new buffer
+        for t in tensors:
+            st = t.untyped_storage()
+            key = (str(t.device), st.data_ptr())
+            entry = self._storages.setdefault(key, [st.nbytes(), []])
+            entry[1].append(weakref.ref(t))
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes())
+
+    def live_bytes(self) -> int:
+        self._purge()
+        return sum(n for n, _ in self._storages.values())
+
+
+@dataclass
+class StreamStats:
+    """What one stream did (filled while it runs; complete once the generator is exhausted)."""
+
+    tensors: int = 0
+    """HF tensors yielded."""
+    bytes: int = 0
+    """Bytes of the HF tensors yielded."""
+    buckets: int = 0
+    """Buckets yielded."""
+    largest_tensor_bytes: int = 0
+    """Largest full tensor (megatron layout, incl. vocab padding) this rank assembled or received."""
+    seconds: float = 0.0
+    """Wall time spent inside the generator (gathers, layout transforms, broadcasts), excluding the consumer."""
+    meter: MemoryMeter = field(default_factory=MemoryMeter)
+    """Buffered-bytes meter (``meter.peak_bytes``)."""
+
+
+@dataclass
+class _Entry:
+    """One megatron parameter in the global plan."""
+
+    hf_names: tuple[str, ...]
+    hf_shapes: tuple[tuple[int, ...], ...]
+    dtype: str
+    owner: int  # pipeline stage that holds it
+    full_bytes: int  # FULL megatron tensor (TP-concatenated, vocab padding included)
+    to_hf_copy_bytes: int  # bytes of to_hf outputs that do not alias the full tensor
+    local: tuple[ResolvedParam, torch.Tensor] | None = None  # on the owner stage: (resolved, local shard)
+
+
+def _nbytes(shape, dtype: torch.dtype) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
+def _group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _group_rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def _unwrap(module):
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def _local_entries(chunks, offsets, mapping: WeightMapping, tp_size: int, stage: int) -> list[_Entry]:
+    out = []
+    for chunk, offset in zip(chunks, offsets):
+        for name, param in chunk.named_parameters():
+            p = mapping.resolve(name, layer_offset=offset)
+            if p.skip_on_export:
+                continue
+            full_shape = list(param.shape)
+            if p.tp_dim is not None:
+                full_shape[p.tp_dim] *= tp_size
+            meta = torch.empty(full_shape, dtype=param.dtype, device="meta")
+            hf = p.to_hf(meta, tp_size)
+            copy_bytes = sum(
+                _nbytes(t.shape, t.dtype) for t in hf.values() if not (t is meta or (t._is_view() and t._base is meta))
+            )
+            out.append(
+                _Entry(
+                    hf_names=p.hf_names,
+                    hf_shapes=tuple(tuple(hf[n].shape) for n in p.hf_names),
+                    dtype=str(param.dtype),
+                    owner=stage,
+                    full_bytes=_nbytes(full_shape, param.dtype),
+                    to_hf_copy_bytes=copy_bytes,
+                    local=(p, param),
+                )
+            )
+    return out
+
+
+def build_plan(chunks, offsets, mapping: WeightMapping, tp_group, pp_group) -> list[_Entry]:
+    """The global, identically ordered list of parameters on every rank (collective over ``pp_group``)."""
+    tp_size, stage = _group_size(tp_group), _group_rank(pp_group)
+    local = _local_entries(chunks, offsets, mapping, tp_size, stage)
+    if _group_size(pp_group) > 1:
+        light = [(e.hf_names, e.hf_shapes, e.dtype, e.full_bytes, e.to_hf_copy_bytes) for e in local]
+        per_stage: list = [None] * _group_size(pp_group)
+        dist.all_gather_object(per_stage, light, group=pp_group)
+    else:
+        per_stage = [None]
+    by_key: dict[tuple[str, ...], _Entry] = {e.hf_names: e for e in local}
+    seen_twice = []
+    for s, entries in enumerate(per_stage):
+        if s == stage or entries is None:
+            continue
+        for names, shapes, dtype, full_bytes, copy_bytes in entries:
+            if names in by_key:
+                seen_twice.append(names[0])
+                continue
+            by_key[names] = _Entry(names, shapes, dtype, s, full_bytes, copy_bytes)
+    if seen_twice:
+        raise ValueError(f"weight stream: tensors owned by two pipeline stages, e.g. {seen_twice[:3]}")
+    plan = []
+    for p in mapping.all_params():
+        e = by_key.pop(p.hf_names, None)
+        if e is None:
+            raise ValueError(f"weight stream: no pipeline stage holds {p.hf_names[0]} (is the whole model here?)")
+        plan.append(e)
+    if by_key:
+        raise ValueError(f"weight stream: parameters outside the mapping's model: {sorted(by_key)[:3]}")
+    return plan
+
+
+class _Assembler:
+    """Builds the HF tensors of one plan entry on this rank, tracking every buffer it allocates."""
+
+    def __init__(self, tp_group, pp_group, meter: MemoryMeter, device):
+        self.tp_group, self.pp_group, self.meter, self.device = tp_group, pp_group, meter, device
+        self.tp_size = _group_size(tp_group)
+        self.stage = _group_rank(pp_group)
+
+    def transient_and_retained(self, e: _Entry) -> tuple[int, int]:
+        """(peak bytes while assembling, bytes still held afterwards) for entry ``e`` on this rank."""
+        hf_bytes = sum(_nbytes(s, _DTYPES[e.dtype]) for s in e.hf_shapes)
+        if e.owner != self.stage:
+            return hf_bytes, hf_bytes
+        p, _ = e.local
+        if self.tp_size == 1 or p.tp_dim is None:
+            # the full tensor IS the trainer's parameter: only to_hf copies cost memory
+            return e.to_hf_copy_bytes, e.to_hf_copy_bytes
+        gather = e.full_bytes * (2 if p.tp_dim != 0 else 1)  # dim-1 shards need a reorder copy
+        retained = e.to_hf_copy_bytes if e.to_hf_copy_bytes else e.full_bytes
+        return gather + e.to_hf_copy_bytes, retained
+
+    @torch.no_grad()
+    def assemble(self, e: _Entry) -> list[torch.Tensor]:
+        if e.owner == self.stage:
+            tensors = self._owner_tensors(e)
+        else:
+            tensors = [torch.empty(s, dtype=_DTYPES[e.dtype], device=self.device) for s in e.hf_shapes]
+            self.meter.track(*tensors)
+        if _group_size(self.pp_group) > 1:
+            src = dist.get_global_rank(self.pp_group, e.owner)
+            for t in tensors:
+                # owner's tensors are contiguous: to_hf copies are, and aliases are row prefixes of contiguous buffers
+                dist.broadcast(t, src=src, group=self.pp_group)
+        return tensors
+
+    def _owner_tensors(self, e: _Entry) -> list[torch.Tensor]:
+        p, param = e.local
+        local = param.detach()
+        if self.tp_size == 1 or p.tp_dim is None:
+            full = local
+        else:
+            full = self._gather(local, p.tp_dim)
+        hf = p.to_hf(full, self.tp_size)
+        del full
+        out = [hf[n] if hf[n].is_contiguous() else hf[n].contiguous() for n in e.hf_names]
+        del hf
+        # views of the trainer's own parameter are not buffered memory
+        param_storage = local.untyped_storage().data_ptr()
+        self.meter.track(*(t for t in out if t.untyped_storage().data_ptr() != param_storage))
+        return out
+
+    def _gather(self, local: torch.Tensor, tp_dim: int) -> torch.Tensor:
+        local = local.contiguous()  # gloo mis-handles non-contiguous tensors (platform-facts.md)
+        tp = self.tp_size
+        stacked = torch.empty((tp * local.shape[0], *local.shape[1:]), dtype=local.dtype, device=local.device)
+        self.meter.track(stacked)
+        dist.all_gather_into_tensor(stacked, local, group=self.tp_group)
+        if tp_dim == 0:
+            return stacked
+        # [tp * rows, cols/tp] -> [rows, tp * cols/tp]: shard r becomes columns [r*c, (r+1)*c)
+        full = (
+            stacked.view(tp, *local.shape)
+            .movedim(0, tp_dim)
+            .reshape(*local.shape[:tp_dim], tp * local.shape[tp_dim], *local.shape[tp_dim + 1 :])
+        )
+        self.meter.track(full)
+        del stacked
+        return full
+
+
+def stream_hf_weights(
+    model,
+    mapping: WeightMapping,
+    *,
+    tp_group=None,
+    pp_group=None,
+    layer_offsets: Sequence[int] | None = None,
+    config: WeightStreamConfig | None = None,
+    stats: StreamStats | None = None,
+) -> Iterator[Bucket]:
+    """Yield buckets of ``(hf_name, full tensor)`` covering every HF tensor of the model exactly once.
+
+    ``model``: this rank's megatron module or list of virtual-pipeline chunks (wrappers like Float16Module are fine).
+    ``tp_group`` / ``pp_group``: the trainer's tensor / pipeline parallel groups (None = size 1). Collective over
+    both: every rank of the world must consume the generator to the end. ``layer_offsets``: global index of each
+    chunk's first decoder layer (default: megatron's rule for this pipeline rank and virtual stage).
+    Tensors are on the parameters' device, in their dtype; they may alias the trainer's parameters (copy, do not
+    modify). Drop each bucket before asking for the next (the memory bound relies on it).
+    """
+    config = config or WeightStreamConfig()
+    stats = stats if stats is not None else StreamStats()
+    t_start = time.perf_counter()
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    if layer_offsets is None:
+        pp_rank = _group_rank(pp_group)
+        layer_offsets = [
+            layer_offset(_unwrap(c).config, pp_rank, vp_stage=i if len(chunks) > 1 else None)
+            for i, c in enumerate(chunks)
+        ]
+    if len(layer_offsets) != len(chunks):
+        raise ValueError(f"layer_offsets has {len(layer_offsets)} entries for {len(chunks)} model chunks")
+    device = next(chunks[0].parameters()).device
+    plan = build_plan(chunks, layer_offsets, mapping, tp_group, pp_group)
+    asm = _Assembler(tp_group, pp_group, stats.meter, device)
+    costs = [asm.transient_and_retained(e) for e in plan]
+    scratch = max(((t - r, e.hf_names[0]) for (t, r), e in zip(costs, plan)), default=(0, ""))
+    if scratch[0] > config.bucket_bytes:
+        raise ValueError(
+            f"WeightStreamConfig.bucket_bytes={config.bucket_bytes} is smaller than the conversion scratch of "
+            f"{scratch[1]} ({scratch[0]} bytes); raise bucket_bytes to at least {scratch[0]}"
+        )
+    stats.largest_tensor_bytes = max((e.full_bytes for e in plan), default=0)
+    stats.seconds += time.perf_counter() - t_start
+
+    bucket: Bucket = []
+    held = 0
+    for e, (transient, retained) in zip(plan, costs):
+        t0 = time.perf_counter()
+        if bucket and held + transient > config.bucket_bytes:
+            stats.buckets += 1
+            stats.seconds += time.perf_counter() - t0
+            yield bucket
+            t0 = time.perf_counter()
+            bucket, held = [], 0  # rebinding drops the stream's reference to the consumed bucket
+        tensors = asm.assemble(e)
+        for n, t in zip(e.hf_names, tensors):
+            bucket.append((n, t))
+            stats.tensors += 1
+            stats.bytes += t.numel() * t.element_size()
+        del tensors
+        held += retained
+        stats.seconds += time.perf_counter() - t0
+    if bucket:
+        stats.buckets += 1
+        yield bucket
+        bucket = []
+    stats.meter.track()  # final sample
+
+
+def megatron_weight_stream(model, args, *, config: WeightStreamConfig | None = None, stats=None, pg_collection=None):
+    """``stream_hf_weights`` with megatron's initialised process groups and the model args' dims (trainer glue)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    if pg_collection is None:
+        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    return stream_hf_weights(
+        model,
+        WeightMapping(args.dims),
+        tp_group=pg_collection.tp,
+        pp_group=pg_collection.pp,
+        config=config,
+        stats=stats,
+    )
