@@ -1,0 +1,79 @@
+"""Build this rank's rollout engine (megatron_rlvr.rollout): the transformers engine on CPU (and as a GPU
+reference), vLLM on GPU. The engine starts with random weights; the trainer streams the policy into it before the
+first rollout and after every update."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def choose_engine(name: str) -> str:
+    if name != "auto":
+        return name
+    if torch.cuda.is_available():
+        try:
+            import vllm  # noqa: F401
+
+            return "vllm"
+        except ImportError:
+            pass
+    return "hf"
+
+
+def _hf_config_object(hf_config: dict):
+    from transformers import AutoConfig
+
+    cfg = dict(hf_config)
+    model_type = cfg.pop("model_type")
+    for k in ("transformers_version", "_name_or_path"):
+        cfg.pop(k, None)
+    return AutoConfig.for_model(model_type, **cfg)
+
+
+def _eos_ids(source, tokenizer) -> list[int]:
+    """EOS ids: the model's generation_config.json (chat models end turns with their own token), else the config's,
+    plus the tokenizer's."""
+    ids: list[int] = []
+
+    def add(x):
+        if x is None:
+            return
+        for v in x if isinstance(x, (list, tuple)) else [x]:
+            if int(v) not in ids:
+                ids.append(int(v))
+
+    if source.weights_dir and os.path.isfile(os.path.join(source.weights_dir, "generation_config.json")):
+        import json
+
+        with open(os.path.join(source.weights_dir, "generation_config.json")) as f:
+            add(json.load(f).get("eos_token_id"))
+    add(source.hf_config.get("eos_token_id"))
+    add(getattr(tokenizer, "eos_token_id", None))
+    return ids
+
+
+def build_engine(cfg, source, tokenizer, dist_info):
+    """The rollout engine of this rank (rollout_tp = 1 for the transformers engine)."""
+    kind = choose_engine(cfg.rollout.engine)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
+    if kind == "hf":
+        from megatron_rlvr.rollout.hf_engine import HFEngineConfig, HFRolloutEngine
+
+        device = str(dist_info.device)
+        model_cfg = _hf_config_object(source.hf_config)
+        return HFRolloutEngine.from_config(
+            model_cfg,
+            tokenizer,
+            dtype=dtype,
+            config=HFEngineConfig(max_batch_rows=cfg.rollout.max_batch_rows, device=device),
+            eos_token_ids=_eos_ids(source, tokenizer),
+        )
+    if kind == "vllm":
+        try:
+            from megatron_rlvr.rollout import vllm_engine
+        except ImportError as e:
+            raise ValueError(f"rollout.engine=vllm: the vLLM engine is not available ({e})") from None
+        return vllm_engine.build_trainer_engine(cfg, source, tokenizer, dist_info)
+    raise ValueError(f"unknown rollout engine {kind!r}")

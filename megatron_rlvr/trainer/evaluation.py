@@ -1,0 +1,142 @@
+"""Evaluation on benchmark files: k samples per problem, avg@k and pass@k with the unbiased estimator.
+
+pass@k (Chen et al. 2021, "Evaluating Large Language Models Trained on Code", eq. 1): with n samples of which c are
+correct, pass@k = 1 - C(n - c, k) / C(n, k), averaged over problems; computed as a running product to avoid huge
+binomials. avg@k is the mean correctness of the k samples (the expected single-sample accuracy).
+
+Used during training (every ``eval.every`` steps, on the trainer's rollout engines) and by ``megatron-rlvr eval``
+(one process, an HF folder or an exported run).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from megatron_rlvr.data import shard_range
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one problem with ``c`` correct among ``n`` samples (k <= n)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    prob_all_wrong = 1.0
+    for i in range(n - c + 1, n + 1):  # C(n-c, k) / C(n, k) = prod_{i=n-c+1}^{n} (1 - k / i)
+        prob_all_wrong *= 1.0 - k / i
+    return 1.0 - prob_all_wrong
+
+
+@dataclass
+class BenchmarkResult:
+    name: str
+    problems: int
+    k: int
+    avg_at_k: float
+    pass_at_k: dict[int, float]
+    """pass@j for j in 1, 2, 4, ... up to k (and k itself)."""
+    mean_length: float
+
+
+def summarize(name: str, correct: list[list[bool]], lengths: list[list[int]]) -> BenchmarkResult:
+    """Per-problem correctness lists (all of length k) -> avg@k and pass@j for powers of two up to k."""
+    if not correct:
+        return BenchmarkResult(name, 0, 0, 0.0, {}, 0.0)
+    k = len(correct[0])
+    if any(len(c) != k for c in correct):
+        raise ValueError("every problem needs the same number of samples")
+    ks = sorted({j for j in (1, 2, 4, 8, 16, 32, 64, 128) if j <= k} | {k})
+    flat = [x for c in correct for x in c]
+    lens = [x for row in lengths for x in row]
+    return BenchmarkResult(
+        name=name,
+        problems=len(correct),
+        k=k,
+        avg_at_k=sum(flat) / len(flat),
+        pass_at_k={j: sum(pass_at_k(k, sum(c), j) for c in correct) / len(correct) for j in ks},
+        mean_length=sum(lens) / max(len(lens), 1),
+    )
+
+
+def format_table(results: list[BenchmarkResult]) -> str:
+    """A plain-text table: one row per benchmark."""
+    if not results:
+        return "(no benchmarks)"
+    ks = sorted({j for r in results for j in r.pass_at_k})
+    head = ["benchmark", "problems", "k", "avg@k"] + [f"pass@{j}" for j in ks] + ["mean len"]
+    rows = [head]
+    for r in results:
+        rows.append(
+            [r.name, str(r.problems), str(r.k), f"{r.avg_at_k:.4f}"]
+            + [f"{r.pass_at_k[j]:.4f}" if j in r.pass_at_k else "-" for j in ks]
+            + [f"{r.mean_length:.1f}"]
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def bench_name(path: str) -> str:
+    stem = os.path.splitext(os.path.basename(path))[0]
+    parent = os.path.basename(os.path.dirname(os.path.abspath(path)))
+    return f"{parent}/{stem}" if stem in ("test", "train", "validation", "eval") else stem
+
+
+def evaluate_examples(
+    engine,
+    reward_manager,
+    tokenizer,
+    data_cfg,
+    examples,
+    *,
+    k: int,
+    temperature: float,
+    top_p: float,
+    max_tokens: int,
+    max_prompt_len: int,
+    seed: int,
+    engine_index: int = 0,
+    engine_count: int = 1,
+    leader: bool = True,
+    gather=None,
+) -> tuple[list[list[bool]], list[list[int]]]:
+    """Generate ``k`` samples per example on this engine's share, score, gather: (correct, lengths) per example,
+    in example order, on every rank. Prompts longer than ``max_prompt_len`` count as wrong."""
+    from megatron_rlvr.rollout.engine import SamplingParams
+    from megatron_rlvr.trainer.rollout import round_seed, tokenize_prompts
+
+    share = shard_range(len(examples), engine_index, engine_count)
+    local: list[tuple[int, list[bool], list[int]]] = []
+    if leader and len(share):
+        mine = [examples[i] for i in share]
+        kept, ids, _ = tokenize_prompts(mine, tokenizer, data_cfg, max_prompt_len)
+        kept_idx = {id(e) for e in kept}
+        params = SamplingParams(
+            n=k,
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=max_tokens,
+            seed=round_seed(seed, -1, 0, share.start),
+        )
+        outputs = engine.generate(ids, params) if ids else []
+        texts, gts, metas = [], [], []
+        for ex, out in zip(kept, outputs):
+            for c in out.completions:
+                texts.append(c.text if c.text is not None else tokenizer.decode(c.token_ids, skip_special_tokens=True))
+                gts.append(ex.answer)
+                metas.append(ex.metadata)
+        rewards, _ = reward_manager.score(texts, gts, metas) if texts else ([], {})
+        it_out = iter(outputs)
+        pos = 0
+        for i, ex in zip(share, mine):
+            if id(ex) not in kept_idx:
+                local.append((i, [False] * k, [0] * k))
+                continue
+            out = next(it_out)
+            local.append((i, [r >= 0.5 for r in rewards[pos : pos + k]], [len(c.token_ids) for c in out.completions]))
+            pos += k
+    parts = gather(local) if gather is not None else [local]
+    merged = sorted((x for part in parts for x in part), key=lambda x: x[0])
+    return [c for _, c, _ in merged], [n for _, _, n in merged]

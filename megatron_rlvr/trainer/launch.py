@@ -1,0 +1,114 @@
+"""Local launch: ``megatron-rlvr train`` on one machine starts its own ranks as child processes (the torchrun model:
+RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT in their environment) running the same command on the
+resolved config, and supervises them:
+
+- SIGTERM, SIGUSR1 and SIGINT sent to the launcher are forwarded to every rank (they checkpoint and exit with the
+  signal's code, see megatron_rlvr/trainer/signals.py); the ranks live in their own process group, so a Ctrl-C in
+  the terminal reaches them once, through the launcher;
+- fail fast: when a rank exits with an error, the others get a few seconds to exit, then are killed (they would
+  otherwise wait forever in a collective); the launcher exits with the first non-zero code;
+- no orphans: each rank watches the launcher's pid and exits if the launcher dies (e.g. SIGKILL).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+PARENT_ENV = "RLVR_LAUNCHER_PID"
+FAIL_FAST_GRACE_S = 10.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_parent_watchdog() -> None:
+    """In a rank started by the local launcher: exit when the launcher process is gone."""
+    pid = os.environ.get(PARENT_ENV)
+    if not pid:
+        return
+    pid = int(pid)
+
+    def watch():
+        while True:
+            if os.getppid() != pid:
+                os._exit(1)
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, name="rlvr-launcher-watchdog", daemon=True).start()
+
+
+def _repo_root() -> str:
+    import megatron_rlvr
+
+    return os.path.dirname(os.path.dirname(os.path.abspath(megatron_rlvr.__file__)))
+
+
+def launch_local(config_path: str, world_size: int, *, master_addr: str, master_port: int, threads: int) -> int:
+    """Run ``megatron-rlvr train <config_path>`` as ``world_size`` ranks; returns the exit code for the launcher."""
+    port = master_port or free_port()
+    env_base = dict(os.environ)
+    root = _repo_root()
+    env_base["PYTHONPATH"] = root + (os.pathsep + env_base["PYTHONPATH"] if env_base.get("PYTHONPATH") else "")
+    env_base.update(
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR=master_addr,
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS=str(threads),
+        **{PARENT_ENV: str(os.getpid())},
+    )
+    cmd = [sys.executable, "-m", "megatron_rlvr.cli", "train", config_path]
+    procs: list[subprocess.Popen] = []
+    for rank in range(world_size):
+        env = dict(env_base, RANK=str(rank), LOCAL_RANK=str(rank))
+        procs.append(subprocess.Popen(cmd, env=env, process_group=0))
+
+    def forward(signum, frame):
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.kill(p.pid, signum)
+                except ProcessLookupError:
+                    pass
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    try:
+        return _supervise(procs)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def _supervise(procs: list[subprocess.Popen]) -> int:
+    first_bad: int | None = None
+    bad_since = None
+    while True:
+        codes = [p.poll() for p in procs]
+        for c in codes:
+            if c is not None and c != 0 and first_bad is None:
+                first_bad, bad_since = c, time.monotonic()
+        if all(c is not None for c in codes):
+            if first_bad is not None:
+                return first_bad if first_bad > 0 else 128 - first_bad  # killed by signal -n -> 128 + n
+            return 0
+        if bad_since is not None and time.monotonic() - bad_since > FAIL_FAST_GRACE_S:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            for p in procs:
+                p.wait()
+            return first_bad if first_bad > 0 else 128 - first_bad
+        time.sleep(0.2)

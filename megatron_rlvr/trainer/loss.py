@@ -1,0 +1,109 @@
+"""Per-micro-batch functions evaluated on the last pipeline stage: token statistics from the TP-sharded logits
+through the vocab-parallel ops, then either the RLVR loss (megatron_rlvr.algorithms) or plain log-probs
+(behaviour / reference policy, forward only)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_rlvr.algorithms import AlgorithmConfig, LossNormalizers, PolicyLossInputs, compute_policy_loss
+from megatron_rlvr.ops import vocab_parallel_token_stats
+
+
+@dataclass
+class StatsSpec:
+    """How token statistics are computed from a logits shard."""
+
+    tp_group: object
+    """TP process group (None for an unsharded vocabulary)."""
+    vocab_size: int
+    """True vocabulary size (padding ids excluded)."""
+    temperature: float
+    """The rollout sampling temperature: log-probs are of softmax(logits / T), the distribution sampled from."""
+    chunk_size: int
+    """Tokens per chunk of the ops."""
+
+
+def token_stats(logits_bsv: torch.Tensor, labels_bs: torch.Tensor, spec: StatsSpec, want, other_logits_bsv=None):
+    """{stat: [b, s]} over the FULL vocabulary from this rank's shard (module-level so tests can wrap it)."""
+    b, s, v = logits_bsv.shape
+    out = vocab_parallel_token_stats(
+        logits_bsv.reshape(b * s, v),
+        tp_group=spec.tp_group,
+        token_ids_T=labels_bs.reshape(-1).to(logits_bsv.device),
+        other_logits_TV=None if other_logits_bsv is None else other_logits_bsv.reshape(b * s, v),
+        temperature=spec.temperature,
+        vocab_size=spec.vocab_size,
+        want=tuple(want),
+        chunk_size=spec.chunk_size,
+    )
+    return {k: t.view(b, s) for k, t in out.items()}
+
+
+def _nonfinite(x: torch.Tensor, mask: torch.Tensor) -> bool:
+    return bool((~torch.isfinite(x) & mask).any())
+
+
+def logprob_fn(spec: StatsSpec, with_entropy: bool):
+    """Forward-only statistics: returns (0, {"logp": [b, s], "entropy": [b, s]?, "nonfinite": 0/1})."""
+
+    def fn(mb, logits_bsv):
+        want = ("logprob", "entropy") if with_entropy else ("logprob",)
+        st = token_stats(logits_bsv, mb["labels"], spec, want)
+        mask = mb["mask"].to(logits_bsv.device)
+        info = {"logp": st["logprob"].detach().float().cpu(), "nonfinite": float(_nonfinite(st["logprob"], mask))}
+        if with_entropy:
+            info["entropy"] = st["entropy"].detach().float().cpu()
+        return torch.zeros((), device=logits_bsv.device), info
+
+    return fn
+
+
+def policy_loss_fn(algo: AlgorithmConfig, norms: LossNormalizers, spec: StatsSpec, ref_logits_fn=None):
+    """The training loss of one micro-batch: (sum-reduced loss, metrics incl. ``train/nonfinite``).
+
+    ``ref_logits_fn(mb)`` gives the reference model's logits shard when ``algo.ref_kl.estimator == 'exact'``.
+    """
+    exact_kl = algo.ref_kl.coef > 0 and algo.ref_kl.estimator == "exact"
+
+    def fn(mb, logits_bsv):
+        dev = logits_bsv.device
+        want = ["logprob", "entropy"]
+        if algo.margin_credit.enabled:
+            want.append("margin")
+        other = None
+        if exact_kl:
+            want.append("kl")
+            other = ref_logits_fn(mb)
+        st = token_stats(logits_bsv, mb["labels"], spec, want, other)
+        mask = mb["mask"].to(dev)
+        logp = st["logprob"]
+        if "tis_weight" in mb:
+            adv_B, adv_BT = None, mb["adv"].to(dev)[:, None] * mb["tis_weight"].to(dev)
+        else:
+            adv_B, adv_BT = mb["adv"].to(dev), None
+        inputs = PolicyLossInputs(
+            logp_BT=logp,
+            old_logp_BT=mb["old_logp"].to(dev),
+            mask_BT=mask,
+            adv_B=adv_B,
+            adv_BT=adv_BT,
+            ref_logp_BT=mb["ref_logp"].to(dev) if algo.ref_kl.coef > 0 and not exact_kl else None,
+            ref_kl_BT=st.get("kl"),
+            entropy_BT=st["entropy"],
+            margin_BT=st.get("margin"),
+            mastered_B=mb["mastered"].to(dev),
+        )
+        loss, metrics = compute_policy_loss(algo, inputs, norms)
+        bad = _nonfinite(logp, mask) or not bool(torch.isfinite(loss))
+        info = {k: float(v) for k, v in metrics.items()}
+        info["train/nonfinite"] = float(bad)
+        if bad:
+            # keep the backward finite-or-not as it is: the step is skipped after the all-reduce of this flag
+            info = {k: (v if v == v and abs(v) != float("inf") else 0.0) for k, v in info.items()}
+            info["train/nonfinite"] = 1.0
+        return loss, info
+
+    return fn

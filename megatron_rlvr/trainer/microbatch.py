@@ -1,0 +1,160 @@
+"""Training sequences and their packing into micro-batches by token budget (pure torch, no Megatron).
+
+A sequence is ``prompt + response`` token ids. Megatron's logits at input position t predict token t + 1, so the
+response tokens (token indices [P, L)) are scored at positions [P - 1, L - 1): ``labels[t] = tokens[t + 1]`` and the
+loss mask is true exactly there. Per-sequence response-aligned values (old / reference / rollout log-probs, length
+R = L - P) are scattered to those positions.
+
+Packing: a micro-batch is ``b`` sequences right-padded to a common length ``s`` with ``b * s <= micro_batch_tokens``
+(padding is masked out of every loss term and statistic; causal attention keeps real positions unaffected by the
+padding after them). With pipeline parallelism every micro-batch of a call has the same [b, s] (megatron's p2p
+communication needs one tensor shape), so ``uniform=True`` pads all of them to the longest sequence and fills the
+last micro-batch with fully masked dummy rows. Without it, sequences are sorted by length so micro-batches waste
+little padding. Either way the loss is unchanged: the loss normalisers are global (megatron_rlvr.algorithms).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Sequence:
+    """One training sequence (a prompt and one sampled response) with its per-sequence training inputs."""
+
+    tokens: list[int]
+    """prompt + response token ids."""
+    prompt_len: int
+    """P: number of prompt tokens."""
+    adv: float = 0.0
+    """Advantage of the sequence."""
+    mastered: bool = False
+    """Its prompt is mastered (MCPO hinge-KL)."""
+    train: bool = True
+    """False: the sequence is in the batch but contributes no loss (e.g. a truncated response under DAPO's
+    overlong filtering); its mask is all False."""
+    rollout_logprobs: list[float] = field(default_factory=list)
+    """Engine log-probs of the response tokens (length R)."""
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def response_len(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+def pack(lengths: list[int], budget: int | None, uniform: bool, multiple: int = 1) -> list[tuple[list[int], int, int]]:
+    """Group sequence indices into micro-batches: list of (indices, micro_batch_size b, padded length s).
+
+    ``budget`` None: one sequence per micro-batch. ``multiple``: s is rounded up to a multiple of it (sequence
+    parallelism splits s over TP ranks). ``uniform``: every micro-batch has the same (b, s); the last may hold fewer
+    indices than b (the caller pads it with dummy rows).
+    """
+    if not lengths:
+        return []
+
+    def rounded(n: int) -> int:
+        return -(-n // multiple) * multiple
+
+    if uniform:
+        s = rounded(max(lengths))
+        b = 1 if budget is None else max(1, budget // s)
+        idx = list(range(len(lengths)))
+        return [(idx[i : i + b], b, s) for i in range(0, len(idx), b)]
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    out: list[tuple[list[int], int, int]] = []
+    cur: list[int] = []
+    cur_s = 0
+    for i in order:
+        s = rounded(lengths[i])
+        new_s = max(cur_s, s)
+        if cur and (budget is None or (len(cur) + 1) * new_s > budget):
+            out.append((cur, len(cur), cur_s))
+            cur, new_s = [], s
+        cur.append(i)
+        cur_s = new_s
+    if cur:
+        out.append((cur, len(cur), cur_s))
+    return out
+
+
+def _scatter(values: list[float] | torch.Tensor | None, row: torch.Tensor, start: int) -> None:
+    if values is None or len(values) == 0:
+        return
+    v = torch.as_tensor(values, dtype=row.dtype)
+    row[start : start + v.numel()] = v
+
+
+def build_microbatch(
+    seqs: list[Sequence],
+    b: int,
+    s: int,
+    pad_id: int,
+    *,
+    old_logp: list[torch.Tensor | None] | None = None,
+    ref_logp: list[torch.Tensor | None] | None = None,
+    ids: list[int] | None = None,
+    tis_cap: float | None = None,
+) -> dict[str, torch.Tensor]:
+    """Tensors of one micro-batch: tokens/position_ids/labels [b, s] long, mask [b, s] bool, adv [b], mastered [b],
+    rollout_logp / old_logp / ref_logp [b, s] float32 (0 where unknown), seq_ids [b] (-1 for dummy rows), and
+    tis_weight [b, s] when ``tis_cap`` is set and old log-probs are given."""
+    if len(seqs) > b:
+        raise ValueError(f"build_microbatch: {len(seqs)} sequences do not fit micro-batch size {b}")
+    tokens = torch.full((b, s), pad_id, dtype=torch.long)
+    labels = torch.full((b, s), pad_id, dtype=torch.long)
+    mask = torch.zeros((b, s), dtype=torch.bool)
+    adv = torch.zeros(b, dtype=torch.float32)
+    mastered = torch.zeros(b, dtype=torch.bool)
+    rollout = torch.zeros((b, s), dtype=torch.float32)
+    old = torch.zeros((b, s), dtype=torch.float32)
+    ref = torch.zeros((b, s), dtype=torch.float32)
+    seq_ids = torch.full((b,), -1, dtype=torch.long)
+    for r, q in enumerate(seqs):
+        L, P = q.length, q.prompt_len
+        if L > s:
+            raise ValueError(f"sequence of length {L} does not fit the micro-batch length {s}")
+        t = torch.as_tensor(q.tokens, dtype=torch.long)
+        tokens[r, :L] = t
+        labels[r, : L - 1] = t[1:]
+        if q.train and L > P:
+            mask[r, P - 1 : L - 1] = True
+        adv[r] = q.adv
+        mastered[r] = q.mastered
+        _scatter(q.rollout_logprobs, rollout[r], P - 1)
+        if old_logp is not None:
+            _scatter(old_logp[r], old[r], P - 1)
+        if ref_logp is not None:
+            _scatter(ref_logp[r], ref[r], P - 1)
+        seq_ids[r] = -1 if ids is None else ids[r]
+    out = {
+        "tokens": tokens,
+        "position_ids": torch.arange(s, dtype=torch.long).unsqueeze(0).expand(b, s).contiguous(),
+        "labels": labels,
+        "mask": mask,
+        "adv": adv,
+        "mastered": mastered,
+        "rollout_logp": rollout,
+        "old_logp": old,
+        "ref_logp": ref,
+        "seq_ids": seq_ids,
+    }
+    if tis_cap is not None and old_logp is not None:
+        # Truncated importance sampling (Yao et al., "Your efficient RL framework secretly brings you off-policy RL
+        # training", 2025): w = min(pi_train_old / pi_rollout, C) per token, folded into the advantage (every policy
+        # loss here is positively homogeneous in A, so w * loss(A) == loss(w * A)).
+        w = torch.exp((old - rollout).clamp(max=20.0)).clamp(max=tis_cap)
+        out["tis_weight"] = torch.where(mask, w, torch.ones_like(w))
+    return out
+
+
+def response_values(values_bs: torch.Tensor, seqs: list[Sequence]) -> list[torch.Tensor]:
+    """Inverse of the scatter: per sequence its response-aligned values (length R) from a [b, s] tensor."""
+    out = []
+    for r, q in enumerate(seqs):
+        out.append(values_bs[r, q.prompt_len - 1 : q.length - 1].detach().float().cpu().clone())
+    return out

@@ -1,0 +1,166 @@
+"""Megatron glue for the policy: resolve the configured model to an HF folder/config, build the GPTModel of this
+rank (megatron_rlvr.models), wrap it in megatron's DistributedDataParallel, and build megatron's optimizer and
+learning-rate scheduler."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatron_rlvr.trainer.config import ModelConfig, OptimizerConfig, ParallelConfig, ScheduleConfig, TrainConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class ModelSource:
+    """Where the model comes from, resolved once per run."""
+
+    hf_config: dict
+    """HF config of the policy."""
+    weights_dir: str | None
+    """HF folder with the start weights; None: random init (tiny, or model.hf_config)."""
+    tokenizer_dir: str | None
+    """Tokenizer folder; None for the built-in tiny tokenizer."""
+    is_tiny: bool
+
+
+def resolve_model_source(cfg: ModelConfig) -> ModelSource:
+    """HF config, weights folder and tokenizer folder of the configured model (converts a GGUF file once, cached)."""
+    from megatron_rlvr.models.hf_config import load_hf_config
+
+    if cfg.is_tiny:
+        from megatron_rlvr.trainer.tiny import tiny_hf_config
+
+        return ModelSource(tiny_hf_config(), None, cfg.tokenizer, True)
+    if cfg.gguf:
+        from megatron_rlvr.models import gguf
+
+        path = gguf.smollm2_gguf_path() if cfg.gguf == "smollm2" else cfg.gguf
+        folder = gguf.cached_hf_folder(path)
+        return ModelSource(load_hf_config(folder), folder, cfg.tokenizer or folder, False)
+    if cfg.hf_path:
+        return ModelSource(load_hf_config(cfg.hf_path), cfg.hf_path, cfg.tokenizer or cfg.hf_path, False)
+    return ModelSource(load_hf_config(cfg.hf_config), None, cfg.tokenizer, False)
+
+
+def load_tokenizer(source: ModelSource):
+    if source.tokenizer_dir is None:
+        from megatron_rlvr.trainer.tiny import tiny_tokenizer
+
+        return tiny_tokenizer()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(source.tokenizer_dir)
+
+
+def model_args_for(source: ModelSource, model_cfg: ModelConfig, par: ParallelConfig, train: TrainConfig):
+    """megatron_rlvr.models MegatronModelArgs for this run's layout (recompute settings included)."""
+    from megatron_rlvr.models.hf_config import megatron_model_args
+
+    overrides: dict[str, Any] = {}
+    if train.recompute == "full":
+        overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return megatron_model_args(
+        source.hf_config,
+        tp_size=par.tp,
+        pp_size=par.pp,
+        dtype=_DTYPES[model_cfg.dtype],
+        sequence_parallel=bool(par.sequence_parallel),
+        **overrides,
+    )
+
+
+def build_model(args, source: ModelSource, seed: int, pg, *, trainable: bool = True):
+    """This rank's GPTModel (Float16Module-wrapped for bf16) with the start weights: the HF folder's, or a random
+    init that depends only on ``seed`` (every rank draws the same full tensors, so all TP ranks agree)."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_rlvr.models.build import build_gpt_model
+
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    model = build_gpt_model(args, pg_collection=pg)
+    if source.weights_dir is not None:
+        from megatron_rlvr.models.loading import load_hf_weights
+
+        load_hf_weights(model, args, source.weights_dir, pg_collection=pg)
+    if not trainable:
+        model.eval()
+        for p in model.parameters():
+            p.requires_grad_(False)
+    return model
+
+
+def wrap_ddp(model, distributed_optimizer: bool):
+    """megatron DistributedDataParallel around the model, with the schedule hooks set on its config."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    ddp_cfg = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=distributed_optimizer,
+        check_for_nan_in_grad=False,  # the trainer detects non-finite steps itself and skips them
+    )
+    ddp = DistributedDataParallel(model.config, ddp_cfg, model)
+    ddp.config.finalize_model_grads_func = finalize_model_grads
+    ddp.config.no_sync_func = ddp.no_sync
+    return ddp
+
+
+def build_optimizer(ddp_model, opt: OptimizerConfig, sched: ScheduleConfig, par: ParallelConfig, dtype: str):
+    """megatron's optimizer (Adam, grad clipping) and OptimizerParamScheduler (warm-up + constant/linear/cosine)."""
+    from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    mcfg = MegatronOptimizerConfig(
+        optimizer="adam",
+        lr=opt.lr,
+        min_lr=opt.min_lr,
+        weight_decay=opt.weight_decay,
+        adam_beta1=opt.adam_beta1,
+        adam_beta2=opt.adam_beta2,
+        adam_eps=opt.adam_eps,
+        clip_grad=opt.clip_grad,
+        bf16=dtype == "bfloat16",
+        params_dtype=_DTYPES[dtype],
+        use_distributed_optimizer=par.distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(mcfg, [ddp_model])
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if sched.warmup_steps else opt.lr,
+        max_lr=opt.lr,
+        min_lr=min(opt.min_lr, opt.lr),
+        lr_warmup_steps=sched.warmup_steps,
+        lr_decay_steps=max(sched.steps, sched.warmup_steps + 1),
+        lr_decay_style=sched.lr_decay,
+        start_wd=opt.weight_decay,
+        end_wd=opt.weight_decay,
+        wd_incr_steps=max(sched.steps, 1),
+        wd_incr_style="constant",
+    )
+    return optimizer, scheduler
+
+
+def current_lr(optimizer) -> float:
+    for group in optimizer.param_groups:
+        return float(group["lr"])
+    return 0.0
+
+
+@torch.no_grad()
+def params_checksum(model) -> float:
+    """Sum of |w| over this rank's parameters (float64): a cheap "did the weights change" probe for tests/logs."""
+    total = torch.zeros((), dtype=torch.float64)
+    for p in model.parameters():
+        total += p.detach().double().abs().sum().cpu()
+    return float(total)
+
+
+def hf_dir_of(run_dir: str) -> str:
+    return os.path.join(run_dir, "hf")

@@ -1,0 +1,136 @@
+"""The rollout half of a step: prompts -> samples from this rank's engine -> rewards -> every rank holds the global
+batch.
+
+Data flow (deterministic for a given seed and layout): every rank draws the same global prompt batch from the
+sampler, tokenises and renders it identically, generates the ``n`` samples of its engine's contiguous share of the
+prompts (``shard_range`` over the rollout data-parallel engines), scores its own samples with its reward workers
+(each response is scored exactly once), and an all-gather gives every rank all groups in prompt order. The
+trainer then takes its data-parallel slice of the sequences.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from megatron_rlvr.data import Example, shard_range
+from megatron_rlvr.rollout.engine import SamplingParams, sample_seed
+
+
+@dataclass
+class Group:
+    """One prompt and its samples."""
+
+    example: Example
+    prompt_ids: list[int]
+    response_ids: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[float]] = field(default_factory=list)
+    finish_reasons: list[str] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    """Verifier rewards (before any shaping)."""
+
+
+@dataclass
+class EngineInfo:
+    """Which engine this rank belongs to and whether it leads it (generates for the group, scores)."""
+
+    index: int
+    count: int
+    leader: bool
+
+
+def engine_info(rank: int, world_size: int, rollout_tp: int) -> EngineInfo:
+    return EngineInfo(index=rank // rollout_tp, count=world_size // rollout_tp, leader=rank % rollout_tp == 0)
+
+
+def tokenize_prompts(examples: list[Example], tokenizer, data_cfg, max_prompt_len: int):
+    """(kept examples, their prompt ids, number skipped as too long)."""
+    from megatron_rlvr.data import render
+
+    kept, ids, too_long = [], [], 0
+    for ex in examples:
+        text = render(ex, data_cfg, tokenizer)
+        toks = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if not toks:
+            toks = [tokenizer.eos_token_id]
+        if len(toks) > max_prompt_len:
+            too_long += 1
+            continue
+        kept.append(ex)
+        ids.append(list(toks))
+    return kept, ids, too_long
+
+
+def round_seed(seed: int, step: int, round_idx: int, shard_start: int) -> int:
+    """Sampling seed of one engine's share of one generation round (independent of everything else)."""
+    return sample_seed(sample_seed(seed, step, round_idx), shard_start, 0x5EED)
+
+
+def generate_groups(
+    engine,
+    reward_manager,
+    tokenizer,
+    examples: list[Example],
+    prompt_ids: list[list[int]],
+    params: SamplingParams,
+    info: EngineInfo,
+    *,
+    seed: int,
+    step: int,
+    round_idx: int,
+    gather,
+) -> tuple[list[Group], dict[str, float]]:
+    """Generate and score this engine's share, all-gather: every rank returns all groups in prompt order.
+
+    ``gather(obj) -> list`` is an all-gather over the world (rank order); ``params.seed`` is replaced by the
+    round's derived seed."""
+    share = shard_range(len(examples), info.index, info.count)
+    mine: list[Group] = []
+    stats = {"time/generate_s": 0.0, "time/reward_s": 0.0}
+    reward_stats: dict[str, float] = {}
+    if info.leader and len(share) > 0:
+        t0 = time.perf_counter()
+        p = SamplingParams(**{**params.__dict__, "seed": round_seed(seed, step, round_idx, share.start)})
+        outputs = engine.generate([prompt_ids[i] for i in share], p)
+        stats["time/generate_s"] = time.perf_counter() - t0
+        texts, gts, metas = [], [], []
+        for i, out in zip(share, outputs):
+            g = Group(example=examples[i], prompt_ids=prompt_ids[i])
+            for c in out.completions:
+                text = c.text if c.text is not None else tokenizer.decode(c.token_ids, skip_special_tokens=True)
+                g.response_ids.append(list(c.token_ids))
+                g.logprobs.append([float(x) for x in c.logprobs])
+                g.finish_reasons.append(c.finish_reason)
+                g.texts.append(text)
+                texts.append(text)
+                gts.append(examples[i].answer)
+                metas.append(examples[i].metadata)
+            mine.append(g)
+        t0 = time.perf_counter()
+        rewards, reward_stats = reward_manager.score(texts, gts, metas)
+        stats["time/reward_s"] = time.perf_counter() - t0
+        bad = {i for i, r in enumerate(rewards) if not (isinstance(r, (int, float)) and math.isfinite(r))}
+        reward_stats["reward/n_nonfinite"] = float(len(bad))  # a reward fn returning NaN/inf/None: scored 0
+        rewards = [0.0 if i in bad else float(r) for i, r in enumerate(rewards)]
+        k = 0
+        for g in mine:
+            g.rewards = rewards[k : k + len(g.texts)]
+            k += len(g.texts)
+    everything = gather((mine, reward_stats, stats) if info.leader else ([], {}, {}))
+    groups: list[Group] = []
+    merged: dict[str, float] = {}
+    for part, rstats, tstats in everything:
+        groups.extend(part)
+        for key in (
+            "reward/n_timeout",
+            "reward/n_error",
+            "reward/n_no_answer",
+            "reward/n_nonfinite",
+            "reward/workers_restarted",
+        ):
+            merged[key] = merged.get(key, 0.0) + float(rstats.get(key, 0.0))
+        for key, v in tstats.items():  # engines run in parallel: the slowest one is the step's cost
+            merged[key] = max(merged.get(key, 0.0), v)
+    return groups, merged

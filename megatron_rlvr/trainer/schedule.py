@@ -1,0 +1,72 @@
+"""Megatron glue: run a list of micro-batches through megatron-core's ``get_forward_backward_func`` (no pipelining,
+or 1F1B when PP > 1) with a per-micro-batch loss/statistics function evaluated on the last pipeline stage.
+
+Loss scaling. The RLVR losses (megatron_rlvr.algorithms) are "sum-reduced": each micro-batch's loss is its share
+of the global mini-batch loss (divided by GLOBAL token / sequence counts), so the full-batch gradient is the SUM of
+all micro-batch gradients on all data-parallel ranks. megatron's schedule divides each returned loss by the number
+of micro-batches and its DDP averages gradients over the data-parallel group; ``run_microbatches`` multiplies the
+loss by ``num_microbatches * dp_size`` before handing it over, which undoes both exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+
+def run_microbatches(
+    model,
+    microbatches: list[dict[str, torch.Tensor]],
+    loss_fn: Callable[[dict[str, torch.Tensor], torch.Tensor], tuple[torch.Tensor, dict]],
+    *,
+    pg,
+    forward_only: bool,
+    device: torch.device,
+) -> list[dict]:
+    """Forward (and backward unless ``forward_only``) over ``microbatches``; returns, on the last pipeline stage,
+    the info dict of each micro-batch (in order), and [] on other stages.
+
+    ``loss_fn(mb, logits_bsv)`` gets the micro-batch and this TP rank's logits shard [b, s, V/tp] and returns (this
+    micro-batch's sum-reduced loss, info). Every micro-batch must have the same [b, s] when PP > 1.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if not microbatches:
+        return []
+    n_micro = len(microbatches)
+    b, s = microbatches[0]["tokens"].shape
+    pp_size = pg.pp.size()
+    if pp_size > 1 and any(tuple(mb["tokens"].shape) != (b, s) for mb in microbatches):
+        raise ValueError("with pipeline parallelism every micro-batch must have the same [b, s]")
+    scale = float(n_micro * pg.dp.size())
+
+    def adapter(mb, output_tensor):
+        loss, info = loss_fn(mb, output_tensor)
+        if not forward_only:
+            loss = loss * scale
+        return loss, info
+
+    def forward_step(data_iterator, model_chunk):
+        mb = next(data_iterator)
+        tokens = mb["tokens"].to(device)
+        position_ids = mb["position_ids"].to(device)
+        output = model_chunk(tokens, position_ids, None)
+        return output, functools.partial(adapter, mb)
+
+    fwd_bwd = get_forward_backward_func(pp_size=pp_size)
+    ctx = torch.no_grad() if forward_only else torch.enable_grad()
+    with ctx:
+        out = fwd_bwd(
+            forward_step_func=forward_step,
+            data_iterator=iter(microbatches),
+            model=[model],
+            num_microbatches=n_micro,
+            seq_length=s,
+            micro_batch_size=b,
+            forward_only=forward_only,
+        )
+    if pg.pp.rank() != pp_size - 1:
+        return []
+    return list(out)

@@ -1,0 +1,499 @@
+"""The RL training loop. ``train(cfg)`` runs on every rank (SPMD); ``rl_step`` reads as the algorithm:
+
+sample prompts -> rollout -> rewards -> (dynamic-sampling refill) -> group advantages
+-> behaviour log-probs (recompute) -> reference log-probs (if KL) -> mini-batch updates (megatron fwd/bwd,
+optimizer step with clipping) -> weight sync to the engine -> metrics -> periodic eval -> checkpoint
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_rlvr.trainer.config import RunConfig
+
+
+@dataclass
+class Trainer:
+    """Everything a running step touches, built once by :func:`setup`."""
+
+    cfg: RunConfig
+    run_dir: str
+    dist: Any
+    source: Any
+    tokenizer: Any
+    args: Any
+    model: Any
+    """megatron DDP-wrapped policy."""
+    optimizer: Any
+    scheduler: Any
+    engine: Any
+    engine_info: Any
+    reward_manager: Any
+    loader: Any
+    logger: Any
+    signals: Any
+    update_ctx: Any
+    ref_model: Any = None
+    eval_sets: list = field(default_factory=list)
+    step: int = 0
+    start_step: int = 0
+    history: list = field(default_factory=list)
+
+    @property
+    def algo(self):
+        return self.cfg.algorithm
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# One RL step
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def rl_step(t: Trainer, step: int) -> dict[str, float]:
+    """One RL step on every rank; returns the step's metrics (identical on every rank)."""
+    from megatron_rlvr.trainer.batch import batch_metrics, build_sequences
+    from megatron_rlvr.trainer.update import policy_update
+    from megatron_rlvr.trainer.weights import sync_weights
+
+    t0 = time.perf_counter()
+    all_groups, kept, m = collect_groups(t, step)  # prompts -> rollout -> rewards (+ refill)
+    m.update(batch_metrics(all_groups, t.algo))  # reward / groups / response curves
+    seqs, adv_metrics = build_sequences(kept, t.algo)  # group stats and advantages
+    m.update(adv_metrics)
+    if not any(s.train for s in seqs):  # empty or all-truncated batch
+        m.update({"train/skipped": 1.0, "train/skipped_empty": 1.0, "time/step_s": time.perf_counter() - t0})
+        return m
+    t1 = time.perf_counter()
+    old, ref, lp = behaviour_and_reference_logprobs(t, seqs)  # old (recompute) and reference log-probs
+    m.update(lp)
+    m["time/logprobs_s"] = time.perf_counter() - t1
+    t1 = time.perf_counter()
+    m.update(policy_update(t.update_ctx, t.model, t.optimizer, seqs, old, ref, ref_logits_fn(t)))  # updates
+    m["time/update_s"] = time.perf_counter() - t1
+    t.scheduler.step(increment=1)
+    if m.get("train/updates", 0) > 0:
+        m.update(sync_weights(t.engine, t.model, t.args, t.dist.pg))  # weight sync to the engine
+    m["train/skipped"] = float(m.get("train/updates", 0) == 0)
+    m["optim/lr"] = current_lr(t)
+    m["time/step_s"] = time.perf_counter() - t0
+    n_tokens = sum(s.length for s in seqs)
+    m["perf/tokens_per_s"] = n_tokens / max(m["time/step_s"], 1e-9)
+    m["perf/generated_tokens"] = float(sum(s.response_len for s in seqs))
+    return m
+
+
+def collect_groups(t: Trainer, step: int):
+    """Sample prompts, roll out, score; with dynamic sampling keep informative groups and refill from more prompts
+    (at most train.dynamic_sampling_max_rounds rounds). Returns (all groups generated, kept groups, metrics)."""
+    from megatron_rlvr.trainer.batch import informative
+    from megatron_rlvr.trainer.distributed import all_gather_objects
+    from megatron_rlvr.trainer.rollout import generate_groups, tokenize_prompts
+
+    cfg, need = t.cfg, t.cfg.train.prompts_per_step
+    params = sampling_params(cfg)
+    all_groups, kept, m = [], [], {"data/prompts_too_long": 0.0, "rollout/rounds": 0.0}
+    for round_idx in range(cfg.train.dynamic_sampling_max_rounds if t.algo.dapo.dynamic_sampling else 1):
+        examples = t.loader.next_batch(need)
+        examples, ids, too_long = tokenize_prompts(examples, t.tokenizer, cfg.data, cfg.rollout.max_prompt_len)
+        m["data/prompts_too_long"] += too_long
+        groups, stats = generate_groups(
+            t.engine,
+            t.reward_manager,
+            t.tokenizer,
+            examples,
+            ids,
+            params,
+            t.engine_info,
+            seed=cfg.train.seed,
+            step=step,
+            round_idx=round_idx,
+            gather=all_gather_objects,
+        )
+        for k, v in stats.items():
+            m[k] = m.get(k, 0.0) + v
+        m["rollout/rounds"] += 1
+        all_groups.extend(groups)
+        if not t.algo.dapo.dynamic_sampling:
+            kept = groups
+            break
+        kept.extend(g for g, keep in zip(groups, informative(groups, t.algo)) if keep)
+        if len(kept) >= need:
+            break
+    kept = kept[:need]
+    m["rollout/kept_groups"] = float(len(kept))
+    m["rollout/kept_frac"] = len(kept) / max(len(all_groups), 1)
+    return all_groups, kept, m
+
+
+def behaviour_and_reference_logprobs(t: Trainer, seqs):
+    """Old log-probs (recomputed with the current weights, or the engine's) and reference log-probs (when a KL
+    term is on), for this data-parallel rank's sequences; plus train/inference mismatch metrics."""
+    import torch
+
+    from megatron_rlvr.trainer.update import compute_logprobs, my_sequence_ids
+
+    ctx = t.update_ctx
+    ids = my_sequence_ids(ctx, len(seqs))
+    m: dict[str, float] = {}
+    if t.cfg.rollout.old_logprobs == "recompute":
+        old, _, bad = compute_logprobs(ctx, t.model, seqs, ids)
+        m.update(mismatch_metrics(t, seqs, old))
+    else:
+        old = {i: torch.tensor(seqs[i].rollout_logprobs, dtype=torch.float32) for i in ids}
+        bad = 0.0
+    ref = None
+    if t.ref_model is not None and t.algo.ref_kl.estimator != "exact":
+        ref, _, bad_ref = compute_logprobs(ctx, t.ref_model, seqs, ids)
+        bad = max(bad, bad_ref)
+    m["logprobs/nonfinite"] = bad
+    return old, ref, m
+
+
+def mismatch_metrics(t: Trainer, seqs, old) -> dict[str, float]:
+    """Train/inference mismatch of the behaviour policy: |p_train - p_rollout| per token (mean, max) and the k3
+    estimate of KL(rollout || train), over this rank's tokens, reduced over data-parallel contributors."""
+    import torch
+
+    from megatron_rlvr.trainer.distributed import all_gather_objects
+
+    diffs, k3s = [], []
+    for i, lp_train in old.items():
+        lp_roll = torch.tensor(seqs[i].rollout_logprobs, dtype=torch.float32)
+        if lp_roll.numel() != lp_train.numel() or lp_roll.numel() == 0:
+            continue
+        d = lp_train - lp_roll
+        diffs.append((lp_train.exp() - lp_roll.exp()).abs())
+        k3s.append(torch.expm1(d) - d)
+    contributor = t.dist.is_last_stage and t.dist.tp_rank == 0
+    local = None
+    if contributor and diffs:
+        dd, kk = torch.cat(diffs), torch.cat(k3s)
+        local = (float(dd.sum()), float(dd.max()), float(kk.sum()), int(dd.numel()))
+    parts = [p for p in all_gather_objects(local) if p is not None]
+    if not parts:
+        return {}
+    n = sum(p[3] for p in parts)
+    return {
+        "mismatch/prob_abs_diff_mean": sum(p[0] for p in parts) / n,
+        "mismatch/prob_abs_diff_max": max(p[1] for p in parts),
+        "mismatch/k3_kl": sum(p[2] for p in parts) / n,
+    }
+
+
+def ref_logits_fn(t: Trainer):
+    """For the exact reference KL: the reference model's logits shard of a micro-batch (PP = 1)."""
+    import torch
+
+    if t.ref_model is None or t.algo.ref_kl.estimator != "exact":
+        return None
+
+    def fn(mb):
+        with torch.no_grad():
+            dev = t.dist.device
+            return t.ref_model(mb["tokens"].to(dev), mb["position_ids"].to(dev), None)
+
+    return fn
+
+
+def sampling_params(cfg: RunConfig):
+    from megatron_rlvr.rollout.engine import SamplingParams
+
+    r = cfg.rollout
+    return SamplingParams(
+        n=r.n,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        max_tokens=r.max_response_len,
+        stop=tuple(r.stop),
+    )
+
+
+def current_lr(t: Trainer) -> float:
+    from megatron_rlvr.trainer.model import current_lr as lr
+
+    return lr(t.optimizer)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The loop
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def train(cfg: RunConfig, run_dir: str | None = None) -> int:
+    """Run (or resume) training on this rank; returns the process exit code (0 done, else a signal's code)."""
+    from megatron_rlvr.trainer.checkpoint import maybe_save, save
+    from megatron_rlvr.trainer.distributed import all_reduce_max
+    from megatron_rlvr.trainer.signals import StopSignals, exit_code_for
+
+    t = setup(cfg, run_dir)
+    try:
+        for step in range(t.start_step + 1, cfg.schedule.steps + 1):
+            t.step = step
+            metrics = rl_step(t, step)
+            if cfg.eval.every and step % cfg.eval.every == 0:
+                metrics.update(run_eval(t, step))
+            t.logger.log(step, metrics)
+            t.history.append(metrics)
+            stop = int(all_reduce_max(t.signals.code))  # every rank must agree on stopping at this step
+            if stop:
+                save(t, step)
+                code = exit_code_for(stop, cfg.checkpoint.sigterm_exit_code, cfg.checkpoint.sigusr1_exit_code)
+                if t.dist.is_logger:
+                    print(
+                        f"{StopSignals.name(stop)}: checkpoint of step {step} saved in {t.run_dir}/checkpoints; "
+                        f"exiting with {code}",
+                        flush=True,
+                    )
+                return code
+            maybe_save(t, step)
+        t.step = max(t.start_step, cfg.schedule.steps)
+        if cfg.eval.at_end and t.eval_sets and not (cfg.eval.every and t.step % cfg.eval.every == 0):
+            t.logger.log(t.step, run_eval(t, t.step))
+        finish(t)
+        return 0
+    finally:
+        teardown(t)
+
+
+def setup(cfg: RunConfig, run_dir: str | None) -> Trainer:
+    """Build every component on this rank and resume from the newest checkpoint when there is one."""
+    import torch
+
+    from megatron_rlvr.data import build_train_loader
+    from megatron_rlvr.rewards import RewardManager
+    from megatron_rlvr.trainer import checkpoint as ckpt
+    from megatron_rlvr.trainer.distributed import broadcast_object, init_distributed
+    from megatron_rlvr.trainer.engine import build_engine
+    from megatron_rlvr.trainer.loss import StatsSpec
+    from megatron_rlvr.trainer.metrics import RunLogger
+    from megatron_rlvr.trainer.model import (
+        build_model,
+        build_optimizer,
+        load_tokenizer,
+        model_args_for,
+        resolve_model_source,
+        wrap_ddp,
+    )
+    from megatron_rlvr.trainer.rollout import engine_info
+    from megatron_rlvr.trainer.signals import StopSignals
+    from megatron_rlvr.trainer.update import UpdateContext
+
+    signals = StopSignals().install()
+    par = cfg.parallel
+    d = init_distributed(par.tp, par.pp, cfg.train.seed, cfg.launch.backend)
+    threads = cfg.launch.threads_per_rank or max(1, (os.cpu_count() or 1) // max(1, _local_ranks(d)))
+    if not torch.cuda.is_available():
+        torch.set_num_threads(threads)
+    run_dir = broadcast_object(run_dir or resolve_run_dir(cfg) if d.rank == 0 else None)
+    if d.is_logger and not os.path.isfile(os.path.join(run_dir, "config.yaml")):  # torchrun / srun launches
+        from megatron_rlvr.trainer.config import dump_yaml
+
+        os.makedirs(run_dir, exist_ok=True)
+        cfg.logging.run_dir = run_dir
+        dump_yaml(cfg, os.path.join(run_dir, "config.yaml"))
+    source = resolve_model_source(cfg.model)
+    tokenizer = load_tokenizer(source)
+    args = model_args_for(source, cfg.model, par, cfg.train)
+    model = wrap_ddp(build_model(args, source, cfg.train.seed, d.pg), par.distributed_optimizer)
+    optimizer, scheduler = build_optimizer(model, cfg.optimizer, cfg.schedule, par, cfg.model.dtype)
+    ref_model = None
+    if cfg.needs_ref_model or cfg.train.ref_model:
+        ref_args = model_args_for(source, cfg.model, par, cfg.train)
+        ref_model = build_model(ref_args, source, cfg.train.seed, d.pg, trainable=False)
+    info = engine_info(d.rank, d.world_size, par.rollout_tp)
+    engine = build_engine(cfg, source, tokenizer, d)
+    reward_manager = RewardManager(cfg.reward) if info.leader else None
+    loader = build_train_loader(cfg.data, cfg.train.prompts_per_step, dp_rank=0, dp_world=1)
+    logger = RunLogger(
+        run_dir,
+        enabled=d.is_logger,
+        tensorboard=cfg.logging.tensorboard,
+        progress=cfg.logging.progress,
+        total_steps=cfg.schedule.steps,
+    )
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    update_ctx = UpdateContext(
+        algo=cfg.algorithm,
+        spec=StatsSpec(
+            tp_group=d.pg.tp if d.tp_size > 1 else None,
+            vocab_size=args.dims.vocab_size,
+            temperature=cfg.rollout.temperature,
+            chunk_size=cfg.train.logits_chunk,
+        ),
+        pg=d.pg,
+        device=d.device,
+        pad_id=int(pad_id),
+        micro_batch_tokens=cfg.train.micro_batch_tokens,
+        seq_multiple=d.tp_size if par.sequence_parallel else 1,
+        n_per_group=cfg.rollout.n,
+        num_mini_batches=cfg.train.num_mini_batches,
+        ppo_epochs=cfg.train.ppo_epochs,
+        tis_cap=cfg.rollout.tis_cap,
+        skip_nonfinite=cfg.train.skip_nonfinite,
+    )
+    t = Trainer(
+        cfg=cfg,
+        run_dir=run_dir,
+        dist=d,
+        source=source,
+        tokenizer=tokenizer,
+        args=args,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        engine=engine,
+        engine_info=info,
+        reward_manager=reward_manager,
+        loader=loader,
+        logger=logger,
+        signals=signals,
+        update_ctx=update_ctx,
+        ref_model=ref_model,
+    )
+    t.eval_sets = load_eval_sets(cfg)
+    t.start_step = ckpt.maybe_resume(t)
+    from megatron_rlvr.trainer.weights import sync_weights
+
+    sync_weights(t.engine, t.model, t.args, t.dist.pg)  # the engine starts from the (loaded) policy weights
+    if d.is_logger:
+        logger.truncate_after(t.start_step)
+        where = f"resumed from step {t.start_step}" if t.start_step else "starting"
+        print(
+            f"megatron-rlvr: {where} | {cfg.logging.name} | algorithm {cfg.algorithm.name} | world {d.world_size} "
+            f"(tp {d.tp_size}, pp {d.pp_size}, dp {d.dp_size}) | {d.backend} | run dir {run_dir}",
+            flush=True,
+        )
+    return t
+
+
+def _local_ranks(d) -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", d.world_size))
+
+
+def resolve_run_dir(cfg: RunConfig) -> str:
+    if cfg.logging.run_dir:
+        return cfg.logging.run_dir
+    if os.environ.get("RLVR_RUN_DIR"):
+        return os.environ["RLVR_RUN_DIR"]
+    return os.path.join("runs", f"{cfg.logging.name or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def load_eval_sets(cfg: RunConfig) -> list:
+    from megatron_rlvr.data import load_dataset
+
+    out = []
+    for path in cfg.eval_files:
+        ds = load_dataset([path], cfg.data.schema, cfg.data.skip_malformed)
+        examples = list(ds.examples)[: cfg.eval.max_problems] if cfg.eval.max_problems else list(ds.examples)
+        out.append((path, examples))
+    return out
+
+
+def run_eval(t: Trainer, step: int) -> dict[str, float]:
+    """avg@k / pass@k on every eval file with the current engine weights; metrics namespaced eval/<name>/..."""
+    from megatron_rlvr.trainer.distributed import all_gather_objects
+    from megatron_rlvr.trainer.evaluation import bench_name, evaluate_examples, summarize
+
+    e = t.cfg.eval
+    out: dict[str, float] = {}
+    t0 = time.perf_counter()
+    for path, examples in t.eval_sets:
+        correct, lengths = evaluate_examples(
+            t.engine,
+            t.reward_manager,
+            t.tokenizer,
+            t.cfg.data,
+            examples,
+            k=e.k,
+            temperature=e.temperature,
+            top_p=e.top_p,
+            max_tokens=e.max_response_len or t.cfg.rollout.max_response_len,
+            max_prompt_len=t.cfg.rollout.max_prompt_len,
+            seed=e.seed,
+            engine_index=t.engine_info.index,
+            engine_count=t.engine_info.count,
+            leader=t.engine_info.leader,
+            gather=all_gather_objects,
+        )
+        r = summarize(bench_name(path), correct, lengths)
+        out[f"eval/{r.name}/avg@{r.k}"] = r.avg_at_k
+        for j, v in r.pass_at_k.items():
+            out[f"eval/{r.name}/pass@{j}"] = v
+        out[f"eval/{r.name}/mean_length"] = r.mean_length
+    out["time/eval_s"] = time.perf_counter() - t0
+    return out
+
+
+def finish(t: Trainer) -> None:
+    """After the last step: final checkpoint, optional HF export, optional plot, and where everything is."""
+    from megatron_rlvr.trainer.checkpoint import export_hf_folder, save
+
+    cfg = t.cfg
+    ckpt_path = save(t, t.step) if cfg.checkpoint.save_at_end else None
+    hf_dir = export_hf_folder(t) if cfg.checkpoint.export_hf else None
+    if not t.dist.is_logger:
+        return
+    plot_path = None
+    try:
+        from megatron_rlvr.trainer.plot import plot_runs
+
+        plot_path = plot_runs([t.run_dir])
+    except ImportError:
+        pass
+    print(summary(t, ckpt_path, hf_dir, plot_path), flush=True)
+
+
+def summary(t: Trainer, ckpt_path, hf_dir, plot_path) -> str:
+    hist = [h for h in read_metrics(t.logger.path) if h.get("reward/mean") is not None]
+    lines = [f"megatron-rlvr: finished {t.cfg.logging.name} ({t.cfg.algorithm.name}) at step {t.step}"]
+    if hist:
+        w = max(1, min(5, len(hist) // 4 or 1))
+        first = sum(h["reward/mean"] for h in hist[:w]) / w
+        last = sum(h["reward/mean"] for h in hist[-w:]) / w
+        secs = sum(h.get("time/step_s", 0.0) for h in hist)
+        lines.append(
+            f"  mean training reward: {first:.3f} (first {w} steps) -> {last:.3f} (last {w} steps); "
+            f"{len(hist)} steps in {secs:.0f} s"
+        )
+    lines.append(f"  run dir:     {t.run_dir}")
+    lines.append(f"  config:      {os.path.join(t.run_dir, 'config.yaml')}")
+    lines.append(f"  metrics:     {t.logger.path}")
+    if t.logger.tb_dir:
+        lines.append(f"  tensorboard: {t.logger.tb_dir}")
+    if ckpt_path:
+        lines.append(f"  checkpoint:  {ckpt_path}")
+    if hf_dir:
+        lines.append(f"  HF model:    {hf_dir}  (transformers.AutoModelForCausalLM.from_pretrained)")
+    if plot_path:
+        lines.append(f"  curves:      {plot_path}")
+    return "\n".join(lines)
+
+
+def read_metrics(path: str) -> list[dict]:
+    """The records of a metrics.jsonl (the last record of each step wins: a resumed run repeats steps)."""
+    import json
+
+    by_step: dict[int, dict] = {}
+    if os.path.isfile(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if "reward/mean" in rec or rec.get("step") not in by_step:
+                    by_step[rec.get("step", 0)] = rec
+    return [by_step[k] for k in sorted(by_step)]
+
+
+def teardown(t: Trainer) -> None:
+    if t.reward_manager is not None:
+        t.reward_manager.close()
+    if t.engine is not None:
+        t.engine.close()
+    t.logger.close()
+    t.signals.uninstall()

@@ -1,0 +1,186 @@
+"""The training half of a step: behaviour / reference log-probs (forward only) and the policy update (mini-batches
+x epochs of megatron forward/backward, then megatron's optimizer step with gradient clipping).
+
+Data parallelism: every rank holds the global batch of sequences; mini-batch ``m`` is the groups
+``shard_range(G, m, M)`` and data-parallel rank ``d`` trains on ``shard_range`` ``d`` of that mini-batch's sequences.
+The loss normalisers of a mini-batch are computed from ALL its sequences (every rank can, it has them all), so they
+are global without a collective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_rlvr.algorithms import AlgorithmConfig, LossNormalizers, local_normalizer_counts
+from megatron_rlvr.data import shard_range
+from megatron_rlvr.trainer.loss import StatsSpec, logprob_fn, policy_loss_fn
+from megatron_rlvr.trainer.metrics import LossMetrics
+from megatron_rlvr.trainer.microbatch import Sequence, build_microbatch, pack, response_values
+from megatron_rlvr.trainer.schedule import run_microbatches
+
+
+@dataclass
+class UpdateContext:
+    """What the update needs from the trainer (no globals)."""
+
+    algo: AlgorithmConfig
+    spec: StatsSpec
+    pg: object
+    device: torch.device
+    pad_id: int
+    micro_batch_tokens: int | None
+    seq_multiple: int
+    """Pad sequence lengths to a multiple of this (TP size under sequence parallelism)."""
+    n_per_group: int
+    num_mini_batches: int
+    ppo_epochs: int
+    tis_cap: float | None
+    skip_nonfinite: bool
+
+
+def _microbatches(ctx: UpdateContext, seqs: list[Sequence], ids: list[int], old=None, ref=None, with_tis=False):
+    """Micro-batches of ``ids`` (indices into ``seqs``); a fully masked dummy micro-batch when ``ids`` is empty so
+    every rank still enters the collective schedule."""
+    uniform = ctx.pg.pp.size() > 1
+    if not ids:
+        dummy = Sequence(tokens=[ctx.pad_id, ctx.pad_id], prompt_len=2, train=False)
+        s = max(2, ctx.seq_multiple)
+        return [build_microbatch([dummy], 1, s, ctx.pad_id)], [[]]
+    plan = pack([seqs[i].length for i in ids], ctx.micro_batch_tokens, uniform, ctx.seq_multiple)
+    mbs, members = [], []
+    for local_idx, b, s in plan:
+        chosen = [ids[j] for j in local_idx]
+        mbs.append(
+            build_microbatch(
+                [seqs[i] for i in chosen],
+                b,
+                s,
+                ctx.pad_id,
+                old_logp=None if old is None else [old.get(i) for i in chosen],
+                ref_logp=None if ref is None else [ref.get(i) for i in chosen],
+                ids=chosen,
+                tis_cap=ctx.tis_cap if with_tis else None,
+            )
+        )
+        members.append(chosen)
+    return mbs, members
+
+
+def my_sequence_ids(ctx: UpdateContext, num_seqs: int, mini_batch: int | None = None) -> list[int]:
+    """This data-parallel rank's sequence indices of the whole step (mini_batch None) or of one mini-batch."""
+    G = num_seqs // ctx.n_per_group
+    dp, d = ctx.pg.dp.size(), ctx.pg.dp.rank()
+    if mini_batch is None:
+        out = []
+        for m in range(ctx.num_mini_batches):
+            out.extend(my_sequence_ids(ctx, num_seqs, m))
+        return out
+    groups = shard_range(G, mini_batch, ctx.num_mini_batches)
+    seq_ids = list(range(groups.start * ctx.n_per_group, groups.stop * ctx.n_per_group))
+    return [seq_ids[i] for i in shard_range(len(seq_ids), d, dp)]
+
+
+@torch.no_grad()
+def compute_logprobs(ctx: UpdateContext, model, seqs: list[Sequence], ids: list[int], with_entropy: bool = False):
+    """Per-sequence response log-probs (and entropies) of ``model`` for ``ids``: ({id: [R]}, {id: [R]}, nonfinite).
+
+    Only the last pipeline stage gets values (the others return empty dicts); that is where the loss needs them.
+    """
+    mbs, members = _microbatches(ctx, seqs, ids)
+    infos = run_microbatches(
+        model, mbs, logprob_fn(ctx.spec, with_entropy), pg=ctx.pg, forward_only=True, device=ctx.device
+    )
+    logp: dict[int, torch.Tensor] = {}
+    ent: dict[int, torch.Tensor] = {}
+    nonfinite = 0.0
+    for info, chosen in zip(infos, members):
+        nonfinite = max(nonfinite, info["nonfinite"])
+        sel = [seqs[i] for i in chosen]
+        for i, v in zip(chosen, response_values(info["logp"], sel)):
+            logp[i] = v
+        if with_entropy:
+            for i, v in zip(chosen, response_values(info["entropy"], sel)):
+                ent[i] = v
+    return logp, ent, nonfinite
+
+
+def _grads_finite(model) -> bool:
+    for p in model.parameters():
+        g = getattr(p, "main_grad", None)
+        if g is None:
+            g = p.grad
+        if g is not None and not bool(torch.isfinite(g).all()):
+            return False
+    return True
+
+
+def _all_max(value: float) -> float:
+    t = torch.tensor([float(value)], dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def policy_update(ctx: UpdateContext, ddp_model, optimizer, seqs, old, ref, ref_logits_fn=None) -> dict[str, float]:
+    """All mini-batch updates of one step; returns merged (over ranks) loss metrics and update counters."""
+    acc = LossMetrics()
+    updates = skipped = 0
+    grad_norms = []
+    G = len(seqs) // ctx.n_per_group
+    for _epoch in range(ctx.ppo_epochs):
+        for m in range(ctx.num_mini_batches):
+            groups = shard_range(G, m, ctx.num_mini_batches)
+            mb_seqs = range(groups.start * ctx.n_per_group, groups.stop * ctx.n_per_group)
+            if not any(seqs[i].train for i in mb_seqs):
+                continue  # nothing to learn from (identical on every rank: all hold the batch)
+            counts = torch.zeros(3, dtype=torch.float64)
+            for i in mb_seqs:
+                q = seqs[i]
+                mask = torch.zeros(1, max(q.response_len, 1), dtype=torch.bool)
+                if q.train:
+                    mask[0, : q.response_len] = True
+                counts += local_normalizer_counts(mask, torch.tensor([q.mastered]))
+            norms = LossNormalizers.from_counts(counts)
+            ids = my_sequence_ids(ctx, len(seqs), m)
+            mbs, _ = _microbatches(ctx, seqs, ids, old, ref, with_tis=ctx.tis_cap is not None)
+            ddp_model.zero_grad_buffer()
+            optimizer.zero_grad()
+            infos = run_microbatches(
+                ddp_model,
+                mbs,
+                policy_loss_fn(ctx.algo, norms, ctx.spec, ref_logits_fn),
+                pg=ctx.pg,
+                forward_only=False,
+                device=ctx.device,
+            )
+            for info in infos:
+                acc.add(info)
+            local_bad = max([info.get("train/nonfinite", 0.0) for info in infos] + [0.0])
+            local_bad = max(local_bad, 0.0 if _grads_finite(ddp_model) else 1.0)
+            if _all_max(local_bad) > 0:
+                if not ctx.skip_nonfinite:
+                    raise FloatingPointError("non-finite logits, loss or gradients (train.skip_nonfinite=false)")
+                skipped += 1
+                ddp_model.zero_grad_buffer()
+                optimizer.zero_grad()
+                continue
+            ok, grad_norm, _ = optimizer.step()
+            if not ok:
+                skipped += 1
+                continue
+            updates += 1
+            if grad_norm is not None:
+                grad_norms.append(float(grad_norm))
+    contributor = ctx.pg.pp.rank() == ctx.pg.pp.size() - 1 and ctx.pg.tp.rank() == 0
+    states = [None] * dist.get_world_size()
+    dist.all_gather_object(states, acc.state() if contributor else None)
+    out = LossMetrics.merge([s for s in states if s is not None], max(updates + skipped, 1))
+    out["train/updates"] = float(updates)
+    out["train/skipped_nonfinite"] = float(skipped)
+    if grad_norms:
+        out["optim/grad_norm"] = sum(grad_norms) / len(grad_norms)
+    return out

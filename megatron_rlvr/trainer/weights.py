@@ -1,0 +1,29 @@
+"""Weight sync from the trainer's Megatron shards to this rank's rollout engine, after every optimizer step.
+
+The tensors come from the rollout package's weight stream (``megatron_rlvr.rollout.weight_stream``): TP all-gather
+and the inverse layouts of the single weight mapping, broadcast from the pipeline stage that owns each tensor, in
+byte-bounded buckets. Every rank's engine receives every HF tensor exactly once.
+"""
+
+from __future__ import annotations
+
+import time
+
+
+def sync_weights(engine, model, args, pg, bucket_bytes: int = 1 << 30) -> dict[str, float]:
+    """Push the current policy weights into ``engine`` (collective over TP and PP); returns metrics."""
+    from megatron_rlvr.models.build import unwrap
+    from megatron_rlvr.rollout.weight_stream import StreamStats, WeightStreamConfig, megatron_weight_stream
+
+    t0 = time.perf_counter()
+    stats = StreamStats()
+    stream = megatron_weight_stream(
+        unwrap(model), args, config=WeightStreamConfig(bucket_bytes=bucket_bytes), stats=stats, pg_collection=pg
+    )
+    n = engine.update_weights(stream)
+    return {
+        "sync/time_s": time.perf_counter() - t0,
+        "sync/tensors": float(n),
+        "sync/gbytes": stats.bytes / 1e9,
+        "sync/peak_buffer_gbytes": stats.meter.peak_bytes / 1e9,
+    }
