@@ -132,6 +132,18 @@ def validate_prompts(prompts: Sequence[Sequence[int]], vocab_size: int | None = 
     return out
 
 
+def prompt_keys_or_default(prompt_keys, n_prompts: int) -> list[int]:
+    """Validated per-prompt seed keys (default 0..n-1)."""
+    if prompt_keys is None:
+        return list(range(n_prompts))
+    keys = [int(k) for k in prompt_keys]
+    if len(keys) != n_prompts:
+        raise ValueError(f"prompt_keys has {len(keys)} entries for {n_prompts} prompts")
+    if any(k < 0 for k in keys):
+        raise ValueError("prompt_keys must be non-negative integers")
+    return keys
+
+
 def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
     """A per-sample seed derived from the request seed: samples are independent of batch composition and order.
 
@@ -155,8 +167,14 @@ class RolloutEngine(abc.ABC):
     """
 
     @abc.abstractmethod
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[RolloutOutput]:
-        """Sample ``params.n`` completions for each prompt (token ids); one RolloutOutput per prompt, in order."""
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, prompt_keys: Sequence[int] | None = None
+    ) -> list[RolloutOutput]:
+        """Sample ``params.n`` completions for each prompt (token ids); one RolloutOutput per prompt, in order.
+
+        ``prompt_keys``: one integer per prompt (default: its position) from which, with ``params.seed``, the
+        prompt's sampling seed is derived; passing global prompt indices makes samples independent of how prompts
+        are split across engines (``dataflow`` does)."""
 
     @abc.abstractmethod
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:

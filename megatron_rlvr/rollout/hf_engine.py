@@ -24,6 +24,7 @@ from megatron_rlvr.rollout.engine import (
     RolloutEngine,
     RolloutOutput,
     SamplingParams,
+    prompt_keys_or_default,
     sample_seed,
     validate_prompts,
 )
@@ -203,7 +204,9 @@ class HFRolloutEngine(RolloutEngine):
             raise RuntimeError("the engine is closed")
 
     # -- generation ------------------------------------------------------------------------------------------------
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[RolloutOutput]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, prompt_keys: Sequence[int] | None = None
+    ) -> list[RolloutOutput]:
         self._check_open()
         if self._sleep_level:
             raise RuntimeError("generate called while the engine sleeps: call wake_up() first")
@@ -212,13 +215,14 @@ class HFRolloutEngine(RolloutEngine):
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop (stop strings) needs an engine tokenizer")
         prompts = validate_prompts(prompts, self.vocab_size)
+        keys = prompt_keys_or_default(prompt_keys, len(prompts))
         base_seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
         rows = [(i, j) for i in range(len(prompts)) for j in range(params.n)]
         outputs = [RolloutOutput(prompt_token_ids=list(p), completions=[None] * params.n) for p in prompts]
         step = self.config.max_batch_rows
         for start in range(0, len(rows), step):
             chunk = rows[start : start + step]
-            seeds = [sample_seed(base_seed, i, j) for i, j in chunk]
+            seeds = [sample_seed(base_seed, keys[i], j) for i, j in chunk]
             for (i, j), comp in zip(chunk, self._generate_rows([prompts[i] for i, _ in chunk], seeds, params)):
                 outputs[i].completions[j] = comp
         return outputs
