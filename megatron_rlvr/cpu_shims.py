@@ -177,6 +177,52 @@ def _patch_megatron() -> None:
         wrapped.__new__ = staticmethod(_new)
         wrapped._rlvr_cpu_patched = True
 
+    _patch_distributed_optimizer_torch_adam()
+
+
+def _patch_distributed_optimizer_torch_adam() -> None:
+    """Two bugs of DistributedOptimizer on torch.optim.Adam (no Apex/TE fused Adam, i.e. every CPU run) when it
+    loads a checkpoint; torch's Adam keeps a per-parameter ``"step"`` tensor, the fused Adams keep it per group:
+
+    1. ``load_state_dict`` puts ONE step tensor object into every parameter's state; torch's Adam increments each
+       parameter's step in place, so after the first resumed step they read 1 + (#params seen so far) and the bias
+       correction of almost every parameter is wrong. Give each parameter its own copy.
+    2. Loading the 'fully_reshardable' format, ``_set_main_param_and_optimizer_states`` copies EVERY state key from
+       the checkpoint's per-parameter tensors, which hold only param / exp_avg / exp_avg_sq: ``KeyError: 'step'``.
+       Copy the keys the checkpoint has and leave the already-restored step alone.
+    """
+    from megatron.core.optimizer import distrib_optimizer
+
+    cls = distrib_optimizer.DistributedOptimizer
+    if getattr(cls, "_rlvr_cpu_patched", False):
+        return
+    original = cls._set_main_param_and_optimizer_states
+
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        if "step" in tensors or self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return original(self, model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+        step = state.pop("step", None)
+        try:
+            return original(self, model_param, tensors)
+        finally:
+            if step is not None:
+                state["step"] = step
+
+    original_load = cls.load_state_dict
+
+    def load_state_dict(self, state_dict):
+        out = original_load(self, state_dict)
+        for state in self.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+        return out
+
+    cls._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
+    cls.load_state_dict = load_state_dict
+    cls._rlvr_cpu_patched = True
+
 
 class _DropMessage(logging.Filter):
     def __init__(self, text: str):
