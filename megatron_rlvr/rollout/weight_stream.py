@@ -39,6 +39,9 @@ Bucket = list[tuple[str, torch.Tensor]]
 
 _DTYPES = {str(t): t for t in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
 
+# torch >= 2.13 renamed all_gather_into_tensor (deprecated alias kept) to all_gather_single
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 @dataclass
 class WeightStreamConfig:
@@ -252,7 +255,7 @@ class _Assembler:
         tp = self.tp_size
         stacked = torch.empty((tp * local.shape[0], *local.shape[1:]), dtype=local.dtype, device=local.device)
         self.meter.track(stacked)
-        dist.all_gather_into_tensor(stacked, local, group=self.tp_group)
+        _all_gather_flat(stacked, local, group=self.tp_group)
         if tp_dim == 0:
             return stacked
         # [tp * rows, cols/tp] -> [rows, tp * cols/tp]: shard r becomes columns [r*c, (r+1)*c)
