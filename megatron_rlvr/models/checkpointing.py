@@ -53,12 +53,16 @@ class CheckpointConfig:
     distrib_optim_sharding_type: str = "fully_reshardable"
     """DistributedOptimizer state format: 'fully_reshardable' (any TP/PP/DP on load), 'dp_reshardable' (fully
     parallel save, DP-only resharding) or 'fully_sharded_model_space'. Ignored for non-distributed optimizers."""
+    write_processes: int = 2
+    """Writer processes per rank used by megatron's torch_dist save (its ``thread_count``; each is a fork)."""
 
     def __post_init__(self):
         if not self.save_dir:
             raise ValueError("CheckpointConfig.save_dir must be a non-empty path")
         if self.keep_last < 0:
             raise ValueError(f"CheckpointConfig.keep_last must be >= 0, got {self.keep_last}")
+        if self.write_processes < 1:
+            raise ValueError(f"CheckpointConfig.write_processes must be >= 1, got {self.write_processes}")
         if self.distrib_optim_sharding_type not in SHARDING_TYPES:
             raise ValueError(
                 f"CheckpointConfig.distrib_optim_sharding_type={self.distrib_optim_sharding_type!r}; "
@@ -181,6 +185,28 @@ def _is_distributed_optimizer(optimizer) -> bool:
     return any(isinstance(o, DistributedOptimizer) for o in inner)
 
 
+def _materialise_optimizer_state(optimizer) -> None:
+    """Give a fresh DistributedOptimizer real Adam state tensors before its state is loaded.
+
+    Its ``state_dict()`` reads the per-parameter ``step`` of torch's Adam (when neither Apex nor TE provides the
+    fused Adam), which only exists after a first ``step()``; the loaded values replace these dummies in place. The
+    dummy step runs with lr = 0, so neither the update nor AdamW's decoupled weight decay touches the parameters.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(opt, DistributedOptimizer) or len(opt.optimizer.state) > 0:
+            continue
+        lrs = [g["lr"] for g in opt.optimizer.param_groups]
+        for g in opt.optimizer.param_groups:
+            g["lr"] = 0.0
+        try:
+            opt._init_optimizer_states_with_dummy_values()
+        finally:
+            for g, lr in zip(opt.optimizer.param_groups, lrs):
+                g["lr"] = lr
+
+
 def _sharded_state(model, optimizer, scheduler, pg, sharding_type, *, is_loading: bool, rng: bool) -> dict:
     model_sd = _unwrap(model).sharded_state_dict()
     state = {"model": model_sd}
@@ -222,6 +248,7 @@ def save_checkpoint(
     ``model_args``: stored (HF config, padded vocab, dtype) so the checkpoint can be rebuilt / converted to HF alone.
     """
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     if pg_collection is None:
@@ -247,7 +274,10 @@ def save_checkpoint(
     distributed_opt = optimizer is not None and _is_distributed_optimizer(optimizer)
     sharding_type = cfg.distrib_optim_sharding_type if distributed_opt else None
     state = _sharded_state(model, optimizer, scheduler, pg_collection, sharding_type, is_loading=False, rng=True)
-    dist_checkpointing.save(state, tmp, content_metadata={"distrib_optim_sharding_type": sharding_type})
+    strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=cfg.write_processes)
+    dist_checkpointing.save(
+        state, tmp, sharded_strategy=strategy, content_metadata={"distrib_optim_sharding_type": sharding_type}
+    )
     _barrier()  # every rank's shards are on disk
 
     err = None
@@ -331,6 +361,8 @@ def load_checkpoint(
             f"distrib_optim_sharding_type='fully_reshardable' to change TP/PP"
         )
     same_layout = saved == now
+    if optimizer is not None:
+        _materialise_optimizer_state(optimizer)
     rng = load_rng and same_layout
     with torch.no_grad():
         state = _sharded_state(
