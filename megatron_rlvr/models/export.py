@@ -52,6 +52,7 @@ def iter_hf_tensors(model, args: MegatronModelArgs, *, pg_collection=None) -> It
 
     Collective over the TP group (every TP rank of the stage must iterate to the end); every TP rank gets the same
     tensors. The last stage's copy of a tied embedding is skipped (HF stores it once, on the first stage).
+    Yielded tensors may ALIAS the parameters (replicated params, TP=1): clone them if they must outlive an update.
     """
     from megatron.core.process_groups_config import ProcessGroupCollection
 
