@@ -207,6 +207,38 @@ def test_chunked_equals_unchunked(chunk):
         torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-6)
 
 
+@pytest.mark.parametrize("want", [("logprob",), ("logprob", "entropy", "kl"), ALL])
+def test_shift_fallbacks_for_extreme_rows_are_exact(want):
+    """The fast paths (unshifted exp for log-prob, w shifted by z's max, exp(z) * exp(-lse) in the backward) must
+    hand over to the max-shifted path where they would overflow or underflow: rows with logits ~ +95 (exp
+    overflows fp32), ~ -120 (sum underflows), and reference logits 300 above / below the policy's. Chunks of 2 mix
+    normal and extreme rows. Results and gradients w.r.t. both inputs equal the fp64 reference."""
+    T, V = 10, 257
+    x, w, ids, wt = make_case(T, V, torch.float32, seed=21)
+    x[2:4] += 95.0
+    x[5] -= 120.0
+    w[6] += 300.0
+    w[7] -= 300.0
+    w[8] = x[8] + 95.0
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    out = vocab_parallel_token_stats(x, token_ids_T=ids, other_logits_TV=w, want=want, chunk_size=2)
+    xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref = reference_stats(xr, wr, ids, 1.0, V)
+    for k in want:
+        torch.testing.assert_close(out[k].double(), ref[k].detach(), atol=5e-5, rtol=1e-5, msg=k)
+    gx, gw = grads_of(out, wt, (x, w))
+    rx, rw = grads_of({k: ref[k] for k in want}, wt, (xr, wr))
+    torch.testing.assert_close(gx.double(), rx, atol=2e-5, rtol=1e-4)
+    if gw is not None or rw is not None:
+        torch.testing.assert_close(gw.double(), rw, atol=2e-5, rtol=1e-4)
+    # and with the other logits frozen (the usual RL case: only the policy's logits need a gradient)
+    x2 = x.detach().clone().requires_grad_(True)
+    out2 = vocab_parallel_token_stats(x2, token_ids_T=ids, other_logits_TV=w.detach(), want=want, chunk_size=2)
+    (g2,) = grads_of(out2, wt, (x2,))
+    torch.testing.assert_close(g2.double(), rx, atol=2e-5, rtol=1e-4)
+
+
 def test_wrappers_and_leading_dims():
     """The convenience wrappers equal the fused call, and [S, B, V] inputs keep their leading shape."""
     S, B, V = 3, 4, 90
