@@ -46,6 +46,7 @@ def _batch(i):
 def _setup(args, distributed_optimizer, seed=7, hf_folder=None):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from megatron_rlvr.models.build import build_gpt_model
     from megatron_rlvr.models.loading import load_hf_weights
@@ -63,16 +64,35 @@ def _setup(args, distributed_optimizer, seed=7, hf_folder=None):
     )
     opt = get_megatron_optimizer(
         OptimizerConfig(
-            optimizer="adam", lr=LR, weight_decay=0.01, use_distributed_optimizer=distributed_optimizer, bf16=False
+            optimizer="adam",
+            lr=LR,
+            min_lr=0.0,
+            weight_decay=0.01,
+            use_distributed_optimizer=distributed_optimizer,
+            bf16=False,
         ),
         [ddp],
     )
     ddp.config.finalize_model_grads_func = finalize_model_grads
     ddp.config.no_sync_func = ddp.no_sync
-    return ddp, opt
+    # linear decay: a resumed run that lost the scheduler's step count would use a different lr on the next step
+    sched = OptimizerParamScheduler(
+        opt,
+        init_lr=LR,
+        max_lr=LR,
+        min_lr=0.0,
+        lr_warmup_steps=0,
+        lr_decay_steps=20,
+        lr_decay_style="linear",
+        start_wd=0.01,
+        end_wd=0.01,
+        wd_incr_steps=20,
+        wd_incr_style="constant",
+    )
+    return ddp, opt, sched
 
 
-def _train_step(ddp, opt, i):
+def _train_step(ddp, opt, sched, i):
     """One step on global batch i: each DP rank takes its contiguous slice, one sequence per micro-batch."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -101,6 +121,7 @@ def _train_step(ddp, opt, i):
     )
     ok, _, _ = opt.step()
     assert ok
+    sched.step(1)
 
 
 def _snapshot(ddp, args):
@@ -132,15 +153,17 @@ def _rank_save(hf_folder, root):
     out = {}
     for kind, (dist_opt, sharding) in KINDS.items():
         args = megatron_model_args(hf_folder, tp_size=2, pp_size=1)
-        ddp, opt = _setup(args, dist_opt, hf_folder=hf_folder)
-        _train_step(ddp, opt, 0)
+        ddp, opt, sched = _setup(args, dist_opt, hf_folder=hf_folder)
+        _train_step(ddp, opt, sched, 0)
         out[kind, "saved"] = _snapshot(ddp, args)
         cfg = CheckpointConfig(
             os.path.join(root, kind), keep_last=2, distrib_optim_sharding_type=sharding, write_processes=1
         )
-        save_checkpoint(cfg, 1, model=ddp, optimizer=opt, trainer_state={"step": 1, "kind": kind}, model_args=args)
+        save_checkpoint(
+            cfg, 1, model=ddp, optimizer=opt, scheduler=sched, trainer_state={"step": 1, "kind": kind}, model_args=args
+        )
         out[kind, "rng_after_save"] = torch.rand(3)  # the RNG continues from here in the uninterrupted run
-        _train_step(ddp, opt, 1)
+        _train_step(ddp, opt, sched, 1)
         out[kind, "next"] = _snapshot(ddp, args)
     return out
 
@@ -156,18 +179,19 @@ def _rank_load(root, kinds, same_layout):
     for kind in kinds:
         ckpt = latest_checkpoint(os.path.join(root, kind))
         args = checkpoint_model_args(ckpt, tp_size=tp, pp_size=pp)
-        ddp, opt = _setup(args, KINDS[kind][0], seed=99)  # different random init: everything must come from disk
+        ddp, opt, sched = _setup(args, KINDS[kind][0], seed=99)  # other random init: everything must come from disk
         torch.manual_seed(12345)  # RNG differs from the saving run unless restored
-        out[kind, "state"] = load_checkpoint(ckpt, model=ddp, optimizer=opt)
+        out[kind, "state"] = load_checkpoint(ckpt, model=ddp, optimizer=opt, scheduler=sched)
+        out[kind, "sched_steps"] = sched.num_steps
         out[kind, "rng_after_load"] = torch.rand(3)
         out[kind, "loaded"] = _snapshot(ddp, args)
-        _train_step(ddp, opt, 1)
+        _train_step(ddp, opt, sched, 1)
         out[kind, "next"] = _snapshot(ddp, args)
         out[kind, "padded_vocab"] = args.dims.padded_vocab_size
     if not same_layout:
         ckpt = latest_checkpoint(os.path.join(root, "dp_reshardable"))
         args = checkpoint_model_args(ckpt, tp_size=tp, pp_size=pp)
-        ddp, opt = _setup(args, True)
+        ddp, opt, _ = _setup(args, True)
         try:
             load_checkpoint(ckpt, model=ddp, optimizer=opt)
             out["dp_reshardable_error"] = None
@@ -214,6 +238,7 @@ def test_checkpoint_reshards_model_and_optimizer(dist_pool, saved, tp, pp):
     res = dist_pool.run(_rank_load, tp=tp, pp=pp, args=(root, kinds, same_layout), timeout=240)
     for kind in kinds:
         assert all(r[kind, "state"] == {"step": 1, "kind": kind} for r in res)
+        assert all(r[kind, "sched_steps"] == 1 for r in res), "lr scheduler state must be restored"
         assert res[0][kind, "padded_vocab"] == 512, "the saved padded vocabulary must be kept at TP=1"
         # model: logits and weights as saved
         want = _last_logits(ref, kind, "saved")[0]

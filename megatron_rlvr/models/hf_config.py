@@ -8,7 +8,6 @@ naming the field, so a model never silently computes something different from it
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -252,22 +251,3 @@ def megatron_model_args(
         max_sequence_length=int(_get(cfg, "max_position_embeddings", 4096)),
         hf_config=cfg,
     )
-
-
-def with_layout(args: MegatronModelArgs, *, tp_size: int, pp_size: int, **config_overrides) -> MegatronModelArgs:
-    """The same model at another parallel layout (keeps the padded vocabulary, so checkpoints stay compatible)."""
-    return megatron_model_args(
-        args.hf_config,
-        tp_size=tp_size,
-        pp_size=pp_size,
-        dtype=args.config.params_dtype,
-        padded_vocab_size=args.dims.padded_vocab_size,
-        sequence_parallel=args.config.sequence_parallel,
-        perform_initialization=args.config.perform_initialization,
-        **config_overrides,
-    )
-
-
-def replace_config(args: MegatronModelArgs, **changes) -> MegatronModelArgs:
-    """Copy with TransformerConfig fields replaced."""
-    return dataclasses.replace(args, config=dataclasses.replace(args.config, **changes))
