@@ -76,3 +76,30 @@ def test_timeout_kills_ranks_no_orphans():
 def test_run_distributed_one_shot():
     out = run_distributed(_layout_and_allreduce, world_size=2, tp=2)
     assert [o["tp_sum"] for o in out] == [3.0, 3.0]
+
+
+def _start_grandchild():
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    return child.pid
+
+
+def test_killed_ranks_take_their_children_along():
+    """A rank's own children (e.g. a checkpoint writer's Manager process) must not survive a timeout kill."""
+    pool = DistributedPool(2)
+    try:
+        grandchildren = pool.run(_start_grandchild)
+        with pytest.raises(TimeoutError):
+            pool.run(_hang, timeout=2)
+        time.sleep(0.5)
+        for pid in grandchildren:
+            try:
+                os.kill(pid, 0)
+                alive = open(f"/proc/{pid}/stat").read().split()[2] != "Z"
+            except (ProcessLookupError, FileNotFoundError):
+                alive = False
+            assert not alive, f"grandchild {pid} outlived its killed rank"
+    finally:
+        pool.close()

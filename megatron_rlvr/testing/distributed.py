@@ -181,9 +181,7 @@ class DistributedPool:
         self._kill()
 
     def _kill(self) -> None:
-        for p in self._procs:
-            if p.is_alive():
-                p.kill()
+        _kill_all(self._procs)
         for p in self._procs:
             p.join(timeout=5.0)
         self._procs, self._tasks, self._results = [], [], None
@@ -255,9 +253,23 @@ class DistributedPool:
 
 
 def _kill_all(procs: list) -> None:
+    """Kill ranks together with their descendants (e.g. dist_checkpointing's multiprocessing Manager, reward
+    workers): a killed rank cannot shut its children down, and they would outlive the test run as orphans."""
+    import psutil
+
     for p in procs:
-        if p.is_alive():
-            p.kill()
+        if not p.is_alive():
+            continue
+        try:
+            children = psutil.Process(p.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            children = []
+        p.kill()
+        for c in children:
+            try:
+                c.kill()
+            except psutil.NoSuchProcess:
+                pass
 
 
 class _suppress:
