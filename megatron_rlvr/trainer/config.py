@@ -115,7 +115,8 @@ class ParallelConfig:
     rollout_tp: int = 1
     """Tensor-parallel size of each rollout engine (the transformers CPU engine supports 1)."""
     sequence_parallel: bool | None = None
-    """Megatron sequence parallelism; None: on when tp > 1 (as the planner assumes)."""
+    """Megatron sequence parallelism; None: on when tp > 1 on GPUs (as the planner assumes), off on CPU (megatron's
+    sequence-parallel backward allocates on the CUDA device, which the CPU shims cannot redirect there)."""
     distributed_optimizer: bool = True
     """Shard the fp32 master weights and Adam states over data-parallel ranks (Megatron DistributedOptimizer)."""
 
@@ -123,9 +124,15 @@ class ParallelConfig:
         for k in ("tp", "pp", "rollout_tp"):
             _positive_int(f"parallel.{k}", getattr(self, k))
         if self.sequence_parallel is None:
-            self.sequence_parallel = self.tp > 1
+            self.sequence_parallel = self.tp > 1 and _cuda_available()
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("parallel.sequence_parallel needs parallel.tp > 1")
+        if self.sequence_parallel and not _cuda_available():
+            raise ValueError(
+                "parallel.sequence_parallel=true needs CUDA: on CPU megatron-core's sequence-parallel backward "
+                "allocates on the CUDA device (tensor_parallel/layers.py), which megatron_rlvr.cpu_shims does not "
+                "redirect inside autograd; set parallel.sequence_parallel=false"
+            )
 
 
 @dataclass
@@ -338,10 +345,12 @@ class LoggingConfig:
     scripts set it, else runs/<name>-<date>-<time>."""
     name: str | None = None
     """Run name (default: the config file's stem)."""
-    tensorboard: str = "auto"
-    """``auto`` (when the tensorboard package is installed), ``on`` or ``off``."""
+    tensorboard: str | bool = "auto"
+    """``auto`` (when the tensorboard package is installed), ``on`` or ``off`` (YAML true / false also work)."""
     progress: bool = True
     """Print one progress line per step (rank 0)."""
+    plot_at_end: bool = True
+    """Write ``<run_dir>/curves.png`` (``megatron-rlvr plot``) after the last step when matplotlib is installed."""
 
     def __post_init__(self) -> None:
         if isinstance(self.tensorboard, bool):
@@ -468,6 +477,14 @@ class ConfigError(ValueError):
     """An invalid run configuration; the message names the key (and suggests the closest valid one)."""
 
 
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        return False
+    return torch.cuda.is_available()
+
+
 def _positive_int(name: str, v: Any) -> None:
     if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         raise ValueError(f"{name} must be a positive integer, got {v!r}")
@@ -511,6 +528,11 @@ def _check_type(where: str, hint, value):
             raise ConfigError(f"{where} must be an integer, got {value!r}")
         return value
     if base is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-6" (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where} must be a number, got {value!r}")
         return float(value)

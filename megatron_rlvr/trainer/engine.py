@@ -22,7 +22,7 @@ def choose_engine(name: str) -> str:
     return "hf"
 
 
-def _hf_config_object(hf_config: dict):
+def hf_config_object(hf_config: dict):
     from transformers import AutoConfig
 
     cfg = dict(hf_config)
@@ -62,7 +62,7 @@ def build_engine(cfg, source, tokenizer, dist_info):
         from megatron_rlvr.rollout.hf_engine import HFEngineConfig, HFRolloutEngine
 
         device = str(dist_info.device)
-        model_cfg = _hf_config_object(source.hf_config)
+        model_cfg = hf_config_object(source.hf_config)
         return HFRolloutEngine.from_config(
             model_cfg,
             tokenizer,
@@ -71,9 +71,39 @@ def build_engine(cfg, source, tokenizer, dist_info):
             eos_token_ids=_eos_ids(source, tokenizer),
         )
     if kind == "vllm":
-        try:
-            from megatron_rlvr.rollout import vllm_engine
-        except ImportError as e:
-            raise ValueError(f"rollout.engine=vllm: the vLLM engine is not available ({e})") from None
-        return vllm_engine.build_trainer_engine(cfg, source, tokenizer, dist_info)
+        from megatron_rlvr.rollout.vllm_engine import VLLMEngineConfig, VLLMRolloutEngine
+
+        r = cfg.rollout
+        return VLLMRolloutEngine(
+            source.hf_config,
+            tokenizer=source.tokenizer_dir,
+            config=VLLMEngineConfig(
+                tensor_parallel_size=cfg.parallel.rollout_tp,
+                gpu_memory_utilization=r.gpu_memory_utilization,
+                dtype=cfg.model.dtype,
+                max_model_len=r.max_prompt_len + r.max_response_len,
+                seed=cfg.train.seed,
+            ),
+        )
     raise ValueError(f"unknown rollout engine {kind!r}")
+
+
+def engine_sleeps(engine) -> bool:
+    """Whether to release the engine's accelerator memory while the trainer runs (GPU engines only)."""
+    return torch.cuda.is_available() and type(engine).__name__ == "VLLMRolloutEngine"
+
+
+def sleep_engine(engine, level: int) -> None:
+    if engine_sleeps(engine):
+        engine.sleep(level)
+
+
+def wake_weights(engine) -> None:
+    """Before a weight sync: wake only the weights (the KV cache stays released until the sync is done)."""
+    if engine_sleeps(engine) and engine.is_sleeping:
+        engine.wake_up(tags=["weights"])
+
+
+def wake_all(engine) -> None:
+    if engine_sleeps(engine) and engine.is_sleeping:
+        engine.wake_up()

@@ -118,9 +118,10 @@ def evaluate_examples(
             temperature=temperature,
             top_p=top_p,
             max_tokens=max_tokens,
-            seed=round_seed(seed, -1, 0, share.start),
+            seed=round_seed(seed, 0, 0),
         )
-        outputs = engine.generate(ids, params) if ids else []
+        keys = [i for i, ex in zip(share, mine) if id(ex) in kept_idx]
+        outputs = engine.generate(ids, params, prompt_keys=keys) if ids else []
         texts, gts, metas = [], [], []
         for ex, out in zip(kept, outputs):
             for c in out.completions:

@@ -27,8 +27,24 @@ class StatsSpec:
 
 
 def token_stats(logits_bsv: torch.Tensor, labels_bs: torch.Tensor, spec: StatsSpec, want, other_logits_bsv=None):
-    """{stat: [b, s]} over the FULL vocabulary from this rank's shard (module-level so tests can wrap it)."""
+    """({stat: [b, s]} over the FULL vocabulary from this rank's shard, nonfinite).
+
+    ``nonfinite`` is True on every TP rank when any rank's logits shard holds NaN/inf (one MAX all-reduce over TP,
+    so the ranks agree); the statistics are then computed from zeroed logits (finite, meaningless) and the caller
+    skips the step. The ops themselves refuse non-finite results; this keeps a NaN step a skipped step, not a crash.
+    Module-level so tests can wrap it."""
     b, s, v = logits_bsv.shape
+    bad = ~torch.isfinite(logits_bsv).all()
+    if other_logits_bsv is not None:
+        bad = bad | ~torch.isfinite(other_logits_bsv).all()
+    flag = bad.to(torch.float32).reshape(1)
+    if spec.tp_group is not None:
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=spec.tp_group)
+    nonfinite = bool(flag.item() > 0)
+    if nonfinite:
+        logits_bsv = torch.where(torch.isfinite(logits_bsv), logits_bsv, torch.zeros_like(logits_bsv)) * 0.0
+        if other_logits_bsv is not None:
+            other_logits_bsv = torch.zeros_like(other_logits_bsv)
     out = vocab_parallel_token_stats(
         logits_bsv.reshape(b * s, v),
         tp_group=spec.tp_group,
@@ -39,7 +55,7 @@ def token_stats(logits_bsv: torch.Tensor, labels_bs: torch.Tensor, spec: StatsSp
         want=tuple(want),
         chunk_size=spec.chunk_size,
     )
-    return {k: t.view(b, s) for k, t in out.items()}
+    return {k: t.view(b, s) for k, t in out.items()}, nonfinite
 
 
 def _nonfinite(x: torch.Tensor, mask: torch.Tensor) -> bool:
@@ -51,9 +67,12 @@ def logprob_fn(spec: StatsSpec, with_entropy: bool):
 
     def fn(mb, logits_bsv):
         want = ("logprob", "entropy") if with_entropy else ("logprob",)
-        st = token_stats(logits_bsv, mb["labels"], spec, want)
+        st, bad = token_stats(logits_bsv, mb["labels"], spec, want)
         mask = mb["mask"].to(logits_bsv.device)
-        info = {"logp": st["logprob"].detach().float().cpu(), "nonfinite": float(_nonfinite(st["logprob"], mask))}
+        info = {
+            "logp": st["logprob"].detach().float().cpu(),
+            "nonfinite": float(bad or _nonfinite(st["logprob"], mask)),
+        }
         if with_entropy:
             info["entropy"] = st["entropy"].detach().float().cpu()
         return torch.zeros((), device=logits_bsv.device), info
@@ -77,7 +96,7 @@ def policy_loss_fn(algo: AlgorithmConfig, norms: LossNormalizers, spec: StatsSpe
         if exact_kl:
             want.append("kl")
             other = ref_logits_fn(mb)
-        st = token_stats(logits_bsv, mb["labels"], spec, want, other)
+        st, bad_logits = token_stats(logits_bsv, mb["labels"], spec, want, other)
         mask = mb["mask"].to(dev)
         logp = st["logprob"]
         if "tis_weight" in mb:
@@ -97,7 +116,7 @@ def policy_loss_fn(algo: AlgorithmConfig, norms: LossNormalizers, spec: StatsSpe
             mastered_B=mb["mastered"].to(dev),
         )
         loss, metrics = compute_policy_loss(algo, inputs, norms)
-        bad = _nonfinite(logp, mask) or not bool(torch.isfinite(loss))
+        bad = bad_logits or _nonfinite(logp, mask) or not bool(torch.isfinite(loss))
         info = {k: float(v) for k, v in metrics.items()}
         info["train/nonfinite"] = float(bad)
         if bad:

@@ -74,20 +74,37 @@ def model_args_for(source: ModelSource, model_cfg: ModelConfig, par: ParallelCon
     )
 
 
+def random_hf_state_dict(hf_config: dict, seed: int) -> dict[str, torch.Tensor]:
+    """A randomly initialised HF state dict (transformers' own init for the architecture) that depends only on
+    (config, seed): loading it through the weight mapping gives the same model at EVERY parallel layout (megatron's
+    own init draws per-rank tensors whose values depend on TP/PP and the padded vocabulary). Materialises the full
+    model on each rank: meant for small from-scratch models such as ``tiny``."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_rlvr.trainer.engine import hf_config_object
+
+    state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        hf = AutoModelForCausalLM.from_config(hf_config_object(hf_config), dtype=torch.float32)
+    finally:
+        torch.random.set_rng_state(state)
+    return {k: v.detach().clone() for k, v in hf.state_dict().items()}
+
+
 def build_model(args, source: ModelSource, seed: int, pg, *, trainable: bool = True):
     """This rank's GPTModel (Float16Module-wrapped for bf16) with the start weights: the HF folder's, or a random
-    init that depends only on ``seed`` (every rank draws the same full tensors, so all TP ranks agree)."""
+    init that depends only on (config, seed), identical at every layout (:func:`random_hf_state_dict`)."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_rlvr.models.build import build_gpt_model
+    from megatron_rlvr.models.build import build_gpt_model, unwrap
+    from megatron_rlvr.models.loading import load_hf_weights
 
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     model = build_gpt_model(args, pg_collection=pg)
-    if source.weights_dir is not None:
-        from megatron_rlvr.models.loading import load_hf_weights
-
-        load_hf_weights(model, args, source.weights_dir, pg_collection=pg)
+    weights = source.weights_dir if source.weights_dir is not None else random_hf_state_dict(source.hf_config, seed)
+    load_hf_weights(unwrap(model), args, weights, pg_collection=pg)
     if not trainable:
         model.eval()
         for p in model.parameters():

@@ -4,8 +4,10 @@ batch.
 Data flow (deterministic for a given seed and layout): every rank draws the same global prompt batch from the
 sampler, tokenises and renders it identically, generates the ``n`` samples of its engine's contiguous share of the
 prompts (``shard_range`` over the rollout data-parallel engines), scores its own samples with its reward workers
-(each response is scored exactly once), and an all-gather gives every rank all groups in prompt order. The
-trainer then takes its data-parallel slice of the sequences.
+(each response is scored exactly once), and an all-gather gives every rank all groups in prompt order (the whole
+batch on every rank: advantages such as REINFORCE++ whitening are batch statistics). The trainer then takes its
+data-parallel slice of the sequences. Samples are seeded per prompt by its global index (``prompt_keys``), so they
+are the same for any number of engines.
 """
 
 from __future__ import annotations
@@ -63,9 +65,10 @@ def tokenize_prompts(examples: list[Example], tokenizer, data_cfg, max_prompt_le
     return kept, ids, too_long
 
 
-def round_seed(seed: int, step: int, round_idx: int, shard_start: int) -> int:
-    """Sampling seed of one engine's share of one generation round (independent of everything else)."""
-    return sample_seed(sample_seed(seed, step, round_idx), shard_start, 0x5EED)
+def round_seed(seed: int, step: int, round_idx: int) -> int:
+    """Sampling seed of one generation round; each prompt's samples then derive from it and the prompt's GLOBAL
+    index (``prompt_keys``), so they do not depend on how prompts are split over engines."""
+    return sample_seed(seed, step, round_idx)
 
 
 def generate_groups(
@@ -92,8 +95,8 @@ def generate_groups(
     reward_stats: dict[str, float] = {}
     if info.leader and len(share) > 0:
         t0 = time.perf_counter()
-        p = SamplingParams(**{**params.__dict__, "seed": round_seed(seed, step, round_idx, share.start)})
-        outputs = engine.generate([prompt_ids[i] for i in share], p)
+        p = SamplingParams(**{**params.__dict__, "seed": round_seed(seed, step, round_idx)})
+        outputs = engine.generate([prompt_ids[i] for i in share], p, prompt_keys=share)
         stats["time/generate_s"] = time.perf_counter() - t0
         texts, gts, metas = [], [], []
         for i, out in zip(share, outputs):

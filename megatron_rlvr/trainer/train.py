@@ -55,33 +55,46 @@ class Trainer:
 def rl_step(t: Trainer, step: int) -> dict[str, float]:
     """One RL step on every rank; returns the step's metrics (identical on every rank)."""
     from megatron_rlvr.trainer.batch import batch_metrics, build_sequences
+    from megatron_rlvr.trainer.engine import sleep_engine
     from megatron_rlvr.trainer.update import policy_update
-    from megatron_rlvr.trainer.weights import sync_weights
 
     t0 = time.perf_counter()
-    all_groups, kept, m = collect_groups(t, step)  # prompts -> rollout -> rewards (+ refill)
-    m.update(batch_metrics(all_groups, t.algo))  # reward / groups / response curves
-    seqs, adv_metrics = build_sequences(kept, t.algo)  # group stats and advantages
+    all_groups, kept, m = collect_groups(t, step)  # sample prompts -> rollout -> rewards (+ dynamic-sampling refill)
+    sleep_engine(t.engine, t.cfg.rollout.sleep_level)  # GPU: the engine frees its memory while the trainer runs
+    m.update(batch_metrics(all_groups, t.algo))  # reward / accuracy / group / length curves of everything generated
+    seqs, adv_metrics = build_sequences(kept, t.algo)  # group statistics -> advantages (the algorithm preset)
     m.update(adv_metrics)
-    if not any(s.train for s in seqs):  # empty or all-truncated batch
+    if not any(s.train for s in seqs):  # empty or all-truncated batch: nothing to learn from
+        m.update(refresh_engine(t, updated=False))
         m.update({"train/skipped": 1.0, "train/skipped_empty": 1.0, "time/step_s": time.perf_counter() - t0})
         return m
     t1 = time.perf_counter()
-    old, ref, lp = behaviour_and_reference_logprobs(t, seqs)  # old (recompute) and reference log-probs
+    old, ref, lp = behaviour_and_reference_logprobs(t, seqs)  # old log-probs (recompute), reference log-probs (KL)
     m.update(lp)
     m["time/logprobs_s"] = time.perf_counter() - t1
     t1 = time.perf_counter()
-    m.update(policy_update(t.update_ctx, t.model, t.optimizer, seqs, old, ref, ref_logits_fn(t)))  # updates
+    m.update(policy_update(t.update_ctx, t.model, t.optimizer, seqs, old, ref, ref_logits_fn(t)))  # mini-batches
     m["time/update_s"] = time.perf_counter() - t1
     t.scheduler.step(increment=1)
-    if m.get("train/updates", 0) > 0:
-        m.update(sync_weights(t.engine, t.model, t.args, t.dist.pg))  # weight sync to the engine
+    m.update(refresh_engine(t, updated=m.get("train/updates", 0) > 0))  # weight sync to the engine
     m["train/skipped"] = float(m.get("train/updates", 0) == 0)
     m["optim/lr"] = current_lr(t)
     m["time/step_s"] = time.perf_counter() - t0
-    n_tokens = sum(s.length for s in seqs)
-    m["perf/tokens_per_s"] = n_tokens / max(m["time/step_s"], 1e-9)
+    m["perf/tokens_per_s"] = sum(s.length for s in seqs) / max(m["time/step_s"], 1e-9)
     m["perf/generated_tokens"] = float(sum(s.response_len for s in seqs))
+    return m
+
+
+def refresh_engine(t: Trainer, updated: bool) -> dict[str, float]:
+    """Wake the engine's weights, stream the policy into it when it changed (or when sleep dropped the engine's
+    copy), then wake the KV cache: weights and KV cache are never both allocated during the sync."""
+    from megatron_rlvr.trainer.engine import engine_sleeps, wake_all, wake_weights
+    from megatron_rlvr.trainer.weights import sync_weights
+
+    dropped = engine_sleeps(t.engine) and t.cfg.rollout.sleep_level == 2
+    wake_weights(t.engine)
+    m = sync_weights(t.engine, t.model, t.args, t.dist.pg) if (updated or dropped) else {}
+    wake_all(t.engine)
     return m
 
 
@@ -153,34 +166,34 @@ def behaviour_and_reference_logprobs(t: Trainer, seqs):
 
 
 def mismatch_metrics(t: Trainer, seqs, old) -> dict[str, float]:
-    """Train/inference mismatch of the behaviour policy: |p_train - p_rollout| per token (mean, max) and the k3
-    estimate of KL(rollout || train), over this rank's tokens, reduced over data-parallel contributors."""
+    """Train/inference mismatch of the behaviour policy (megatron_rlvr.rollout.mismatch definitions) over this
+    data-parallel rank's response tokens, combined over ranks (means weighted by tokens)."""
     import torch
 
+    from megatron_rlvr.rollout.mismatch import mismatch_metrics as token_mismatch
     from megatron_rlvr.trainer.distributed import all_gather_objects
 
-    diffs, k3s = [], []
-    for i, lp_train in old.items():
-        lp_roll = torch.tensor(seqs[i].rollout_logprobs, dtype=torch.float32)
-        if lp_roll.numel() != lp_train.numel() or lp_roll.numel() == 0:
-            continue
-        d = lp_train - lp_roll
-        diffs.append((lp_train.exp() - lp_roll.exp()).abs())
-        k3s.append(torch.expm1(d) - d)
-    contributor = t.dist.is_last_stage and t.dist.tp_rank == 0
+    pairs = [(lp, torch.tensor(seqs[i].rollout_logprobs, dtype=torch.float32)) for i, lp in old.items()]
+    pairs = [(a, b) for a, b in pairs if a.numel() == b.numel() and a.numel() > 0]
     local = None
-    if contributor and diffs:
-        dd, kk = torch.cat(diffs), torch.cat(k3s)
-        local = (float(dd.sum()), float(dd.max()), float(kk.sum()), int(dd.numel()))
+    if t.dist.is_last_stage and t.dist.tp_rank == 0 and pairs:
+        lt = torch.cat([a for a, _ in pairs])[None]
+        lr = torch.cat([b for _, b in pairs])[None]
+        if bool(torch.isfinite(lt).all()):
+            local = {k: float(v) for k, v in token_mismatch(lt, lr, torch.ones_like(lt, dtype=torch.bool)).items()}
     parts = [p for p in all_gather_objects(local) if p is not None]
     if not parts:
         return {}
-    n = sum(p[3] for p in parts)
-    return {
-        "mismatch/prob_abs_diff_mean": sum(p[0] for p in parts) / n,
-        "mismatch/prob_abs_diff_max": max(p[1] for p in parts),
-        "mismatch/k3_kl": sum(p[2] for p in parts) / n,
-    }
+    n = sum(p["mismatch/tokens"] for p in parts)
+    out = {"mismatch/tokens": n}
+    for key in parts[0]:
+        if key.endswith("_max"):
+            out[key] = max(p[key] for p in parts)
+        elif key.endswith("_min"):
+            out[key] = min(p[key] for p in parts)
+        elif key != "mismatch/tokens":
+            out[key] = sum(p[key] * p["mismatch/tokens"] for p in parts) / max(n, 1)
+    return out
 
 
 def ref_logits_fn(t: Trainer):
@@ -438,12 +451,13 @@ def finish(t: Trainer) -> None:
     if not t.dist.is_logger:
         return
     plot_path = None
-    try:
-        from megatron_rlvr.trainer.plot import plot_runs
+    if cfg.logging.plot_at_end:
+        try:
+            from megatron_rlvr.trainer.plot import plot_runs
 
-        plot_path = plot_runs([t.run_dir])
-    except ImportError:
-        pass
+            plot_path = plot_runs([t.run_dir])
+        except ImportError:  # matplotlib is optional
+            pass
     print(summary(t, ckpt_path, hf_dir, plot_path), flush=True)
 
 

@@ -1,0 +1,119 @@
+"""``megatron-rlvr plot RUN_DIR [RUN_DIR ...]``: PNG curves from metrics.jsonl; several runs are overlaid (one
+colour per run) to compare algorithms. Needs matplotlib."""
+
+from __future__ import annotations
+
+import json
+import os
+
+PANELS: list[tuple[str, list[tuple[str, str]]]] = [
+    ("training reward", [("reward/mean", "reward"), ("reward/accuracy", "accuracy")]),
+    (
+        "reward by difficulty (group accuracy p)",
+        [("reward/easy", "easy p>0.8"), ("reward/medium", "medium"), ("reward/hard", "hard p<0.2")],
+    ),
+    ("group fractions", [("groups/mastered_frac", "mastered"), ("groups/all_wrong_frac", "all wrong")]),
+    ("policy entropy", [("loss/entropy", "entropy")]),
+    (
+        "drift on mastered prompts",
+        [("mcpo/mastered_abs_d", "mean |logp - logp_old|"), ("mcpo/hinge_active_frac", "hinge active")],
+    ),
+    ("response length", [("response/length_mean", "mean"), ("response/truncated_frac", "truncated frac")]),
+    ("clip fractions", [("loss/clip_frac_low", "low"), ("loss/clip_frac_high", "high")]),
+    (
+        "train / inference mismatch",
+        [("mismatch/abs_prob_diff_mean", "mean |p_train - p_rollout|"), ("mismatch/kl_k3", "k3 KL(rollout || train)")],
+    ),
+]
+"""(title, [(metric key, label), ...]) of each panel; missing metrics are left out."""
+
+_STYLES = ["-", "--", ":", "-."]
+
+
+def read_run(run_dir: str) -> tuple[str, list[dict]]:
+    """(label, records by step) of a run directory; the last record of a step wins (resumed runs repeat steps)."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise ValueError(f"{run_dir}: no metrics.jsonl (is it a megatron-rlvr run directory?)")
+    by_step: dict[int, dict] = {}
+    with open(path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            step = rec.get("step")
+            if step is None:
+                continue
+            by_step[step] = {**by_step.get(step, {}), **rec}
+    label = os.path.basename(os.path.normpath(run_dir))
+    cfg_path = os.path.join(run_dir, "config.yaml")
+    if os.path.isfile(cfg_path):
+        import yaml
+
+        with open(cfg_path) as f:
+            algo = ((yaml.safe_load(f) or {}).get("algorithm") or {}).get("name")
+        if algo:
+            label = f"{label} ({algo})"
+    return label, [by_step[s] for s in sorted(by_step)]
+
+
+def _smooth(ys: list[float], w: int) -> list[float]:
+    out, acc, q = [], 0.0, []
+    for y in ys:
+        q.append(y)
+        acc += y
+        if len(q) > w:
+            acc -= q.pop(0)
+        out.append(acc / len(q))
+    return out
+
+
+def plot_runs(run_dirs: list[str], out: str | None = None, smooth: int = 5) -> str:
+    """Write the curves PNG; returns its path (default <first run dir>/curves.png, or compare.png for several)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not run_dirs:
+        raise ValueError("plot: give at least one run directory")
+    runs = [read_run(d) for d in run_dirs]
+    panels = [(t, [(k, lab) for k, lab in keys if any(k in r for _, recs in runs for r in recs)]) for t, keys in PANELS]
+    panels = [(t, keys) for t, keys in panels if keys]
+    if not panels:
+        raise ValueError("plot: the runs have no metrics to plot yet")
+    cols = 2
+    rows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(12, 3.2 * rows), squeeze=False)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, (title, keys) in zip(axes.flat, panels):
+        for ri, (label, recs) in enumerate(runs):
+            for ki, (key, klabel) in enumerate(keys):
+                pts = [(r["step"], r[key]) for r in recs if r.get(key) is not None]
+                if not pts:
+                    continue
+                xs, ys = zip(*pts)
+                name = klabel if len(runs) == 1 else f"{label}: {klabel}"
+                ax.plot(
+                    xs,
+                    _smooth(list(ys), smooth),
+                    _STYLES[ki % len(_STYLES)],
+                    color=colours[ri % len(colours)],
+                    label=name,
+                )
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
+    names = ", ".join(label for label, _ in runs)
+    fig.suptitle(f"megatron-rlvr: {names} (moving average over {smooth} steps)", fontsize=11)
+    fig.tight_layout()
+    if out is None:
+        out = os.path.join(run_dirs[0], "curves.png" if len(runs) == 1 else "compare.png")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -1,0 +1,220 @@
+"""Pure (single-process, no Megatron) pieces of the trainer: run-config validation, micro-batch packing and layout,
+metric reduction, the signal exit-code contract, pass@k, and the tiny tokenizer/model config."""
+
+import math
+import os
+import random
+import signal
+
+import pytest
+import torch
+
+from megatron_rlvr.trainer.config import (
+    ConfigError,
+    build_run_config,
+    check_layout,
+    load_run_config,
+    resolved_dict,
+)
+from megatron_rlvr.trainer.evaluation import format_table, pass_at_k, summarize
+from megatron_rlvr.trainer.metrics import LossMetrics
+from megatron_rlvr.trainer.microbatch import Sequence, build_microbatch, pack, response_values
+from megatron_rlvr.trainer.signals import exit_code_for
+
+# ------------------------------------------------------------------------------------------------ config
+
+
+def test_default_config_is_the_tiny_preset():
+    cfg = load_run_config()
+    assert cfg.model.is_tiny and cfg.algorithm.name == "mcpo" and cfg.parallel.tp == 2
+    assert cfg.logging.name == "tiny"
+    assert cfg.algorithm.hinge_kl.enabled and cfg.algorithm.advantage.mcpo_query_weight
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("traIn.steps=3", "unknown config key 'traIn'; did you mean train?"),
+        ("train.prompt_per_step=3", "did you mean train.prompts_per_step?"),
+        ("algorithm.hinge_kl.betta=2", "did you mean algorithm.hinge_kl.beta?"),
+        ("algorithm.preset=mcpp", "unknown preset 'mcpp'; did you mean 'mcpo'?"),
+        ("data.procedural.tsk=copy", "data.procedural.task"),
+        ("train.prompts_per_step=abc", "train.prompts_per_step must be an integer"),
+        ("train.mini_batch_prompts=5", "train.mini_batch_prompts=5 does not divide train.prompts_per_step=16"),
+        ("train.micro_batch_tokens=4", "cannot hold one sequence"),
+        ("rollout.max_response_len=100", "exceeds the model's max_position_embeddings=64"),
+        ("eval.every=5", "eval.every > 0 needs eval.files"),
+        ("data.train_files=[missing.jsonl]", "file not found: missing.jsonl"),
+        ("reward.fn=no_such_module.fn", "no_such_module"),
+        ("parallel.sequence_parallel=true parallel.tp=1", "sequence_parallel needs parallel.tp > 1"),
+        pytest.param(
+            "parallel.sequence_parallel=true",
+            "sequence_parallel=true needs CUDA",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only restriction"),
+        ),
+        ("algorithm.ref_kl.coef=0.1 train.ref_model=false", "needs a reference model"),
+    ],
+)
+def test_bad_config_errors_name_the_key(override, expected):
+    with pytest.raises(ConfigError) as e:
+        load_run_config(None, override.split(" "))
+    assert expected in str(e.value)
+
+
+def test_overrides_are_yaml_typed_and_numbers_in_e_notation_parse():
+    cfg = load_run_config(None, ["optimizer.lr=1e-2", "rollout.stop=[ab, cd]", "train.ref_model=null"])
+    assert cfg.optimizer.lr == 0.01 and cfg.rollout.stop == ["ab", "cd"] and cfg.train.ref_model is None
+
+
+def test_preset_overrides_apply_on_top_of_the_preset():
+    cfg = load_run_config(None, ["algorithm.preset=dapo", "algorithm.policy_loss.eps_high=0.3"])
+    assert cfg.algorithm.name == "dapo" and cfg.algorithm.policy_loss.eps_high == 0.3
+    assert cfg.algorithm.dapo.dynamic_sampling  # the rest of the preset is kept
+    assert cfg.needs_ref_model is False
+    assert load_run_config(None, ["algorithm.preset=grpo"]).needs_ref_model  # GRPO's k3 KL, beta 0.04
+
+
+def test_resolved_config_round_trips():
+    cfg = load_run_config(None, ["algorithm.preset=cpgd", "schedule.steps=7", "rollout.stop=[x]"])
+    again = build_run_config(resolved_dict(cfg))
+    assert resolved_dict(again) == resolved_dict(cfg)
+
+
+def test_layout_must_divide():
+    cfg = load_run_config()
+    check_layout(cfg, 2)
+    check_layout(cfg, 4)  # TP=2 x DP=2
+    with pytest.raises(ConfigError, match="does not divide the world size 3"):
+        check_layout(cfg, 3)
+    with pytest.raises(ConfigError, match="does not divide the model's num_attention_heads=4"):
+        check_layout(load_run_config(None, ["parallel.tp=8"]), 8)
+    with pytest.raises(ConfigError, match="does not divide the model's num_hidden_layers=2"):
+        check_layout(load_run_config(None, ["parallel.tp=1", "parallel.pp=4"]), 4)
+
+
+# ------------------------------------------------------------------------------------------------ micro-batches
+
+
+def test_pack_respects_the_token_budget_and_covers_every_sequence():
+    rng = random.Random(0)
+    lengths = [rng.randint(1, 40) for _ in range(57)]
+    for budget in (None, 40, 64, 300):
+        plan = pack(lengths, budget, uniform=False)
+        seen = sorted(i for idx, _, _ in plan for i in idx)
+        assert seen == list(range(len(lengths)))
+        for idx, b, s in plan:
+            assert b == len(idx) and s == max(lengths[i] for i in idx)
+            assert budget is None and b == 1 or b * s <= budget
+    plan = pack(lengths, 100, uniform=True, multiple=4)
+    assert {(b, s) for _, b, s in plan} == {(2, 40)}  # one shape for pipeline parallelism, s rounded to 4
+    assert sorted(i for idx, _, _ in plan for i in idx) == list(range(len(lengths)))
+
+
+def test_microbatch_scores_response_tokens_at_the_previous_position():
+    # prompt [5, 6, 7], response [8, 9]: logits at positions 2 and 3 predict tokens 8 and 9
+    q = Sequence(tokens=[5, 6, 7, 8, 9], prompt_len=3, adv=0.5, mastered=True, rollout_logprobs=[-0.1, -0.2])
+    empty = Sequence(tokens=[5, 6], prompt_len=2)  # no response: contributes nothing
+    mb = build_microbatch([q, empty], 3, 6, pad_id=0, old_logp=[torch.tensor([-1.0, -2.0]), None], ids=[4, 7])
+    assert mb["tokens"].tolist() == [[5, 6, 7, 8, 9, 0], [5, 6, 0, 0, 0, 0], [0] * 6]
+    assert mb["labels"][0].tolist() == [6, 7, 8, 9, 0, 0]
+    assert mb["mask"].tolist() == [[False, False, True, True, False, False], [False] * 6, [False] * 6]
+    assert mb["old_logp"][0].tolist() == [0, 0, -1.0, -2.0, 0, 0]
+    assert mb["rollout_logp"][0, 2:4].tolist() == pytest.approx([-0.1, -0.2])
+    assert mb["adv"].tolist() == [0.5, 0.0, 0.0] and mb["mastered"].tolist() == [True, False, False]
+    assert mb["seq_ids"].tolist() == [4, 7, -1]
+    back = response_values(mb["old_logp"], [q])
+    assert back[0].tolist() == [-1.0, -2.0]
+    frozen = Sequence(tokens=[5, 6, 7, 8], prompt_len=3, train=False)  # e.g. truncated under DAPO overlong filtering
+    assert not build_microbatch([frozen], 1, 4, pad_id=0)["mask"].any()
+
+
+def test_truncated_importance_weights_are_capped_ratios():
+    q = Sequence(tokens=[1, 2, 3, 4], prompt_len=2, rollout_logprobs=[-1.0, -1.0])
+    mb = build_microbatch([q], 1, 4, 0, old_logp=[torch.tensor([-0.5, -2.0])], tis_cap=1.5)
+    w = mb["tis_weight"][0].tolist()
+    assert w[1] == pytest.approx(min(math.exp(0.5), 1.5)) and w[2] == pytest.approx(math.exp(-1.0))
+    assert w[0] == 1.0 and w[3] == 1.0  # outside the response
+
+
+# ------------------------------------------------------------------------------------------------ metrics
+
+
+def test_loss_metrics_sum_shares_and_weight_means_by_tokens():
+    rank0, rank1 = LossMetrics(), LossMetrics()
+    # one mini-batch update split into three micro-batches over two ranks
+    rank0.add({"loss/total": 0.2, "loss/num_tokens": 10, "loss/clip_frac_high": 0.1, "loss/ratio_max": 1.2})
+    rank0.add({"loss/total": 0.1, "loss/num_tokens": 30, "loss/clip_frac_high": 0.5, "loss/ratio_max": 1.1})
+    rank1.add({"loss/total": 0.3, "loss/num_tokens": 60, "loss/clip_frac_high": 0.0, "loss/ratio_min": 0.7})
+    out = LossMetrics.merge([rank0.state(), rank1.state()], num_updates=1)
+    assert out["loss/total"] == pytest.approx(0.6)  # shares of the global loss add up
+    assert out["loss/num_tokens"] == 100
+    assert out["loss/clip_frac_high"] == pytest.approx((0.1 * 10 + 0.5 * 30 + 0.0 * 60) / 100)
+    assert out["loss/ratio_max"] == 1.2 and out["loss/ratio_min"] == 0.7
+    two_updates = LossMetrics.merge([rank0.state(), rank1.state()], num_updates=2)
+    assert two_updates["loss/total"] == pytest.approx(0.3)  # mean over updates
+
+
+# ------------------------------------------------------------------------------------------------ signals
+
+
+def test_signal_exit_code_contract():
+    usr1, term, intr = 3, 2, 1
+    assert exit_code_for(term, None, None, environ={}) == 0
+    assert exit_code_for(usr1, None, None, environ={}) == 75
+    assert exit_code_for(intr, None, None, environ={}) == 130
+    slurm = {"RLVR_REQUEUE_EXIT_CODE": "75"}  # exported by slurm/common.sh: preemption = requeue
+    assert exit_code_for(term, None, None, environ=slurm) == 75
+    assert exit_code_for(usr1, None, None, environ=slurm) == 75
+    assert exit_code_for(term, 0, 9, environ=slurm) == 0 and exit_code_for(usr1, 0, 9, environ=slurm) == 9
+
+
+def test_second_ctrl_c_interrupts_immediately():
+    from megatron_rlvr.trainer.signals import StopSignals
+
+    s = StopSignals()
+    s._handle(signal.SIGTERM, None)
+    s._handle(signal.SIGUSR1, None)
+    assert s.code == 3  # the requeue request wins
+    s2 = StopSignals()
+    s2._handle(signal.SIGINT, None)
+    with pytest.raises(KeyboardInterrupt):
+        s2._handle(signal.SIGINT, None)
+
+
+# ------------------------------------------------------------------------------------------------ evaluation
+
+
+def test_pass_at_k_matches_the_combinatorial_definition():
+    for n in range(1, 9):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                ref = 1.0 - math.comb(n - c, k) / math.comb(n, k)
+                assert pass_at_k(n, c, k) == pytest.approx(ref, abs=1e-12)
+    assert pass_at_k(4, 1, 1) == 0.25 and pass_at_k(4, 0, 4) == 0.0 and pass_at_k(4, 1, 4) == 1.0
+
+
+def test_summary_table():
+    r = summarize("toy", [[True, False, False, False], [True, True, True, True]], [[1, 2, 3, 4], [1, 1, 1, 1]])
+    assert r.avg_at_k == pytest.approx(5 / 8)
+    assert r.pass_at_k[1] == pytest.approx((0.25 + 1) / 2) and r.pass_at_k[4] == 1.0
+    assert r.mean_length == pytest.approx(14 / 8)
+    table = format_table([r])
+    assert "pass@2" in table and "toy" in table and "0.6250" in table
+
+
+# ------------------------------------------------------------------------------------------------ tiny model
+
+
+def test_tiny_tokenizer_is_character_level_and_round_trips(tmp_path):
+    from transformers import AutoTokenizer
+
+    from megatron_rlvr.trainer.tiny import save_tiny_tokenizer, tiny_hf_config, tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    ids = tok("12+3=", add_special_tokens=False)["input_ids"]
+    assert len(ids) == 5 and tok.decode(ids) == "12+3="
+    assert tok.decode(ids + [tok.eos_token_id], skip_special_tokens=True) == "12+3="
+    cfg = tiny_hf_config(tok)
+    assert cfg["vocab_size"] == len(tok) == 19 and cfg["eos_token_id"] == tok.eos_token_id
+    again = AutoTokenizer.from_pretrained(save_tiny_tokenizer(os.fspath(tmp_path / "tok")))
+    assert again("7=", add_special_tokens=False)["input_ids"] == tok("7=", add_special_tokens=False)["input_ids"]

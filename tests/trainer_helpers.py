@@ -1,0 +1,20 @@
+"""Reward functions for the trainer's bad-input tests (imported by dotted path inside reward worker processes).
+
+Responses of the tiny model are 1-2 characters over digits, operators and '='."""
+
+import time
+
+
+def flaky_reward(response: str, ground_truth: str, **metadata) -> float:
+    """Raises when the response contains '1', hangs (far past any test timeout) when it starts with '3', else 1.0
+    for an exact answer."""
+    if "1" in response:
+        raise RuntimeError("flaky_reward: refusing responses with a 1")
+    if response.startswith("3"):
+        time.sleep(600)
+    return 1.0 if response.strip() == ground_truth else 0.0
+
+
+def zero_reward(response: str, ground_truth: str, **metadata) -> float:
+    """Every response is wrong: every group has zero variance (nothing for dynamic sampling to keep)."""
+    return 0.0
