@@ -276,7 +276,7 @@ def setup(cfg: RunConfig, run_dir: str | None) -> Trainer:
     """Build every component on this rank and resume from the newest checkpoint when there is one."""
     import torch
 
-    from megatron_rlvr.data import build_train_loader
+    from megatron_rlvr.data import build_train_dataset, build_train_loader
     from megatron_rlvr.rewards import RewardManager
     from megatron_rlvr.trainer import checkpoint as ckpt
     from megatron_rlvr.trainer.distributed import broadcast_object, init_distributed
@@ -320,7 +320,8 @@ def setup(cfg: RunConfig, run_dir: str | None) -> Trainer:
     info = engine_info(d.rank, d.world_size, par.rollout_tp)
     engine = build_engine(cfg, source, tokenizer, d)
     reward_manager = RewardManager(cfg.reward) if info.leader else None
-    loader = build_train_loader(cfg.data, cfg.train.prompts_per_step, dp_rank=0, dp_world=1)
+    dataset = build_train_dataset(cfg.data)
+    loader = build_train_loader(cfg.data, cfg.train.prompts_per_step, dp_rank=0, dp_world=1, dataset=dataset)
     logger = RunLogger(
         run_dir,
         enabled=d.is_logger,
@@ -374,6 +375,8 @@ def setup(cfg: RunConfig, run_dir: str | None) -> Trainer:
     sync_weights(t.engine, t.model, t.args, t.dist.pg)  # the engine starts from the (loaded) policy weights
     if d.is_logger:
         logger.truncate_after(t.start_step)
+        skipped = f", {dataset.n_malformed} malformed rows skipped" if dataset.n_malformed else ""
+        print(f"megatron-rlvr: data: {len(dataset.examples)} training prompts{skipped}", flush=True)
         where = f"resumed from step {t.start_step}" if t.start_step else "starting"
         print(
             f"megatron-rlvr: {where} | {cfg.logging.name} | algorithm {cfg.algorithm.name} | world {d.world_size} "
