@@ -218,3 +218,43 @@ def test_tiny_tokenizer_is_character_level_and_round_trips(tmp_path):
     assert cfg["vocab_size"] == len(tok) == 19 and cfg["eos_token_id"] == tok.eos_token_id
     again = AutoTokenizer.from_pretrained(save_tiny_tokenizer(os.fspath(tmp_path / "tok")))
     assert again("7=", add_special_tokens=False)["input_ids"] == tok("7=", add_special_tokens=False)["input_ids"]
+
+
+# ------------------------------------------------------------------------------------------------ shipped configs
+
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+
+@pytest.mark.parametrize("name", ["dapo_7b", "mcpo_7b", "mcpo_14b", "smollm2_gsm8k"])
+def test_shipped_configs_validate(name):
+    """Every key of the GPU / real-model presets is known and valid. The model, engine, lengths and files are
+    swapped for the tiny model's (no GPU, no weights, no data on a CI machine); everything else is built as written."""
+    from megatron_rlvr.trainer.config import expand_env, read_yaml
+
+    raw = expand_env(read_yaml(os.path.join(CONFIGS, f"{name}.yaml")))
+    raw["model"] = {"name": "tiny"}
+    raw["rollout"].update(engine="hf", max_prompt_len=8, max_response_len=8)
+    raw["data"]["train_files"] = []
+    raw.pop("eval", None)
+    raw["train"]["micro_batch_tokens"] = 64
+    raw["parallel"].update(sequence_parallel=False, rollout_tp=1)
+    cfg = build_run_config(raw)
+    if name != "smollm2_gsm8k":  # the papers' settings (issue 6)
+        assert cfg.optimizer.lr == 1e-6 and cfg.schedule.lr_decay == "constant"
+        assert (cfg.train.prompts_per_step, cfg.train.mini_batch_prompts, cfg.rollout.n) == (128, 64, 16)
+        assert (cfg.algorithm.policy_loss.eps_low, cfg.algorithm.policy_loss.eps_high) == (0.2, 0.28)
+        assert cfg.algorithm.dapo.overlong_buffer_len == 4096 and cfg.rollout.temperature == 1.0
+        if name.startswith("mcpo"):
+            assert cfg.algorithm.hinge_kl.enabled and cfg.algorithm.hinge_kl.beta == 1.0
+            assert cfg.algorithm.hinge_kl.delta == 0.01 and cfg.algorithm.advantage.mcpo_query_weight
+
+
+def test_env_references_expand_with_defaults(monkeypatch):
+    from megatron_rlvr.trainer.config import expand_env
+
+    monkeypatch.setenv("RLVR_TEST_DIR", "/x")
+    monkeypatch.delenv("RLVR_UNSET_VAR", raising=False)
+    got = expand_env({"a": ["${RLVR_TEST_DIR}/f", "${RLVR_UNSET_VAR:-/d}/g"], "b": 3})
+    assert got == {"a": ["/x/f", "/d/g"], "b": 3}
+    with pytest.raises(ConfigError, match="data.train_files.0.: environment variable RLVR_UNSET_VAR is not set"):
+        expand_env({"data": {"train_files": ["${RLVR_UNSET_VAR}/x"]}})

@@ -31,6 +31,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -670,8 +671,14 @@ def model_hf_config(cfg: ModelConfig) -> dict:
 
         return tiny_hf_config()
     if cfg.gguf:
-        return {}  # known only after the (cached) conversion; checked again when the ranks build the model
-    path = cfg.hf_path or cfg.hf_config
+        from megatron_rlvr.models import gguf
+
+        try:  # converted once and cached (~40 s the first time): the layout can then be checked before launch
+            path = gguf.cached_hf_folder(gguf.smollm2_gguf_path() if cfg.gguf == "smollm2" else cfg.gguf)
+        except (ValueError, ImportError, OSError) as e:
+            raise ConfigError(f"model.gguf: {e}") from None
+    else:
+        path = cfg.hf_path or cfg.hf_config
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     try:
@@ -816,10 +823,37 @@ def read_yaml(path: str) -> dict:
     return raw
 
 
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def expand_env(obj, where: str = ""):
+    """``${VAR}`` and ``${VAR:-default}`` in string values (cluster paths: ``${RLVR_DATA:-../shared/data}/...``);
+    an unset variable without a default is a ConfigError naming the key."""
+    if isinstance(obj, dict):
+        return {k: expand_env(v, f"{where}.{k}" if where else str(k)) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [expand_env(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+    if not isinstance(obj, str) or "${" not in obj:
+        return obj
+
+    def sub(m):
+        value = os.environ.get(m.group(1))
+        if value is None:
+            if m.group(2) is None:
+                raise ConfigError(
+                    f"{where}: environment variable {m.group(1)} is not set (use ${{{m.group(1)}:-default}})"
+                )
+            return m.group(2)
+        return value
+
+    return _ENV_REF.sub(sub, obj)
+
+
 def load_run_config(path: str | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """Read a YAML run config (default: configs/tiny.yaml), apply overrides, validate everything."""
+    """Read a YAML run config (default: configs/tiny.yaml), apply overrides, expand ``${VAR:-default}`` references,
+    validate everything."""
     path = path or DEFAULT_CONFIG
-    raw = apply_overrides(read_yaml(path), list(overrides or []))
+    raw = expand_env(apply_overrides(read_yaml(path), list(overrides or [])))
     cfg = build_run_config(raw)
     if not cfg.logging.name:
         cfg.logging.name = os.path.splitext(os.path.basename(path))[0]

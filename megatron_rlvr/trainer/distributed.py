@@ -81,6 +81,17 @@ def env_rank_info(environ=None) -> dict | None:
     return None
 
 
+def local_world_size(world_size: int, environ=None) -> int:
+    """Ranks on this node: LOCAL_WORLD_SIZE (our launcher, torchrun), else Slurm's tasks on this node, else all."""
+    env = os.environ if environ is None else environ
+    for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE"):
+        v = env.get(key, "")
+        head = v.split("(")[0].split(",")[0]  # Slurm writes e.g. "2(x4)" for 2 tasks on each of 4 nodes
+        if head.isdigit():
+            return int(head)
+    return world_size
+
+
 def resolve_backend(name: str) -> str:
     if name == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
@@ -100,6 +111,10 @@ def init_distributed(tp: int, pp: int, seed: int, backend: str = "auto", timeout
     apply_cpu_shims()
     if not dist.is_initialized():
         info = env_rank_info()
+        if info is not None and "RANK" not in os.environ:  # an srun task: give everything the torchrun variables
+            from megatron_rlvr.launch_env import export_torch_env
+
+            export_torch_env(info)
         if info is None:
             info = {"rank": 0, "world_size": 1, "local_rank": 0, "master_addr": "127.0.0.1", "master_port": 0}
             if info["master_port"] == 0:

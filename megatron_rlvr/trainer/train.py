@@ -298,9 +298,8 @@ def setup(cfg: RunConfig, run_dir: str | None) -> Trainer:
     signals = StopSignals().install()
     par = cfg.parallel
     d = init_distributed(par.tp, par.pp, cfg.train.seed, cfg.launch.backend)
-    threads = cfg.launch.threads_per_rank or max(1, (os.cpu_count() or 1) // max(1, _local_ranks(d)))
     if not torch.cuda.is_available():
-        torch.set_num_threads(threads)
+        torch.set_num_threads(cpu_threads(cfg, d.world_size))
     run_dir = broadcast_object(run_dir or resolve_run_dir(cfg) if d.rank == 0 else None)
     if d.is_logger and not os.path.isfile(os.path.join(run_dir, "config.yaml")):  # torchrun / srun launches
         from megatron_rlvr.trainer.config import dump_yaml
@@ -308,7 +307,12 @@ def setup(cfg: RunConfig, run_dir: str | None) -> Trainer:
         os.makedirs(run_dir, exist_ok=True)
         cfg.logging.run_dir = run_dir
         dump_yaml(cfg, os.path.join(run_dir, "config.yaml"))
-    source = resolve_model_source(cfg.model)
+    # local rank 0 first: a GGUF model is converted (and cached) once per node, not by every rank at once
+    if d.local_rank == 0:
+        source = resolve_model_source(cfg.model)
+    torch.distributed.barrier()
+    if d.local_rank != 0:
+        source = resolve_model_source(cfg.model)
     tokenizer = load_tokenizer(source)
     args = model_args_for(source, cfg.model, par, cfg.train)
     model = wrap_ddp(build_model(args, source, cfg.train.seed, d.pg), par.distributed_optimizer)
@@ -386,8 +390,16 @@ def setup(cfg: RunConfig, run_dir: str | None) -> Trainer:
     return t
 
 
-def _local_ranks(d) -> int:
-    return int(os.environ.get("LOCAL_WORLD_SIZE", d.world_size))
+def cpu_threads(cfg: RunConfig, world_size: int) -> int:
+    """torch intra-op threads of a CPU rank: launch.threads_per_rank, else $OMP_NUM_THREADS, else the node's cores
+    split between its ranks (more threads than cores only thrash)."""
+    from megatron_rlvr.trainer.distributed import local_world_size
+
+    if cfg.launch.threads_per_rank:
+        return cfg.launch.threads_per_rank
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    return max(1, (os.cpu_count() or 1) // max(1, local_world_size(world_size)))
 
 
 def resolve_run_dir(cfg: RunConfig) -> str:
