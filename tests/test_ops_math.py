@@ -162,6 +162,29 @@ def test_exact_top2_ties_give_zero_margin():
         torch.testing.assert_close(m.double(), ref, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("want", [("logprob",), ("logprob", "entropy", "kl")])
+def test_bf16_gradient_of_confident_token_is_rounded_once(want):
+    """For a confident target token (p_y ~ 0.999) the log-prob gradient at y is g (1 - p_y), a small difference of
+    O(g) terms: the bf16 gradient must be that exact value rounded once (2^-8 relative), not a sum of rounded
+    parts."""
+    T, V = 4, 300
+    x, w, _, wt = make_case(T, V, torch.float64, seed=4)
+    ids = torch.tensor([3, 10, 200, 299])
+    x[torch.arange(T), ids] = 15.0  # p_y ~ 0.999
+    xb = x.to(torch.bfloat16).requires_grad_(True)
+    wb = w.to(torch.bfloat16)
+    out = vocab_parallel_token_stats(xb, token_ids_T=ids, other_logits_TV=wb, want=want, chunk_size=2)
+    (gx,) = grads_of(out, wt, (xb,))
+    xr = xb.detach().double().requires_grad_(True)
+    ref = reference_stats(xr, wb.double(), ids, 1.0, V)
+    (rx,) = grads_of({k: ref[k] for k in want}, wt, (xr,))
+    at_y, ref_y = gx[torch.arange(T), ids].double(), rx[torch.arange(T), ids]
+    if want == ("logprob",):
+        assert (ref_y.abs() < 0.01 * wt["logprob"].abs()).all()  # really a cancellation case
+    torch.testing.assert_close(at_y, ref_y, rtol=2.0**-8, atol=1e-7)
+    torch.testing.assert_close(gx.double(), rx, rtol=2.0**-8, atol=1e-6)
+
+
 def test_margin_is_detached():
     """The margin is a stop-gradient weight: it does not require grad even when the logits do."""
     x = torch.randn(3, 50, requires_grad=True)

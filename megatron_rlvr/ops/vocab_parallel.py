@@ -65,14 +65,21 @@ STAT_NAMES = ("logprob", "entropy", "margin", "kl", "kl_rev")
 
 # Default chunk budget in elements of one fp32 temporary ([chunk, V/tp]). On CPU small chunks keep the several
 # passes over a chunk inside the last-level cache; on GPU larger chunks amortise kernel launches.
-_CPU_CHUNK_ELEMENTS = 1 << 21
+_CPU_CHUNK_ELEMENTS = 1 << 19
 _GPU_CHUNK_ELEMENTS = 1 << 26
 # Row-max search for the margin works on blocks of this many logits (see `_row_top2`).
 _TOP2_BLOCK = 256
-# exp(z) without a max shift is used where it cannot overflow (z < 80 < log(fp32 max) = 88.7) and where the
-# normaliser exp(-lse) stays a normal fp32 number (|lse| < 80); see `_sum_ok`.
+# Elementwise exponentials are computed as exp(z - m) = 2^((x - m) * log2(e) / T): torch's exp2 costs less than
+# half of exp on CPU (Sleef), and the scaling folds into the pass that forms x - m (or converts bf16 to fp32)
+# anyway. Per-row scalars (shifts, log-sum-exp, target logit, top-2) stay in nats, differences formed before any
+# scaling. exp(z) without a max shift is used only where it cannot overflow (z < 80 < 88.7) and where the
+# normaliser exp(-lse) is a normal fp32 number (|lse| < 80); sums below 1e-30 are treated as underflowed.
+_LN2 = math.log(2.0)
+_LOG2E = 1.0 / _LN2
 _UNSHIFTED_MAX = 80.0
 _MIN_UNSHIFTED_SUM = 1e-30
+# (x - m) * scale is formed in one pass (scale * x - scale * m) while |m| <= this, else exactly in two passes.
+_ONE_PASS_SHIFT_MAX = 64.0
 
 
 @dataclass(frozen=True)
@@ -94,6 +101,11 @@ class _Plan:
     @property
     def need_kl(self) -> bool:
         return "kl" in self.want or "kl_rev" in self.want
+
+    @property
+    def scale2(self) -> float:
+        """Logits -> base-2 exponent units: exp(x / T) = 2^(x * scale2)."""
+        return _LOG2E / self.temperature
 
 
 # ---------------------------------------------------------------------------------------------------- collectives
@@ -141,40 +153,37 @@ def _row_top2(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return bvals[:, 0], torch.maximum(bvals[:, 1], in_vals[:, 1])
 
 
-def _shifted(x: torch.Tensor, shift_x: torch.Tensor, inv_temp: float, out: torch.Tensor) -> torch.Tensor:
-    """``out = (x - shift_x) / temperature`` in the compute dtype (x may be bf16: the subtraction promotes to fp32
-    through the fp32 ``shift_x``; one pass)."""
-    torch.sub(x, shift_x.unsqueeze(-1), out=out)
-    if inv_temp != 1.0:
-        out.mul_(inv_temp)
-    return out
+def _to_base2(x: torch.Tensor, shift_x: torch.Tensor | None, plan: _Plan, out: torch.Tensor) -> torch.Tensor:
+    """``out = (x - shift_x) * log2(e) / temperature`` in the compute dtype, so that ``exp2(out) = exp(z - m)``;
+    ``shift_x`` ([c], compute dtype, logits units) is subtracted BEFORE scaling so the result keeps full relative
+    precision near the row max. A bf16 ``x``
+    promotes exactly through the dimensioned fp32 operand (a python-scalar operand would make torch compute in
+    bf16)."""
+    if shift_x is None:
+        return torch.mul(x, _scale_tensor(plan, out), out=out)
+    if bool(shift_x.abs().max() <= _ONE_PASS_SHIFT_MAX):
+        # one pass: scale * x - scale * shift; rounding error <= ulp(scale * |x|), i.e. ~1e-7 x |logit| relative
+        # in exp(z - m): the precision the fp32 logits carry anyway for logits of this size
+        return torch.add((shift_x * -plan.scale2).unsqueeze(-1), x, alpha=plan.scale2, out=out)
+    return torch.sub(x, shift_x.unsqueeze(-1), out=out).mul_(plan.scale2)
 
 
-def _exp_unshifted(x: torch.Tensor, inv_temp: float, out: torch.Tensor) -> torch.Tensor:
-    """``out = exp(x / temperature)`` computed in the compute dtype of ``out``. (``torch.exp`` of a bf16 tensor into
-    an fp32 ``out`` would compute in bf16, 4e-3 relative error: convert first.)"""
-    if x.dtype == out.dtype and inv_temp == 1.0:
-        return torch.exp(x, out=out)
-    if x.dtype == out.dtype:
-        torch.mul(x, inv_temp, out=out)
-    else:
-        out.copy_(x)
-        if inv_temp != 1.0:
-            out.mul_(inv_temp)
-    return out.exp_()
+def _scale_tensor(plan: _Plan, like: torch.Tensor) -> torch.Tensor:
+    """log2(e) / T as a [1, 1] tensor of the compute dtype (dimensioned, so a bf16 operand promotes exactly)."""
+    return torch.full((1, 1), plan.scale2, dtype=like.dtype, device=like.device)
 
 
 # (Per-row coefficients are applied with mul/add: torch.addcmul with a broadcast [c, 1] factor measured 4-5x slower
 # than mul + add on CPU.)
-def _rowdot(a: torch.Tensor, b: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
-    """sum_j a[:, j] * b[:, j] via a reusable temporary (no allocation of a [c, n] product; torch's cascade sum is
-    more accurate than a BLAS dot over 10^5 terms and measured as fast here)."""
-    return torch.mul(a, b, out=tmp).sum(-1)
+def _rowdot(a: torch.Tensor, b: torch.Tensor, tmp: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = sum_j a[:, j] * b[:, j] via a reusable temporary (no allocation of a [c, n] product; torch's cascade
+    sum is ~40x more accurate than a BLAS dot over 10^5 fp32 terms, measured, and as fast here)."""
+    return torch.sum(torch.mul(a, b, out=tmp), -1, out=out)
 
 
 def _sum_ok(s: torch.Tensor) -> torch.Tensor:
-    """Rows whose unshifted sum of exponentials is usable: finite (no exp overflowed, i.e. every z < ~88.7) and not
-    so small that denormal terms matter (>= 1e-30, i.e. log-sum-exp >= -69)."""
+    """Rows whose unshifted sum of exp(z) is usable: finite (no term overflowed, i.e. every z < 88.7) and not so
+    small that denormal terms matter."""
     return torch.isfinite(s) & (s >= _MIN_UNSHIFTED_SUM)
 
 
@@ -194,21 +203,23 @@ class _Buffers:
 
 # -------------------------------------------------------------------------------------------------------- forward
 def _local_partials(logits: torch.Tensor, other: torch.Tensor | None, ids: torch.Tensor | None, plan: _Plan):
-    """One chunked pass over this shard: per-token partial statistics relative to a per-row shift m (z units).
+    """One chunked pass over this shard: per-token partial statistics relative to a per-row shift m (z units):
+    s = sum exp(z - m), a = sum exp(z - m) (z - m), ...
 
     With entropy/KL/margin the shift is the shard's row max (the margin needs the max anyway, and entropy and KL
-    are differences of O(max logit) terms: measuring them from the max keeps fp32 error ~1e-7 instead of
-    ~ulp(max logit)). For log-prob alone no max pass is needed: exp(z) is summed unshifted (shift 0), which is as
+    are differences of O(max logit) terms: measured from the max they keep fp32 error ~1e-7 instead of
+    ~1e-7 x |max logit|). For log-prob alone no max pass is needed: 2^y is summed unshifted (shift 0), which is as
     accurate for the log-sum-exp, and a chunk is redone with the max shift only if a row's sum overflowed or
-    underflowed (`_sum_ok`). Returns a dict of [T] tensors (compute dtype)."""
+    underflowed (`_sum_ok`). Returns a dict of [T] tensors (compute dtype). Inside a chunk the differences are kept
+    in base-2 units (see `_to_base2`); the dot products are converted to nats at the end."""
     T = logits.shape[0]
     n = plan.n_valid
     dt = plan.compute_dtype
     dev = logits.device
-    inv_t = 1.0 / plan.temperature
     want = set(plan.want)
     need_max = bool(want - {"logprob"})
-    need_ez = "entropy" in want or "kl" in want  # sum_j e_j (z_j - m)
+    need_ey = "entropy" in want or "kl" in want  # sum_j e_j (z_j - m)
+    inv_t = 1.0 / plan.temperature
     out: dict[str, torch.Tensor] = {}
 
     def new(name: str, fill: float = 0.0) -> torch.Tensor:
@@ -218,7 +229,7 @@ def _local_partials(logits: torch.Tensor, other: torch.Tensor | None, ids: torch
     m_z, s_z = new("m_z", float("-inf")), new("s_z")
     # exp(z) cannot overflow on this shard's rows where this is True (used by the backward's unshifted path)
     no_overflow = out["no_overflow"] = torch.zeros(T, dtype=torch.bool, device=dev)
-    a_zz = new("a_zz") if need_ez else None
+    a_zz = new("a_zz") if need_ey else None
     z_y = new("z_y") if "logprob" in want else None
     top1, top2 = (new("top1", float("-inf")), new("top2", float("-inf"))) if "margin" in want else (None, None)
     if plan.need_kl:
@@ -229,24 +240,23 @@ def _local_partials(logits: torch.Tensor, other: torch.Tensor | None, ids: torch
     if n == 0 or T == 0:  # this shard is all padding: contributes nothing (shift -inf, sums 0)
         no_overflow.fill_(True)
         return out
+    if z_y is not None:  # the target's logit, on the rank that owns it (one gather for all tokens)
+        loc = ids - plan.vocab_start
+        mine = (loc >= 0) & (loc < n)
+        picked = logits[:, :n].gather(1, loc.clamp(0, n - 1).unsqueeze(-1)).squeeze(-1).to(dt) * inv_t
+        z_y.copy_(torch.where(mine, picked, torch.zeros((), dtype=dt, device=dev)))
 
     bufs = _Buffers(min(plan.chunk_rows, T), n, dt, dev)
+    scale_t = _scale_tensor(plan, s_z)
     for a in range(0, T, plan.chunk_rows):
         b = min(a + plan.chunk_rows, T)
         c = b - a
         x = logits[a:b, :n]  # a view; padded columns are simply not part of it
-        if z_y is not None:
-            loc = ids[a:b] - plan.vocab_start
-            mine = (loc >= 0) & (loc < n)
-            picked = x.gather(1, loc.clamp(0, n - 1).unsqueeze(-1)).squeeze(-1).to(dt) * inv_t
-            z_y[a:b] = torch.where(mine, picked, torch.zeros((), dtype=dt, device=dev))
         if not need_max:
-            e_z = _exp_unshifted(x, inv_t, bufs.get("e_z", c))
-            s = e_z.sum(-1)
+            e_z = torch.mul(x, scale_t, out=bufs.get("e_z", c)).exp2_()
+            s = torch.sum(e_z, -1, out=s_z[a:b])
             if bool(_sum_ok(s).all()):
                 m_z[a:b] = 0.0
-                s_z[a:b] = s
-                no_overflow[a:b] = True
                 continue
         # Row max (and the runner-up for the margin) in logits units: exact elements of x.
         if top2 is not None:
@@ -256,42 +266,46 @@ def _local_partials(logits: torch.Tensor, other: torch.Tensor | None, ids: torch
         else:
             mx = x.amax(-1)
         mx = mx.to(dt)
-        m_z[a:b] = mx * inv_t
-        no_overflow[a:b] = m_z[a:b] < _UNSHIFTED_MAX
-        d_z = _shifted(x, mx, inv_t, bufs.get("d_z", c))  # z - m  (<= 0)
-        if need_ez or "kl_rev" in want:
-            e_z = torch.exp(d_z, out=bufs.get("e_z", c))
+        torch.mul(mx, inv_t, out=m_z[a:b])
+        d_z = _to_base2(x, mx, plan, bufs.get("d_z", c))  # (z - m) log2(e) (<= 0)
+        if need_ey or "kl_rev" in want:
+            e_z = torch.exp2(d_z, out=bufs.get("e_z", c))
         else:
-            e_z = d_z.exp_()  # d_z no longer needed: exponentiate our own buffer in place
-        s_z[a:b] = e_z.sum(-1)
-        tmp = bufs.get("tmp", c) if (need_ez or plan.need_kl) else None
+            e_z = d_z.exp2_()  # d_z no longer needed: exponentiate our own buffer in place
+        torch.sum(e_z, -1, out=s_z[a:b])
+        tmp = bufs.get("tmp", c) if (need_ey or plan.need_kl) else None
         if a_zz is not None:
-            a_zz[a:b] = _rowdot(e_z, d_z, tmp)
+            _rowdot(e_z, d_z, tmp, out=a_zz[a:b])
         if plan.need_kl:
             xw = other[a:b, :n]
             # Shift w by z's max: the two distributions are usually close, so this saves a max pass over w; if
             # some row's sum over- or underflows, redo the chunk with w's own max.
             for attempt in range(2):
                 mxw = mx if attempt == 0 else xw.amax(-1).to(dt)
-                d_w = _shifted(xw, mxw, inv_t, bufs.get("d_w", c))
+                d_w = _to_base2(xw, mxw, plan, bufs.get("d_w", c))
                 if a_zw is not None:
-                    a_zw[a:b] = _rowdot(e_z, d_w, tmp)
-                e_w = torch.exp(d_w, out=bufs.get("e_w", c)) if a_ww is not None else d_w.exp_()
-                sw = e_w.sum(-1)
+                    _rowdot(e_z, d_w, tmp, out=a_zw[a:b])
+                e_w = torch.exp2(d_w, out=bufs.get("e_w", c)) if a_ww is not None else d_w.exp2_()
+                sw = torch.sum(e_w, -1, out=s_w[a:b])
                 if attempt == 1 or bool(_sum_ok(sw).all()):
                     break
-            m_w[a:b] = mxw * inv_t
-            s_w[a:b] = sw
+            torch.mul(mxw, inv_t, out=m_w[a:b])
             if a_ww is not None:
-                a_ww[a:b] = _rowdot(e_w, d_w, tmp)
-                a_wz[a:b] = _rowdot(e_w, d_z, tmp)
+                _rowdot(e_w, d_w, tmp, out=a_ww[a:b])
+                _rowdot(e_w, d_z, tmp, out=a_wz[a:b])
+    for k in ("a_zz", "a_zw", "a_ww", "a_wz"):  # base-2 differences -> nats
+        if k in out:
+            out[k].mul_(_LN2)
+    # exp(z) cannot overflow where the shift (0 for unshifted rows, whose finite sum proved it) is < 80
+    torch.lt(m_z, _UNSHIFTED_MAX, out=no_overflow)
     return out
 
 
 def _merge(part: dict[str, torch.Tensor], plan: _Plan) -> dict[str, torch.Tensor]:
     """Exact merge of the shards' partials: all-reduce(MAX) of shifts, rescale, all-reduce(SUM), top-2 all-gather.
 
-    Returns global per-token values: the requested statistics plus ``lse_z`` (and ``lse_w``) for the backward."""
+    Returns global per-token values: the requested statistics, plus for the backward lse_z (and lse_w) and the rows
+    where it may skip the shift."""
     want = set(plan.want)
     maxes = [part["m_z"]] + ([part["m_w"]] if plan.need_kl else [])
     glob_max = _all_reduce_(torch.stack(maxes, dim=-1), dist.ReduceOp.MAX, plan)
@@ -343,9 +357,8 @@ def _merge(part: dict[str, torch.Tensor], plan: _Plan) -> dict[str, torch.Tensor
         if "kl_rev" in want:  # E_q[log q] - E_q[log p]
             res["kl_rev"] = (g["a_ww"] / g["s_w"] - log_s_w) - (g["a_wz"] / g["s_w"] - log_s_z)
     if "margin" in want:
-        # Global top-2 from every shard's local top-2 (its max is m_z): exact, ties give exactly 0.
-        local = torch.stack([part["top1"], part["top2"]], dim=-1)
-        cand = _all_gather_rows(local, plan)
+        # Global top-2 from every shard's local top-2: exact, ties give exactly 0.
+        cand = _all_gather_rows(torch.stack([part["top1"], part["top2"]], dim=-1), plan)
         top = torch.topk(cand, 2, dim=-1).values
         res["margin"] = torch.exp(top[:, 0] - res["lse_z"]) - torch.exp(top[:, 1] - res["lse_z"])
     return res
@@ -358,7 +371,8 @@ def _grad_coefficients(plan: _Plan, grads: dict[str, torch.Tensor], saved: dict[
         grad_z = p * (alpha + beta * log p + gamma * log q) - klr * q + lp * onehot(y)
         grad_w = q * (alpha_w + klr * (log q - log p)) - kl * p
 
-    obtained by collecting the per-statistic formulas of the module docstring weighted by their upstream grads."""
+    obtained by collecting the per-statistic formulas of the module docstring weighted by their upstream grads
+    (log p, log q in nats)."""
     inv_t = 1.0 / plan.temperature
     g = {k: v.to(plan.compute_dtype) * inv_t for k, v in grads.items()}
     lp, ent, kl, klr = g.get("logprob"), g.get("entropy"), g.get("kl"), g.get("kl_rev")
@@ -399,89 +413,115 @@ def _backward(plan: _Plan, logits, other, ids, saved, grads, need_gz: bool, need
         return grad_z, grad_w
     lse_z = saved["lse_z"]
     lse_w = saved.get("lse_w")
-    # Where exp(z) cannot overflow (rows flagged by the forward), p = exp(z) * exp(-lse) and, with
-    # log p = z - lse and log q = w/T - lse_w, the z-gradient p * (alpha + beta log p + gamma log q) becomes
-    #     exp(z) * (A + B * x + G * w),  A = c (alpha - beta lse - gamma lse_w),  B = c beta / T,  G = c gamma / T
-    # with c = exp(-lse): 4 passes over the chunk (exp, two fused multiply-adds, product) instead of 7. The price is
-    # rounding at the scale of the logits (~1e-7 x |logit| relative to the gradient), as in the fp32 logits
-    # themselves. kl_rev (needs q) and gradients w.r.t. other_logits take the general path below.
+    # Fast path, where exp(z) cannot overflow (rows flagged by the forward): p = exp(z) * c with c = exp(-lse), and
+    #     p * (alpha + beta log p + gamma log q) = exp(z) * (A + B x + G w),
+    #     A = c (alpha - beta lse_z - gamma lse_w),  B = c beta / T,  G = c gamma / T
+    # (log p = x / T - lse_z, log q = w / T - lse_w): exp, the factor and the product in 6 cheap passes instead of
+    # 9. The price is rounding at the scale of the logits (~1e-7 x |logit| relative to the gradient), as in the fp32
+    # logits themselves. kl_rev (needs q) and gradients w.r.t. other_logits take the general path below.
     fast_ok = need_gz and not need_gw and co["klr"] is None
     if fast_ok:
-        fast_rows = saved["bwd_unshifted"]
+        # one flag per chunk (a single host sync instead of one per chunk)
+        flags = saved["bwd_unshifted"]
+        pad = (-T) % plan.chunk_rows
+        if pad:
+            flags = torch.cat([flags, flags.new_ones(pad)])
+        fast_chunks = flags.view(-1, plan.chunk_rows).all(-1).tolist()
         c_row = torch.exp(-lse_z)
-        fast_A = c_row * (co["alpha"] if co["alpha"] is not None else 0)
+        alpha = co["alpha"] if co["alpha"] is not None else torch.zeros_like(c_row)
         fast_B = fast_G = None
         if co["beta"] is not None:
-            fast_A = fast_A - c_row * co["beta"] * lse_z
+            alpha = alpha - co["beta"] * lse_z
             fast_B = c_row * co["beta"] * inv_t
         if co["gamma"] is not None:
-            fast_A = fast_A - c_row * co["gamma"] * lse_w
+            alpha = alpha - co["gamma"] * lse_w
             fast_G = c_row * co["gamma"] * inv_t
-    # log q is needed when the z-gradient has a KL term, or for any w-gradient; q itself when kl_rev flows to z, or
-    # for the w-gradient.
-    need_logq = (need_gz and co["gamma"] is not None) or need_gw
-    need_q = (need_gz and co["klr"] is not None) or need_gw
-    need_logp_kept = (need_gz and co["beta"] is not None) or need_gw
+        fast_A = (c_row * alpha)[:, None]
+        fast_B = fast_B[:, None] if fast_B is not None else None
+        fast_G = fast_G[:, None] if fast_G is not None else None
+    if co["lp"] is not None:  # the target tokens this shard owns, and where each chunk's start in that list
+        t_rows, t_cols = _owned_targets(ids, plan)
+        t_start = torch.searchsorted(t_rows, torch.arange(0, T + plan.chunk_rows, plan.chunk_rows)).tolist()
+    # general path: log2 p / log2 q buffers (coefficients take the ln2); q when kl_rev flows to z or for grad_w
+    beta2 = co["beta"] * _LN2 if co["beta"] is not None else None
+    gamma2 = co["gamma"] * _LN2 if co["gamma"] is not None else None
+    klr2 = co["klr"] * _LN2 if co["klr"] is not None else None
+    need_logq = (need_gz and gamma2 is not None) or need_gw
+    need_q = (need_gz and klr2 is not None) or need_gw
+    need_logp_kept = (need_gz and beta2 is not None) or need_gw
     same_dtype = grad_z is not None and grad_z.dtype == dt
     bufs = _Buffers(min(plan.chunk_rows, T), n, dt, logits.device)
-    for a in range(0, T, plan.chunk_rows):
+    scale_t = _scale_tensor(plan, lse_z)
+    for i, a in enumerate(range(0, T, plan.chunk_rows)):
         b = min(a + plan.chunk_rows, T)
         c = b - a
         x = logits[a:b, :n]
         gz_view = grad_z[a:b, :n] if need_gz else None
-        target = (gz_view if same_dtype else bufs.get("gz", c)) if need_gz else None
-        if fast_ok and bool(fast_rows[a:b].all()):
-            e = _exp_unshifted(x, inv_t, bufs.get("p", c))
+        if co["lp"] is not None:
+            rows, cols = t_rows[t_start[i] : t_start[i + 1]] - a, t_cols[t_start[i] : t_start[i + 1]]
+        if fast_ok and fast_chunks[i]:
+            e = torch.mul(x, scale_t, out=bufs.get("p", c)).exp2_()
             if fast_B is None:
-                torch.mul(e, fast_A[a:b, None], out=target)
+                f = fast_A[a:b]
             else:
-                f = torch.mul(x, fast_B[a:b, None], out=bufs.get("factor", c)).add_(fast_A[a:b, None])
+                f = torch.mul(x, fast_B[a:b], out=bufs.get("factor", c)).add_(fast_A[a:b])
                 if fast_G is not None:
-                    f.add_(torch.mul(other[a:b, :n], fast_G[a:b, None], out=bufs.get("tmp", c)))
-                torch.mul(e, f, out=target)
-        else:
-            logp = _shifted(x, lse_z[a:b] * plan.temperature, inv_t, bufs.get("logp", c))  # z - lse
-            p = torch.exp(logp, out=bufs.get("p", c)) if need_logp_kept else logp.exp_()
-            logq = q = None
-            if need_logq or need_q:
-                xw = other[a:b, :n]
-                logq = _shifted(xw, lse_w[a:b] * plan.temperature, inv_t, bufs.get("logq", c))
-                if need_q:
-                    q = torch.exp(logq, out=bufs.get("q", c))
-            if need_gw:
-                # grad_w = q * (alpha_w + klr * (log q - log p)) - kl * p
-                t = bufs.get("tw", c)
-                if co["klr"] is not None:
-                    torch.sub(logq, logp, out=t).mul_(co["klr"][a:b, None]).add_(co["alpha_w"][a:b, None])
-                    gw = t.mul_(q)
-                else:
-                    gw = torch.mul(q, co["alpha_w"][a:b, None], out=t)
-                if co["kl"] is not None:
-                    gw.sub_(torch.mul(p, co["kl"][a:b, None], out=bufs.get("tmp", c)))
-                grad_w[a:b, :n] = gw
-            if need_gz:
-                if co["beta"] is not None:
-                    # factor = alpha + beta * log p (+ gamma * log q), built in the log p buffer (ours)
-                    factor = logp.mul_(co["beta"][a:b, None])
-                    if co["alpha"] is not None:
-                        factor.add_(co["alpha"][a:b, None])
-                    if co["gamma"] is not None:
-                        factor.add_(logq.mul_(co["gamma"][a:b, None]))  # logq (ours) is not needed after this
-                    torch.mul(p, factor, out=target)
-                elif co["alpha"] is not None:
-                    torch.mul(p, co["alpha"][a:b, None], out=target)
-                else:
-                    target.zero_()
-                if co["klr"] is not None:
-                    target.sub_(q.mul_(co["klr"][a:b, None]))
+                    f.add_(torch.mul(other[a:b, :n], fast_G[a:b], out=bufs.get("tmp", c)))
+            # computed in the compute dtype and rounded once into the gradient's dtype (bf16 needs no fp32 copy)
+            torch.mul(e, f, out=gz_view)
+            if co["lp"] is not None:
+                # + lp at the target token: write the exact e * f + lp, rounded once (adding lp to an already
+                # rounded bf16 value would lose everything for a confident token, where e * f ~ -lp)
+                val = e[rows, cols] * f.expand(c, n)[rows, cols] + co["lp"][a:b][rows]
+                gz_view[rows, cols] = val.to(gz_view.dtype)
+            continue
+        target = (gz_view if same_dtype else bufs.get("gz", c)) if need_gz else None
+        logp = _to_base2(x, lse_z[a:b] * plan.temperature, plan, bufs.get("logp", c))  # log2 p
+        p = torch.exp2(logp, out=bufs.get("p", c)) if need_logp_kept else logp.exp2_()
+        logq = q = None
+        if need_logq or need_q:
+            logq = _to_base2(other[a:b, :n], lse_w[a:b] * plan.temperature, plan, bufs.get("logq", c))
+            if need_q:
+                q = torch.exp2(logq, out=bufs.get("q", c))
+        if need_gw:
+            # grad_w = q * (alpha_w + klr * (log q - log p)) - kl * p
+            t = bufs.get("tw", c)
+            if klr2 is not None:
+                torch.sub(logq, logp, out=t).mul_(klr2[a:b, None]).add_(co["alpha_w"][a:b, None])
+                gw = t.mul_(q)
+            else:
+                gw = torch.mul(q, co["alpha_w"][a:b, None], out=t)
+            if co["kl"] is not None:
+                gw.sub_(torch.mul(p, co["kl"][a:b, None], out=bufs.get("tmp", c)))
+            grad_w[a:b, :n] = gw
+        if need_gz:
+            if beta2 is not None:
+                # factor = alpha + beta log p (+ gamma log q), built in the log p buffer (ours)
+                factor = logp.mul_(beta2[a:b, None])
+                if co["alpha"] is not None:
+                    factor.add_(co["alpha"][a:b, None])
+                if gamma2 is not None:
+                    factor.add_(logq.mul_(gamma2[a:b, None]))  # logq (ours) is not needed after this
+                torch.mul(p, factor, out=target)
+            elif co["alpha"] is not None:
+                torch.mul(p, co["alpha"][a:b, None], out=target)
+            else:
+                target.zero_()
+            if co["klr"] is not None:
+                target.sub_(q.mul_(co["klr"][a:b, None]))
         if need_gz:
             if co["lp"] is not None:
-                loc = ids[a:b] - plan.vocab_start
-                rows = torch.nonzero((loc >= 0) & (loc < n)).squeeze(-1)
-                target[rows, loc[rows]] += co["lp"][a:b][rows]
+                target[rows, cols] += co["lp"][a:b][rows]
             if not same_dtype:
                 gz_view.copy_(target)
     return grad_z, grad_w
+
+
+def _owned_targets(ids: torch.Tensor, plan: _Plan) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, local columns) of the target tokens that this shard owns."""
+    loc = ids - plan.vocab_start
+    rows = torch.nonzero((loc >= 0) & (loc < plan.n_valid)).squeeze(-1)
+    return rows, loc[rows]
 
 
 class _TokenStats(torch.autograd.Function):

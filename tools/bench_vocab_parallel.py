@@ -1,0 +1,355 @@
+"""Benchmark the vocab-parallel token statistics against the naive path and megatron-core, on gloo CPU ranks.
+
+    python tools/bench_vocab_parallel.py            # T=2048, V=151936 (Qwen2.5), TP=2, fp32 and bf16 (< 3 min)
+    python tools/bench_vocab_parallel.py --quick    # tiny shapes: a smoke run
+
+Spawns TP gloo ranks (megatron parallel state initialised, CPU shims applied, 1 intra-op thread per rank: 2 ranks
+on 2 cores) and measures, for each input dtype, forward + backward w.r.t. the logits shard of:
+
+  (a) fused_logprob  vocab_parallel_token_stats(want=("logprob",))
+  (b) fused_all4     vocab_parallel_token_stats(want=("logprob", "entropy", "margin", "kl")) vs reference logits
+  (c) naive_all4     all-gather the full logits (and reference logits), then plain torch ops on [T, V]
+  (d) megatron_ce    megatron.core.tensor_parallel.vocab_parallel_cross_entropy (= -logprob)
+
+Loss: a random per-token weight times each statistic (margin enters as a detached weight, as in MCPO).
+
+Time: every repeat starts after a barrier; a repeat's time is the slowest rank's forward+backward wall time; the
+reported time is the best of the repeats (timeit's convention: the least disturbed run on a shared machine).
+megatron's op overwrites its fp32 input in place, so it is handed a fresh copy made outside the timed region (in
+training it consumes the output layer's logits; the copy is not its cost).
+
+Peak extra memory: exact tensor bytes from PyTorch's own allocator accounting. A separate, untimed run per method
+is recorded with ``torch.profiler.profile(profile_memory=True)``, which logs every CPU tensor allocation and free
+(including temporaries inside ops and autograd buffers) with its byte count and timestamp; the running sum of those
+events from the start of the call is the memory the call added on top of what existed before it (the inputs), and
+its maximum is the peak extra memory. This counts exactly what the op holds, unlike process RSS, which the C
+allocator rounds, caches and returns lazily. Reported per rank (max over ranks), in MiB; it includes the returned
+gradient w.r.t. the logits shard ("grad"). "workspace" = peak extra - grad: what the op needs beyond its output,
+which for the fused op stays flat in T (shown at two sequence lengths) while the naive path grows with T x V.
+
+Allocator: on Linux a tensor larger than 32 MiB is a fresh mmap, and first-touching it costs page faults (measured
+here: 0.35 s for one 622 MiB tensor with 4 KiB pages) - an artefact that GPU runs (caching allocator) do not have.
+By default the ranks run with PyTorch's documented CPU setting ``THP_MEM_ALLOC_ENABLE=1`` (large allocations
+2 MiB-aligned and backed by transparent huge pages: the same first touch costs ~0.05 s), applied identically to
+every method; ``--system-malloc`` measures with 4 KiB pages instead. Memory numbers do not depend on this. (A glibc
+"never return memory" heap was tried and rejected: it fragments under the naive path's multi-GiB tensors.)
+
+The LAST line printed is ``key=value`` pairs: ``logprob_vs_megatron`` (time (a)/(d), lower is better),
+``all4_vs_logprob`` (time (b)/(a)), ``naive_mem_over_fused`` (peak extra memory (c)/(b), higher is better), each
+for fp32 and bf16 (the un-suffixed keys are the worse of the two), and the fused op's peak workspace at two lengths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:  # runnable as `python tools/bench_vocab_parallel.py` from a checkout
+    sys.path.insert(0, _ROOT)
+
+METHODS = ("fused_logprob", "fused_all4", "naive_all4", "megatron_ce")
+ALL4 = ("logprob", "entropy", "margin", "kl")
+MiB = 2.0**20
+
+
+# ------------------------------------------------------------------------------------------- per-rank measurements
+def _inputs(T, v_local, dtype, seed):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(T, v_local, generator=g) * 2.0).to(dtype)
+    ref = (x.float() + 0.3 * torch.randn(T, v_local, generator=g)).to(dtype)
+    return x, ref
+
+
+def _step(method, x, ref, ids, wts, group, vocab_size, chunk_size):
+    """One forward + backward; returns the gradient w.r.t. this rank's logits shard."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_rlvr.ops import vocab_parallel_token_stats
+
+    if method == "fused_logprob":
+        xl = x.detach().requires_grad_(True)
+        out = vocab_parallel_token_stats(
+            xl, tp_group=group, token_ids_T=ids, vocab_size=vocab_size, chunk_size=chunk_size
+        )
+        loss = (out["logprob"] * wts[0]).sum()
+        return torch.autograd.grad(loss, xl)[0]
+    if method == "fused_all4":
+        xl = x.detach().requires_grad_(True)
+        out = vocab_parallel_token_stats(
+            xl,
+            tp_group=group,
+            token_ids_T=ids,
+            other_logits_TV=ref,
+            vocab_size=vocab_size,
+            want=ALL4,
+            chunk_size=chunk_size,
+        )
+        loss = ((wts[0] + out["margin"]) * out["logprob"] + wts[1] * out["entropy"] + wts[2] * out["kl"]).sum()
+        return torch.autograd.grad(loss, xl)[0]
+    if method == "naive_all4":
+        tp, rank = dist.get_world_size(group), dist.get_rank(group)
+
+        def gather(t):
+            parts = [torch.empty_like(t) for _ in range(tp)]
+            dist.all_gather(parts, t.contiguous(), group=group)
+            return torch.cat(parts, dim=-1)
+
+        full = gather(x.detach()).requires_grad_(True)  # [T, V]
+        logp = torch.log_softmax(full.float(), dim=-1)
+        p = logp.exp()
+        lp = logp.gather(1, ids[:, None]).squeeze(1)
+        ent = -(p * logp).sum(-1)
+        top = p.detach().topk(2, dim=-1).values
+        margin = top[:, 0] - top[:, 1]
+        logq = torch.log_softmax(gather(ref).float(), dim=-1)
+        kl = (p * (logp - logq)).sum(-1)
+        loss = ((wts[0] + margin) * lp + wts[1] * ent + wts[2] * kl).sum()
+        v = x.shape[1]
+        return torch.autograd.grad(loss, full)[0][:, rank * v : (rank + 1) * v].contiguous()
+    if method == "megatron_ce":
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        loss = vocab_parallel_cross_entropy(x, ids)  # x: a fresh copy requiring grad, see _prepare
+        return torch.autograd.grad((loss * wts[0]).sum(), x)[0]
+    raise ValueError(f"unknown method {method!r}")
+
+
+def _prepare(method, x):
+    """megatron overwrites its (fp32) input: give it a private copy, made outside the measured region."""
+    if method == "megatron_ce":
+        return x.detach().clone().requires_grad_(True)
+    return x
+
+
+def _peak_extra_bytes(fn):
+    """Peak of (bytes allocated - bytes freed) by CPU tensors while fn runs, from the profiler's allocator events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        keep = fn()
+    events = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns()
+    )
+    cur = peak = 0
+    for e in events:
+        cur += e.nbytes()
+        peak = max(peak, cur)
+    del keep
+    return peak
+
+
+def _bench_rank(cfg):
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_tensor_model_parallel_group()
+    rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    v_local = cfg["vocab"] // tp
+    vocab_size = cfg["vocab"]
+    T, T_naive = cfg["tokens"], cfg["naive_tokens"]
+    res = {"time": {}, "mem": {}, "grad_mib": {}, "scan": {}}
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, vocab_size, (max(T, *cfg["scan_tokens"]),), generator=g)
+    wts_all = [torch.randn(ids.shape[0], generator=g) for _ in range(3)]
+
+    def run(method, x, ref, t):
+        return _step(method, x, ref, ids[:t], [w[:t] for w in wts_all], group, vocab_size, cfg["chunk_size"])
+
+    def mib(t):
+        return t.numel() * t.element_size() / MiB
+
+    for dname in cfg["dtypes"]:
+        dtype = getattr(torch, dname)
+        x, ref = _inputs(T, v_local, dtype, seed=100 + rank)
+        tokens = {m: (T_naive if m == "naive_all4" else T) for m in cfg["methods"]}
+        times = {m: [] for m in cfg["methods"]}
+        # Round-robin over the methods inside each repeat, so that a change in machine load hits all alike.
+        for i in range(cfg["warmup"] + cfg["repeats"]):
+            for method in cfg["methods"]:
+                if method == "naive_all4" and i != cfg["warmup"]:
+                    continue  # the slow reference is timed once (it has no time target)
+                t = tokens[method]
+                xm = _prepare(method, x[:t])
+                dist.barrier(group=group)
+                t0 = time.perf_counter()
+                grad = run(method, xm, ref[:t], t)
+                dt = time.perf_counter() - t0
+                del grad, xm
+                if i >= cfg["warmup"]:
+                    times[method].append(dt)
+        for method in cfg["methods"]:
+            key = f"{method}/{dname}"
+            t = tokens[method]
+            res["time"][key] = times[method]
+            xm = _prepare(method, x[:t])
+            dist.barrier(group=group)
+            res["mem"][key] = _peak_extra_bytes(lambda m=method, xm=xm, t=t, ref=ref: run(m, xm, ref[:t], t))
+            res["grad_mib"][key] = mib(x[:t])
+            del xm
+        if T_naive != T:  # the fused op at the naive path's length, for a like-for-like memory ratio
+            dist.barrier(group=group)
+            res["mem"][f"fused_all4@naive_T/{dname}"] = _peak_extra_bytes(
+                lambda x=x, ref=ref: run("fused_all4", x[:T_naive], ref[:T_naive], T_naive)
+            )
+        del x, ref
+    # Fused op's memory at two sequence lengths (bf16 keeps the long-T inputs within a small machine's memory).
+    for Ts in cfg["scan_tokens"]:
+        x, ref = _inputs(Ts, v_local, getattr(torch, cfg["scan_dtype"]), seed=200 + rank)
+        for method in ("fused_logprob", "fused_all4"):
+            dist.barrier(group=group)
+            peak = _peak_extra_bytes(lambda m=method, x=x, ref=ref, Ts=Ts: run(m, x, ref, Ts))
+            res["scan"][f"{method}/T{Ts}"] = (peak / MiB, mib(x))
+        del x, ref
+    return res
+
+
+# ------------------------------------------------------------------------------------------------------ reporting
+def _aggregate(per_rank, cfg):
+    """Slowest rank per repeat, best repeat; largest rank memory."""
+    out = {}
+    for key in per_rank[0]["time"]:
+        n_rep = len(per_rank[0]["time"][key])
+        per_repeat = [max(r["time"][key][i] for r in per_rank) for i in range(n_rep)]
+        out[key] = dict(
+            best_s=min(per_repeat),
+            median_s=statistics.median(per_repeat),
+            peak_mib=max(r["mem"][key] for r in per_rank) / MiB,
+            grad_mib=per_rank[0]["grad_mib"][key],
+        )
+    for key in per_rank[0]["mem"]:
+        if key.startswith("fused_all4@naive_T"):
+            out[key] = dict(peak_mib=max(r["mem"][key] for r in per_rank) / MiB)
+    scan = {k: max(r["scan"][k][0] for r in per_rank) for k in per_rank[0]["scan"]}
+    scan_grad = {k: per_rank[0]["scan"][k][1] for k in per_rank[0]["scan"]}
+    return out, scan, scan_grad
+
+
+def _report(agg, scan, scan_grad, cfg, wall):
+    hdr = f"{'method':<15}{'dtype':<10}{'best s':>9}{'median s':>10}{'peak extra MiB':>16}{'grad MiB':>10}"
+    hdr += f"{'workspace MiB':>15}"
+    print(
+        f"\nvocab-parallel token stats: T={cfg['tokens']} V={cfg['vocab']} TP={cfg['tp']} "
+        f"(V/tp={cfg['vocab'] // cfg['tp']}), forward+backward, best of {cfg['repeats']} round-robin repeats, "
+        f"pages={'4 KiB (system)' if cfg['system_malloc'] else 'THP'}, chunk_size={cfg['chunk_size'] or 'auto'}"
+    )
+    if cfg["naive_tokens"] != cfg["tokens"]:
+        print(
+            f"naive_all4 runs at T={cfg['naive_tokens']} (its [T, V] fp32 tensors at T={cfg['tokens']} would not fit "
+            f"this machine's memory for {cfg['tp']} ranks); its memory ratio is taken against fused_all4 at that T"
+        )
+    print(hdr)
+    print("-" * len(hdr))
+    for key, r in agg.items():
+        method, dname = key.split("/")
+        if "best_s" not in r:
+            continue
+        ws = r["peak_mib"] - r["grad_mib"]
+        if method == "naive_all4" and cfg["naive_tokens"] != cfg["tokens"]:
+            method = f"naive@T{cfg['naive_tokens']}"
+        print(
+            f"{method:<15}{dname:<10}{r['best_s']:>9.3f}{r['median_s']:>10.3f}{r['peak_mib']:>16.1f}"
+            f"{r['grad_mib']:>10.1f}{ws:>15.1f}"
+        )
+    print(f"\nfused op peak extra memory vs sequence length ({cfg['scan_dtype']}; workspace = peak - grad):")
+    for key, peak in scan.items():
+        grad = scan_grad[key]
+        print(f"  {key:<22} peak {peak:>9.1f} MiB   grad {grad:>9.1f} MiB   workspace {peak - grad:>7.1f} MiB")
+    kv = {}
+    for dname in cfg["dtypes"]:
+
+        def t(m, dname=dname):
+            return agg[f"{m}/{dname}"]["best_s"]
+
+        kv[f"logprob_vs_megatron_{dname}"] = t("fused_logprob") / t("megatron_ce")
+        kv[f"all4_vs_logprob_{dname}"] = t("fused_all4") / t("fused_logprob")
+        fused_key = f"fused_all4@naive_T/{dname}" if cfg["naive_tokens"] != cfg["tokens"] else f"fused_all4/{dname}"
+        kv[f"naive_mem_over_fused_{dname}"] = agg[f"naive_all4/{dname}"]["peak_mib"] / agg[fused_key]["peak_mib"]
+    kv["logprob_vs_megatron"] = max(kv[f"logprob_vs_megatron_{d}"] for d in cfg["dtypes"])
+    kv["all4_vs_logprob"] = max(kv[f"all4_vs_logprob_{d}"] for d in cfg["dtypes"])
+    kv["naive_mem_over_fused"] = min(kv[f"naive_mem_over_fused_{d}"] for d in cfg["dtypes"])
+    for key in scan:
+        method, tlen = key.split("/")
+        kv[f"{method}_workspace_mib_{tlen}"] = scan[key] - scan_grad[key]
+        kv[f"{method}_peak_mib_{tlen}"] = scan[key]
+    kv["naive_tokens"] = cfg["naive_tokens"]
+    kv["wall_s"] = wall
+    print("\n" + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in kv.items()))
+    return kv
+
+
+def _naive_tokens_that_fit(tokens: int, vocab: int, tp: int) -> int:
+    """The naive path keeps ~8 fp32 [T, V] tensors alive per rank (measured: 4.6 MiB per token at V=151936):
+    use the requested T if all ranks fit in 45% of the available memory, else the largest power of 2 that does."""
+    per_token = 8 * vocab * 4 * tp * 1.2
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return tokens
+    t = tokens
+    while t > 16 and t * per_token > 0.45 * avail:
+        t //= 2
+    return t
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=2048, help="sequence length T of the timed runs")
+    ap.add_argument("--vocab", type=int, default=151936, help="vocabulary size V (split over --tp)")
+    ap.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (gloo processes)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--chunk-size", type=int, default=None, help="fused op chunk size (default: the op's auto)")
+    ap.add_argument("--scan-tokens", type=int, nargs=2, default=(2048, 8192), help="lengths of the memory scan")
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--system-malloc", action="store_true", help="no THP_MEM_ALLOC_ENABLE (4 KiB pages)")
+    ap.add_argument(
+        "--naive-tokens",
+        type=int,
+        default=None,
+        help="T for the naive path (default: --tokens if it fits in available memory, else the largest power of 2)",
+    )
+    ap.add_argument("--quick", action="store_true", help="tiny shapes (smoke run)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.tokens, args.vocab, args.repeats, args.warmup, args.scan_tokens = 64, 4096, 1, 0, (32, 128)
+    if args.vocab % args.tp:
+        raise SystemExit(f"--vocab {args.vocab} must be divisible by --tp {args.tp}")
+    naive_tokens = args.naive_tokens or _naive_tokens_that_fit(args.tokens, args.vocab, args.tp)
+    cfg = dict(
+        naive_tokens=min(naive_tokens, args.tokens),
+        tokens=args.tokens,
+        vocab=args.vocab,
+        tp=args.tp,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        chunk_size=args.chunk_size,
+        scan_tokens=tuple(args.scan_tokens),
+        scan_dtype="bfloat16",
+        dtypes=list(args.dtypes),
+        methods=METHODS,
+        system_malloc=args.system_malloc,
+    )
+    if not args.system_malloc:
+        # Read by PyTorch's CPU allocator in each rank (the harness's forkserver starts after this).
+        os.environ["THP_MEM_ALLOC_ENABLE"] = "1"
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from megatron_rlvr.testing.distributed import run_distributed
+
+    t0 = time.perf_counter()
+    per_rank = run_distributed(_bench_rank, world_size=args.tp, tp=args.tp, args=(cfg,), timeout=900)
+    wall = time.perf_counter() - t0
+    agg, scan, scan_grad = _aggregate(per_rank, cfg)
+    return _report(agg, scan, scan_grad, cfg, wall)
+
+
+if __name__ == "__main__":
+    main()
