@@ -35,13 +35,14 @@ def _records(run_dir):
 # ------------------------------------------------------------------------------------------------ rank functions
 
 
-def _train_presets(run_root, names, overrides):
+def _train_presets(run_root, runs, overrides):
+    """``runs``: {run name: extra overrides}."""
     from megatron_rlvr.trainer.config import load_run_config
     from megatron_rlvr.trainer.train import train
 
     codes = {}
-    for name in names:
-        cfg = load_run_config(None, [*overrides, f"algorithm.preset={name}"])
+    for name, extra in runs.items():
+        cfg = load_run_config(None, [*overrides, *extra])
         codes[name] = train(cfg, os.path.join(run_root, name))
     return codes
 
@@ -141,7 +142,8 @@ def test_every_preset_runs_two_steps(dist_pool, tmp_path):
     """Each registry preset (GRPO, Dr.GRPO, DAPO, CISPO, GSPO, RLOO, REINFORCE++, CPGD, F-GRPO/DAPO/CISPO, MCPO,
     MCPO + margin) trains the tiny model for two steps at TP = 2 x DP = 2 with finite losses."""
     names = list(PRESETS)
-    codes = dist_pool.run(_train_presets, tp=2, args=(str(tmp_path), names, SMALL), timeout=600)[0]
+    runs = {n: [f"algorithm.preset={n}"] for n in names}
+    codes = dist_pool.run(_train_presets, tp=2, args=(str(tmp_path), runs, SMALL), timeout=600)[0]
     assert codes == {n: 0 for n in names}
     for name in names:
         recs = _records(tmp_path / name)
@@ -220,3 +222,30 @@ def test_reward_function_that_raises_or_hangs_scores_zero_and_training_goes_on(d
     assert sum(r["reward/n_error"] for r in recs) >= 1
     assert sum(r["reward/n_timeout"] for r in recs) >= 1
     assert all(r["train/skipped_nonfinite"] == 0 for r in recs if "train/skipped_nonfinite" in r)
+
+
+def test_loop_options(dist_pool, tmp_path):
+    """Loop variants beyond the presets: several mini-batches x epochs (off-policy ratios, clipping), the exact
+    full-vocabulary reference KL through the ops, engine log-probs as the behaviour policy with truncated importance
+    sampling, and periodic evaluation."""
+    bench = tmp_path / "copy.jsonl"
+    bench.write_text("".join(json.dumps({"problem": f"{d}=", "answer": str(d)}) + "\n" for d in range(6)))
+    runs = {
+        "minibatches_x_epochs": ["algorithm.preset=dapo", "train.mini_batch_prompts=2", "train.ppo_epochs=2"],
+        "exact_ref_kl": ["algorithm.preset=grpo", "algorithm.ref_kl.estimator=exact"],
+        "rollout_logprobs_tis": ["rollout.old_logprobs=rollout", "rollout.tis_cap=2.0"],
+        "eval": [f"eval.files=[{bench}]", "eval.every=2", "eval.k=2", "reward.extraction=lenient"],
+    }
+    codes = dist_pool.run(_train_presets, tp=2, args=(str(tmp_path), runs, SMALL), timeout=300)[0]
+    assert codes == {n: 0 for n in runs}
+    mb = _records(tmp_path / "minibatches_x_epochs")
+    assert max(r.get("train/updates", 0) for r in mb) >= 2  # up to 2 mini-batches x 2 epochs per step
+    assert any(r.get("loss/ratio_max", 1.0) != 1.0 for r in mb)  # later updates are off-policy
+    kl = [r for r in _records(tmp_path / "exact_ref_kl") if "loss/ref_kl" in r]
+    assert kl and kl[-1]["loss/ref_kl"] >= 0  # exact KL(pi || ref) after one update: non-negative
+    tis = _records(tmp_path / "rollout_logprobs_tis")
+    assert all("mismatch/kl_k3" not in r for r in tis)  # no recompute: the engine's log-probs are the old policy
+    assert all(r["train/skipped_nonfinite"] == 0 for r in tis)
+    ev = _records(tmp_path / "eval")
+    assert ev[-1]["step"] == 2 and "eval/copy/avg@2" in ev[-1] and "eval/copy/pass@2" in ev[-1]
+    assert 0 <= ev[-1]["eval/copy/avg@2"] <= ev[-1]["eval/copy/pass@2"] <= 1

@@ -138,7 +138,8 @@ class RunLogger:
     def progress_line(self, step: int, m: dict[str, float]) -> str:
         parts = [f"step {step}/{self.total_steps}" if self.total_steps else f"step {step}"]
         if m.get("train/skipped", 0):
-            parts.append(f"SKIPPED ({m.get('train/skip_reason_text', 'see metrics')})")
+            why = "empty or all-truncated batch" if m.get("train/skipped_empty") else "non-finite logits/loss/grads"
+            parts.append(f"SKIPPED ({why})")
         for key, label in (
             ("reward/mean", "reward"),
             ("reward/accuracy", "acc"),

@@ -40,7 +40,6 @@ class Trainer:
     eval_sets: list = field(default_factory=list)
     step: int = 0
     start_step: int = 0
-    history: list = field(default_factory=list)
 
     @property
     def algo(self):
@@ -250,7 +249,6 @@ def train(cfg: RunConfig, run_dir: str | None = None) -> int:
             if cfg.eval.every and step % cfg.eval.every == 0:
                 metrics.update(run_eval(t, step))
             t.logger.log(step, metrics)
-            t.history.append(metrics)
             stop = int(all_reduce_max(t.signals.code))  # every rank must agree on stopping at this step
             if stop:
                 save(t, step)
