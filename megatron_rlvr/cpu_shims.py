@@ -112,8 +112,11 @@ _NULL_STREAM = _NullStream()
 
 def _patch_torch_cuda() -> None:
     cuda = torch.cuda
-    # ~80 call sites use torch.cuda.current_device() as a device argument; 0 is then mapped to the CPU by the mode.
-    cuda.current_device = lambda: 0
+    # ~80 call sites use torch.cuda.current_device() as a device argument. Return the CPU device itself rather than
+    # an index for the mode to map: torch runs a mode's handler with the mode switched off, so everything executed
+    # inside an intercepted torch.autograd.backward (megatron's autograd Functions allocate with
+    # device=current_device() in backward, e.g. under sequence parallel) sees no mode at all.
+    cuda.current_device = lambda: torch.device("cpu")
     cuda.set_device = lambda *a, **k: None
     # CPU work is synchronous: there is nothing to wait for.
     cuda.synchronize = lambda *a, **k: None

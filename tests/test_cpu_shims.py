@@ -135,12 +135,12 @@ def _pipeline_loss(model_chunks, forward_only=True):
     return loss.item()
 
 
-def _train_step(tp, pp, distributed_optimizer):
+def _train_step(tp, pp, distributed_optimizer, sp=False):
     """One optimizer step; returns the post-step loss."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    model = _build(tp, pp)
+    model = _build(tp, pp, sp)
     ddp_cfg = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed_optimizer
     )
@@ -221,10 +221,11 @@ def test_optimizer_step_same_across_layouts(dist_pool):
     ref = dist_pool.run(_train_step, tp=1, pp=1, args=(1, 1, False))
     dist = dist_pool.run(_train_step, tp=2, pp=1, args=(2, 1, True))
     pipe = dist_pool.run(_train_step, tp=1, pp=2, args=(1, 2, True))
+    seqpar = dist_pool.run(_train_step, tp=2, pp=1, args=(2, 1, False, True))
     assert set(dist[0]["opt"]) == {"DistributedOptimizer"} and "DistributedOptimizer" not in ref[0]["opt"]
     r = ref[0]
     assert r["after"] < r["before"], "one Adam step on the training batch must lower its loss"
-    for o in dist + pipe:
+    for o in dist + pipe + seqpar:
         assert abs(o["before"] - r["before"]) < 1e-5
         assert abs(o["grad_norm"] - r["grad_norm"]) < 1e-4 * r["grad_norm"]
         assert abs(o["after"] - r["after"]) < 1e-5
