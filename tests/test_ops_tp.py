@@ -150,3 +150,33 @@ def test_vocab_parallel_stats_match_full_vocab_reference(dist_pool, tp):
             if not err <= _tol(key):
                 failures.append(f"rank {rank}: {key} error {err:.3g} > tol {_tol(key):.1g}")
     assert not failures, "\n".join(failures)
+
+
+def _load_bench():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "tools" / "bench_vocab_parallel.py"
+    spec = importlib.util.spec_from_file_location("bench_vocab_parallel", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _bench_smoke(cfg):
+    return _load_bench()._bench_rank(cfg)
+
+
+def test_benchmark_smoke(dist_pool, capsys):
+    """tools/bench_vocab_parallel.py --quick runs its four methods on the TP=2 ranks and prints a table whose last
+    line carries the agreed key=value ratios (finite); the naive path needs more memory than the fused op."""
+    bench = _load_bench()
+    cfg = bench.build_config(["--quick"])
+    per_rank = dist_pool.run(_bench_smoke, tp=2, args=(cfg,), timeout=120)
+    agg, scan, scan_grad = bench._aggregate(per_rank, cfg)
+    kv = bench._report(agg, scan, scan_grad, cfg, wall=0.0)
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    parsed = dict(item.split("=") for item in last.split())
+    for key in ("logprob_vs_megatron", "all4_vs_logprob", "naive_mem_over_fused"):
+        assert key in parsed and float(parsed[key]) > 0 and float(parsed[key]) == pytest.approx(kv[key], abs=1e-3)
+    assert kv["naive_mem_over_fused"] > 1.0

@@ -36,7 +36,8 @@ every method; ``--system-malloc`` measures with 4 KiB pages instead. Memory numb
 
 The LAST line printed is ``key=value`` pairs: ``logprob_vs_megatron`` (time (a)/(d), lower is better),
 ``all4_vs_logprob`` (time (b)/(a)), ``naive_mem_over_fused`` (peak extra memory (c)/(b), higher is better), each
-for fp32 and bf16 (the un-suffixed keys are the worse of the two), and the fused op's peak workspace at two lengths.
+for fp32 and bf16 (the un-suffixed keys are the worse of the two), and the fused call's (b) peak extra memory and
+workspace at two sequence lengths.
 """
 
 from __future__ import annotations
@@ -155,7 +156,15 @@ def _bench_rank(cfg):
     v_local = cfg["vocab"] // tp
     vocab_size = cfg["vocab"]
     T, T_naive = cfg["tokens"], cfg["naive_tokens"]
-    res = {"time": {}, "mem": {}, "grad_mib": {}, "scan": {}}
+    res = {"time": {}, "mem": {}, "grad_mib": {}, "scan": {}, "phase_s": {}}
+    clock = time.perf_counter()
+
+    def phase(name):
+        nonlocal clock
+        now = time.perf_counter()
+        res["phase_s"][name] = now - clock
+        clock = now
+
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(0, vocab_size, (max(T, *cfg["scan_tokens"]),), generator=g)
     wts_all = [torch.randn(ids.shape[0], generator=g) for _ in range(3)]
@@ -174,8 +183,8 @@ def _bench_rank(cfg):
         # Round-robin over the methods inside each repeat, so that a change in machine load hits all alike.
         for i in range(cfg["warmup"] + cfg["repeats"]):
             for method in cfg["methods"]:
-                if method == "naive_all4" and i != cfg["warmup"]:
-                    continue  # the slow reference is timed once (it has no time target)
+                if method == "naive_all4":
+                    continue  # the slow reference is timed by its one memory-profiled run below (no time target)
                 t = tokens[method]
                 xm = _prepare(method, x[:t])
                 dist.barrier(group=group)
@@ -185,13 +194,17 @@ def _bench_rank(cfg):
                 del grad, xm
                 if i >= cfg["warmup"]:
                     times[method].append(dt)
+        phase(f"timed runs {dname}")
         for method in cfg["methods"]:
             key = f"{method}/{dname}"
             t = tokens[method]
             res["time"][key] = times[method]
             xm = _prepare(method, x[:t])
             dist.barrier(group=group)
+            t0 = time.perf_counter()
             res["mem"][key] = _peak_extra_bytes(lambda m=method, xm=xm, t=t, ref=ref: run(m, xm, ref[:t], t))
+            if method == "naive_all4":
+                res["time"][key] = [time.perf_counter() - t0]
             res["grad_mib"][key] = mib(x[:t])
             del xm
         if T_naive != T:  # the fused op at the naive path's length, for a like-for-like memory ratio
@@ -199,15 +212,23 @@ def _bench_rank(cfg):
             res["mem"][f"fused_all4@naive_T/{dname}"] = _peak_extra_bytes(
                 lambda x=x, ref=ref: run("fused_all4", x[:T_naive], ref[:T_naive], T_naive)
             )
+        phase(f"memory runs {dname}")
         del x, ref
-    # Fused op's memory at two sequence lengths (bf16 keeps the long-T inputs within a small machine's memory).
+    # The full fused call's memory at two sequence lengths (bf16 keeps the long-T inputs within a small machine's
+    # memory; only fused_all4, the superset, at the second length: the profiler's ~0.15 ms per op makes each
+    # profiled long run cost tens of seconds on 2 cores).
     for Ts in cfg["scan_tokens"]:
+        if Ts == T and cfg["scan_dtype"] in cfg["dtypes"]:  # measured above
+            key = f"fused_all4/{cfg['scan_dtype']}"
+            res["scan"][f"fused_all4/T{Ts}"] = (res["mem"][key] / MiB, res["grad_mib"][key])
+            continue
         x, ref = _inputs(Ts, v_local, getattr(torch, cfg["scan_dtype"]), seed=200 + rank)
-        for method in ("fused_logprob", "fused_all4"):
+        for method in ("fused_all4",):
             dist.barrier(group=group)
             peak = _peak_extra_bytes(lambda m=method, x=x, ref=ref, Ts=Ts: run(m, x, ref, Ts))
             res["scan"][f"{method}/T{Ts}"] = (peak / MiB, mib(x))
         del x, ref
+        phase(f"memory scan T={Ts}")
     return res
 
 
@@ -227,6 +248,7 @@ def _aggregate(per_rank, cfg):
     for key in per_rank[0]["mem"]:
         if key.startswith("fused_all4@naive_T"):
             out[key] = dict(peak_mib=max(r["mem"][key] for r in per_rank) / MiB)
+    out["_phases"] = {k: max(r["phase_s"][k] for r in per_rank) for k in per_rank[0]["phase_s"]}
     scan = {k: max(r["scan"][k][0] for r in per_rank) for k in per_rank[0]["scan"]}
     scan_grad = {k: per_rank[0]["scan"][k][1] for k in per_rank[0]["scan"]}
     return out, scan, scan_grad
@@ -248,17 +270,20 @@ def _report(agg, scan, scan_grad, cfg, wall):
     print(hdr)
     print("-" * len(hdr))
     for key, r in agg.items():
+        if key.startswith("_"):
+            continue
         method, dname = key.split("/")
         if "best_s" not in r:
             continue
         ws = r["peak_mib"] - r["grad_mib"]
-        if method == "naive_all4" and cfg["naive_tokens"] != cfg["tokens"]:
-            method = f"naive@T{cfg['naive_tokens']}"
+        if method == "naive_all4":
+            method = f"naive@T{cfg['naive_tokens']}*"
         print(
             f"{method:<15}{dname:<10}{r['best_s']:>9.3f}{r['median_s']:>10.3f}{r['peak_mib']:>16.1f}"
             f"{r['grad_mib']:>10.1f}{ws:>15.1f}"
         )
-    print(f"\nfused op peak extra memory vs sequence length ({cfg['scan_dtype']}; workspace = peak - grad):")
+    print("* naive: one run, timed under the memory profiler (it has no time target)")
+    print(f"\nfused_all4 peak extra memory vs sequence length ({cfg['scan_dtype']}; workspace = peak - grad):")
     for key, peak in scan.items():
         grad = scan_grad[key]
         print(f"  {key:<22} peak {peak:>9.1f} MiB   grad {grad:>9.1f} MiB   workspace {peak - grad:>7.1f} MiB")
@@ -279,6 +304,8 @@ def _report(agg, scan, scan_grad, cfg, wall):
         method, tlen = key.split("/")
         kv[f"{method}_workspace_mib_{tlen}"] = scan[key] - scan_grad[key]
         kv[f"{method}_peak_mib_{tlen}"] = scan[key]
+    phases = ", ".join(f"{k} {v:.0f}s" for k, v in agg.get("_phases", {}).items())
+    print(f"\nper-rank phases: {phases}")
     kv["naive_tokens"] = cfg["naive_tokens"]
     kv["wall_s"] = wall
     print("\n" + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in kv.items()))
@@ -300,7 +327,8 @@ def _naive_tokens_that_fit(tokens: int, vocab: int, tp: int) -> int:
     return t
 
 
-def main(argv=None):
+def build_config(argv=None) -> dict:
+    """Parse the command line into the per-rank configuration (no side effects)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=2048, help="sequence length T of the timed runs")
     ap.add_argument("--vocab", type=int, default=151936, help="vocabulary size V (split over --tp)")
@@ -324,7 +352,7 @@ def main(argv=None):
     if args.vocab % args.tp:
         raise SystemExit(f"--vocab {args.vocab} must be divisible by --tp {args.tp}")
     naive_tokens = args.naive_tokens or _naive_tokens_that_fit(args.tokens, args.vocab, args.tp)
-    cfg = dict(
+    return dict(
         naive_tokens=min(naive_tokens, args.tokens),
         tokens=args.tokens,
         vocab=args.vocab,
@@ -338,14 +366,18 @@ def main(argv=None):
         methods=METHODS,
         system_malloc=args.system_malloc,
     )
-    if not args.system_malloc:
+
+
+def main(argv=None):
+    cfg = build_config(argv)
+    if not cfg["system_malloc"]:
         # Read by PyTorch's CPU allocator in each rank (the harness's forkserver starts after this).
         os.environ["THP_MEM_ALLOC_ENABLE"] = "1"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from megatron_rlvr.testing.distributed import run_distributed
 
     t0 = time.perf_counter()
-    per_rank = run_distributed(_bench_rank, world_size=args.tp, tp=args.tp, args=(cfg,), timeout=900)
+    per_rank = run_distributed(_bench_rank, world_size=cfg["tp"], tp=cfg["tp"], args=(cfg,), timeout=900)
     wall = time.perf_counter() - t0
     agg, scan, scan_grad = _aggregate(per_rank, cfg)
     return _report(agg, scan, scan_grad, cfg, wall)
