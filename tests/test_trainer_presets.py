@@ -167,6 +167,7 @@ LAYOUTS = {
     "tp2_dp2": (2, 1, []),
     "tp2_dp2_microbatched": (2, 1, ["train.micro_batch_tokens=10"]),
     "tp2_dp2_distopt": (2, 1, ["parallel.distributed_optimizer=true"]),
+    "tp2_dp2_seqpar": (2, 1, ["parallel.sequence_parallel=true"]),
     "tp1_dp4": (1, 1, []),
     "tp1_pp2_dp2": (1, 2, []),
 }

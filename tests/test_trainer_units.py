@@ -47,11 +47,6 @@ def test_default_config_is_the_tiny_preset():
         ("data.train_files=[missing.jsonl]", "file not found: missing.jsonl"),
         ("reward.fn=no_such_module.fn", "no_such_module"),
         ("parallel.sequence_parallel=true parallel.tp=1", "sequence_parallel needs parallel.tp > 1"),
-        pytest.param(
-            "parallel.sequence_parallel=true",
-            "sequence_parallel=true needs CUDA",
-            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only restriction"),
-        ),
         ("algorithm.ref_kl.coef=0.1 train.ref_model=false", "needs a reference model"),
     ],
 )

@@ -116,8 +116,8 @@ class ParallelConfig:
     rollout_tp: int = 1
     """Tensor-parallel size of each rollout engine (the transformers CPU engine supports 1)."""
     sequence_parallel: bool | None = None
-    """Megatron sequence parallelism; None: on when tp > 1 on GPUs (as the planner assumes), off on CPU (megatron's
-    sequence-parallel backward allocates on the CUDA device, which the CPU shims cannot redirect there)."""
+    """Megatron sequence parallelism; None: on when tp > 1 on GPUs (as the planner assumes), off on CPU (where it
+    works through the CPU shims but only adds communication)."""
     distributed_optimizer: bool = True
     """Shard the fp32 master weights and Adam states over data-parallel ranks (Megatron DistributedOptimizer)."""
 
@@ -128,12 +128,6 @@ class ParallelConfig:
             self.sequence_parallel = self.tp > 1 and _cuda_available()
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("parallel.sequence_parallel needs parallel.tp > 1")
-        if self.sequence_parallel and not _cuda_available():
-            raise ValueError(
-                "parallel.sequence_parallel=true needs CUDA: on CPU megatron-core's sequence-parallel backward "
-                "allocates on the CUDA device (tensor_parallel/layers.py), which megatron_rlvr.cpu_shims does not "
-                "redirect inside autograd; set parallel.sequence_parallel=false"
-            )
 
 
 @dataclass
