@@ -13,8 +13,12 @@ on 2 cores) and measures, for each input dtype, forward + backward w.r.t. the lo
 
 Loss: a random per-token weight times each statistic (margin enters as a detached weight, as in MCPO).
 
-Time: every repeat starts after a barrier; a repeat's time is the slowest rank's forward+backward wall time; the
-reported time is the best of the repeats (timeit's convention: the least disturbed run on a shared machine).
+Time: every repeat starts after a barrier; a repeat's time is the slowest rank's forward+backward time; the
+reported time is the best of the repeats (timeit's convention: the least disturbed run on a shared machine). Both
+wall time and per-rank CPU time (``time.process_time``; 1 thread per rank) are reported. The ratios in the last
+line use CPU time, because on a shared 2-core machine wall time mostly measures how long a rank waited for a core
+(it varied by up to 2x between runs here under other jobs' load); the wall-time ratios are printed alongside with a
+``_wall`` suffix. On an idle machine the two agree.
 megatron's op overwrites its fp32 input in place, so it is handed a fresh copy made outside the timed region (in
 training it consumes the output layer's logits; the copy is not its cost).
 
@@ -156,7 +160,7 @@ def _bench_rank(cfg):
     v_local = cfg["vocab"] // tp
     vocab_size = cfg["vocab"]
     T, T_naive = cfg["tokens"], cfg["naive_tokens"]
-    res = {"time": {}, "mem": {}, "grad_mib": {}, "scan": {}, "phase_s": {}}
+    res = {"time": {}, "cpu": {}, "mem": {}, "grad_mib": {}, "scan": {}, "phase_s": {}}
     clock = time.perf_counter()
 
     def phase(name):
@@ -180,6 +184,7 @@ def _bench_rank(cfg):
         x, ref = _inputs(T, v_local, dtype, seed=100 + rank)
         tokens = {m: (T_naive if m == "naive_all4" else T) for m in cfg["methods"]}
         times = {m: [] for m in cfg["methods"]}
+        cpus = {m: [] for m in cfg["methods"]}
         # Round-robin over the methods inside each repeat, so that a change in machine load hits all alike.
         for i in range(cfg["warmup"] + cfg["repeats"]):
             for method in cfg["methods"]:
@@ -188,23 +193,26 @@ def _bench_rank(cfg):
                 t = tokens[method]
                 xm = _prepare(method, x[:t])
                 dist.barrier(group=group)
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 grad = run(method, xm, ref[:t], t)
-                dt = time.perf_counter() - t0
+                dt, dc = time.perf_counter() - t0, time.process_time() - c0
                 del grad, xm
                 if i >= cfg["warmup"]:
                     times[method].append(dt)
+                    cpus[method].append(dc)
         phase(f"timed runs {dname}")
         for method in cfg["methods"]:
             key = f"{method}/{dname}"
             t = tokens[method]
             res["time"][key] = times[method]
+            res["cpu"][key] = cpus[method]
             xm = _prepare(method, x[:t])
             dist.barrier(group=group)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             res["mem"][key] = _peak_extra_bytes(lambda m=method, xm=xm, t=t, ref=ref: run(m, xm, ref[:t], t))
             if method == "naive_all4":
                 res["time"][key] = [time.perf_counter() - t0]
+                res["cpu"][key] = [time.process_time() - c0]
             res["grad_mib"][key] = mib(x[:t])
             del xm
         if T_naive != T:  # the fused op at the naive path's length, for a like-for-like memory ratio
@@ -239,9 +247,11 @@ def _aggregate(per_rank, cfg):
     for key in per_rank[0]["time"]:
         n_rep = len(per_rank[0]["time"][key])
         per_repeat = [max(r["time"][key][i] for r in per_rank) for i in range(n_rep)]
+        cpu_repeat = [max(r["cpu"][key][i] for r in per_rank) for i in range(n_rep)]
         out[key] = dict(
             best_s=min(per_repeat),
             median_s=statistics.median(per_repeat),
+            cpu_s=min(cpu_repeat),
             peak_mib=max(r["mem"][key] for r in per_rank) / MiB,
             grad_mib=per_rank[0]["grad_mib"][key],
         )
@@ -255,7 +265,7 @@ def _aggregate(per_rank, cfg):
 
 
 def _report(agg, scan, scan_grad, cfg, wall):
-    hdr = f"{'method':<15}{'dtype':<10}{'best s':>9}{'median s':>10}{'peak extra MiB':>16}{'grad MiB':>10}"
+    hdr = f"{'method':<15}{'dtype':<10}{'wall s':>8}{'median':>8}{'cpu s':>8}{'peak extra MiB':>16}{'grad MiB':>10}"
     hdr += f"{'workspace MiB':>15}"
     print(
         f"\nvocab-parallel token stats: T={cfg['tokens']} V={cfg['vocab']} TP={cfg['tp']} "
@@ -279,7 +289,7 @@ def _report(agg, scan, scan_grad, cfg, wall):
         if method == "naive_all4":
             method = f"naive@T{cfg['naive_tokens']}*"
         print(
-            f"{method:<15}{dname:<10}{r['best_s']:>9.3f}{r['median_s']:>10.3f}{r['peak_mib']:>16.1f}"
+            f"{method:<15}{dname:<10}{r['best_s']:>8.3f}{r['median_s']:>8.3f}{r['cpu_s']:>8.3f}{r['peak_mib']:>16.1f}"
             f"{r['grad_mib']:>10.1f}{ws:>15.1f}"
         )
     print("* naive: one run, timed under the memory profiler (it has no time target)")
@@ -290,16 +300,20 @@ def _report(agg, scan, scan_grad, cfg, wall):
     kv = {}
     for dname in cfg["dtypes"]:
 
-        def t(m, dname=dname):
-            return agg[f"{m}/{dname}"]["best_s"]
+        def t(m, dname=dname, what="cpu_s"):
+            return agg[f"{m}/{dname}"][what]
 
         kv[f"logprob_vs_megatron_{dname}"] = t("fused_logprob") / t("megatron_ce")
         kv[f"all4_vs_logprob_{dname}"] = t("fused_all4") / t("fused_logprob")
+        kv[f"logprob_vs_megatron_wall_{dname}"] = t("fused_logprob", what="best_s") / t("megatron_ce", what="best_s")
+        kv[f"all4_vs_logprob_wall_{dname}"] = t("fused_all4", what="best_s") / t("fused_logprob", what="best_s")
         fused_key = f"fused_all4@naive_T/{dname}" if cfg["naive_tokens"] != cfg["tokens"] else f"fused_all4/{dname}"
         kv[f"naive_mem_over_fused_{dname}"] = agg[f"naive_all4/{dname}"]["peak_mib"] / agg[fused_key]["peak_mib"]
     kv["logprob_vs_megatron"] = max(kv[f"logprob_vs_megatron_{d}"] for d in cfg["dtypes"])
     kv["all4_vs_logprob"] = max(kv[f"all4_vs_logprob_{d}"] for d in cfg["dtypes"])
     kv["naive_mem_over_fused"] = min(kv[f"naive_mem_over_fused_{d}"] for d in cfg["dtypes"])
+    kv["logprob_vs_megatron_wall"] = max(kv[f"logprob_vs_megatron_wall_{d}"] for d in cfg["dtypes"])
+    kv["all4_vs_logprob_wall"] = max(kv[f"all4_vs_logprob_wall_{d}"] for d in cfg["dtypes"])
     for key in scan:
         method, tlen = key.split("/")
         kv[f"{method}_workspace_mib_{tlen}"] = scan[key] - scan_grad[key]
