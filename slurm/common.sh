@@ -12,8 +12,12 @@
 #   * Slurm sends SIGUSR1 to every task 180 s before the time limit (#SBATCH --signal=USR1@180); a preempting
 #     scheduler or scancel sends SIGTERM. On either, the trainer finishes the current step, writes a checkpoint
 #     into $RLVR_RUN_DIR, and exits with code 75 (EX_TEMPFAIL, sysexits.h) on every rank.
-#   * srun's exit code is then 75, and this script calls `scontrol requeue $SLURM_JOB_ID` (the job needs
-#     --requeue). The job id, and so $RLVR_RUN_DIR and the log file, stay the same; the restarted trainer
+#   * Each task runs under a small bash wrapper (RLVR_TASK_WRAPPER below) that turns exit 75 into exit 0 plus a
+#     marker file in $RLVR_RUN_DIR/.requeue: srun --kill-on-bad-exit treats ANY non-zero exit as a failure, so a
+#     rank that exits 75 first would otherwise get the others SIGTERMed while they still finish their checkpoint
+#     shards (seen under load: "task 0: Exited with exit code 75 ... task 1: Terminated" -> srun 143 -> FAILED).
+#     srun then exits 0 with markers present, and this script calls `scontrol requeue $SLURM_JOB_ID` (the job
+#     needs --requeue). The job id, and so $RLVR_RUN_DIR and the log file, stay the same; the restarted trainer
 #     resumes from the latest checkpoint in $RLVR_RUN_DIR. At most $RLVR_MAX_REQUEUES requeues.
 #   * exit 0 = finished; any other code = failure, no requeue, the job ends FAILED with that code.
 # Fail fast: srun --kill-on-bad-exit=1 kills every task as soon as one exits non-zero or dies from a signal, so
@@ -38,6 +42,24 @@
 #   RLVR_DRY_RUN       1: print the resolved environment and srun command line, then exit 0 without running
 
 RLVR_REQUEUE_EXIT_CODE=75
+
+# Runs "$@" as one srun task. Exit 75 ("checkpointed, requeue me") -> marker file + exit 0 (see the header). A program
+# killed by a signal makes the wrapper die by the same signal, so srun still reports "task N: Killed". Signals
+# that Slurm sends to every process of the step (scancel --signal, --signal=USR1@180, SIGTERM) must not kill the
+# wrapper: it traps them with a no-op (not '' = ignore, which the program would inherit) and keeps waiting.
+# shellcheck disable=SC2016
+RLVR_TASK_WRAPPER='trap : USR1 USR2 TERM INT HUP
+"$@"
+rc=$?
+if [ "$rc" -eq "$RLVR_REQUEUE_EXIT_CODE" ]; then
+  touch "$RLVR_RUN_DIR/.requeue/task-${SLURM_PROCID:-0}"
+  exit 0
+fi
+if [ "$rc" -gt 128 ] && [ "$rc" -le 192 ]; then
+  trap - USR1 USR2 TERM INT HUP
+  kill -s "$((rc - 128))" "$$"
+fi
+exit "$rc"'
 
 rlvr_log() { echo "[$(date '+%F %T')] [${SLURM_JOB_NAME:-job}-${SLURM_JOB_ID:-?}] $*"; }
 
@@ -89,7 +111,7 @@ rlvr_prepare() {
     read -r -a extra <<<"$RLVR_SRUN_EXTRA"
     SRUN+=("${extra[@]}")
   fi
-  SRUN+=("${RLVR_PROGRAM[@]}")
+  SRUN+=(bash -c "$RLVR_TASK_WRAPPER" rlvr-task "${RLVR_PROGRAM[@]}")
 }
 
 rlvr_print() {
@@ -118,6 +140,8 @@ rlvr_main() {
     return 0
   fi
   mkdir -p "$RLVR_RUN_DIR"
+  rm -rf "$RLVR_RUN_DIR/.requeue"
+  mkdir -p "$RLVR_RUN_DIR/.requeue"
   rlvr_log "nodes=$SLURM_JOB_NODELIST tasks=${SLURM_NTASKS:-?} restart=${SLURM_RESTART_COUNT:-0}"
   rlvr_log "commit=$(git -C "$RLVR_HOME" rev-parse --short HEAD 2>/dev/null || echo unknown) run_dir=$RLVR_RUN_DIR"
   rlvr_print
@@ -138,17 +162,20 @@ rlvr_main() {
   done
   trap - USR1 TERM
 
-  if [ "$rc" -eq 0 ]; then
+  local marked
+  marked=$(find "$RLVR_RUN_DIR/.requeue" -maxdepth 1 -name 'task-*' 2>/dev/null | wc -l)
+  if [ "$rc" -eq 0 ] && [ "$marked" -eq 0 ]; then
     rlvr_log "finished (exit 0)"
     return 0
   fi
-  if [ "$rc" -eq "$RLVR_REQUEUE_EXIT_CODE" ]; then
+  if [ "$rc" -eq 0 ]; then
+    rc=$RLVR_REQUEUE_EXIT_CODE
     local restarts=${SLURM_RESTART_COUNT:-0} max=${RLVR_MAX_REQUEUES:-20}
     if [ "$restarts" -ge "$max" ]; then
       rlvr_log "checkpointed (exit $rc) but already restarted $restarts times (RLVR_MAX_REQUEUES=$max): not requeueing"
       return "$rc"
     fi
-    rlvr_log "checkpointed (exit $rc): requeueing job $SLURM_JOB_ID (restart $((restarts + 1)))"
+    rlvr_log "checkpointed (exit $rc on $marked of ${SLURM_NTASKS:-?} tasks): requeueing job $SLURM_JOB_ID (restart $((restarts + 1)))"
     scontrol requeue "$SLURM_JOB_ID"
     return 0
   fi

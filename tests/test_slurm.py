@@ -9,9 +9,14 @@
    within 60 s; SIGUSR1 makes the ranks checkpoint and exit 75, the job requeues itself and resumes.
    Skipped when no Slurm is running, unless MEGATRON_RLVR_REQUIRE_SLURM=1 (CI), which turns the skip into a
    failure.
-3. The same scenarios with the real trainer (`megatron-rlvr train configs/tiny.yaml`): skipped until issue 6.
+3. The same scenarios with the real trainer (`megatron-rlvr train configs/tiny.yaml`, 30 steps): a job preempted
+   with SIGUSR1 checkpoints, is requeued (Restarts=1), resumes from that checkpoint and COMPLETES with the reward
+   far above chance; SIGKILL of rank 1's trainer process ends its job FAILED within 60 s.
 """
 
+import contextlib
+import json
+import math
 import os
 import re
 import shutil
@@ -199,6 +204,18 @@ def slurm():
     return env
 
 
+SUBMITTED: list[tuple[dict, str]] = []
+
+
+@pytest.fixture(autouse=True)
+def _cancel_leftover_jobs():
+    """A failed test must not leave its job occupying the single 2-CPU node (the next jobs would only queue)."""
+    yield
+    while SUBMITTED:
+        env, job = SUBMITTED.pop()
+        subprocess.run(["scancel", job], env=env, capture_output=True)  # a no-op for a finished job
+
+
 def submit(env, tmp: Path, cmd: str, script="slurm/tiny_cpu.sh", extra_env=None) -> tuple[str, Path]:
     log = tmp / "job.out"
     e = {**env, "RLVR_CMD": cmd, "RLVR_RUN_DIR": str(tmp / "run"), **(extra_env or {})}
@@ -206,7 +223,9 @@ def submit(env, tmp: Path, cmd: str, script="slurm/tiny_cpu.sh", extra_env=None)
         ["sbatch", "--parsable", f"--output={log}", script], cwd=REPO, env=e, capture_output=True, text=True
     )
     assert r.returncode == 0, r.stderr
-    return r.stdout.strip().split(";")[0], log
+    job = r.stdout.strip().split(";")[0]
+    SUBMITTED.append((env, job))
+    return job, log
 
 
 def job_info(env, job_id: str) -> dict[str, str]:
@@ -236,6 +255,24 @@ def wait_for_log(log: Path, pattern: str, timeout: float) -> None:
     pytest.fail(f"{pattern!r} not in {log} after {timeout}s:\n{log.read_text() if log.exists() else '(no log)'}")
 
 
+def task_program_pid(env, job_id: str, task: int) -> tuple[int, str]:
+    """PID of the program that global task `task` of the job's first step runs (not slurm/common.sh's per-task bash
+    wrapper, nor the program's own children such as reward workers), and the `scontrol listpids` output.
+    listpids columns: PID JOBID STEPID LOCALID GLOBALID."""
+    r = subprocess.run(["scontrol", "listpids", job_id], env=env, capture_output=True, text=True, check=True)
+    rows = [line.split() for line in r.stdout.splitlines()[1:]]
+    pids = {int(row[0]) for row in rows if len(row) == 5 and row[2] != "batch" and row[4] == str(task)}
+
+    def ppid(pid: int) -> int:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+    roots = [pid for pid in pids if ppid(pid) not in pids]  # the process slurmstepd started: the wrapper
+    assert len(roots) == 1, (r.stdout, roots)
+    children = [pid for pid in pids if ppid(pid) == roots[0]]
+    assert len(children) == 1, (r.stdout, children)
+    return children[0], r.stdout
+
+
 DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 
 
@@ -263,13 +300,11 @@ def test_slurm_fail_fast_when_one_rank_dies(slurm, tmp_path):
 def test_slurm_fail_fast_when_one_rank_is_killed(slurm, tmp_path):
     job, log = submit(slurm, tmp_path, "python tests/slurm_standin.py sleep")
     wait_for_log(log, r"rank 1: sleeping", timeout=30)
-    # `scontrol listpids` maps the job's processes to task ids: SIGKILL the process of global task 1 only.
-    r = subprocess.run(["scontrol", "listpids", job], env=slurm, capture_output=True, text=True, check=True)
-    rows = [line.split() for line in r.stdout.splitlines()[1:]]
-    pids = [int(row[0]) for row in rows if len(row) == 5 and row[2] != "batch" and row[4] == "1"]
-    assert len(pids) == 1, r.stdout
+    # `scontrol listpids` maps the job's processes to task ids: SIGKILL the program of global task 1 only.
+    pid, _ = task_program_pid(slurm, job, 1)
+    assert "slurm_standin.py" in Path(f"/proc/{pid}/cmdline").read_text()
     t0 = time.monotonic()
-    os.kill(pids[0], signal.SIGKILL)
+    os.kill(pid, signal.SIGKILL)
     info = wait_state(slurm, job, DONE, timeout=60)
     text = log.read_text()
     assert info["JobState"] == "FAILED", text
@@ -296,39 +331,147 @@ def test_slurm_preempt_checkpoint_requeue_resume(slurm, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------------------
-# 3. with the trainer (issue 6): same mechanics, real program
+# 3. the real trainer (`megatron-rlvr train configs/tiny.yaml`) under slurm/tiny_cpu.sh
 # ------------------------------------------------------------------------------------------------------------
+# Two jobs (each trainer start costs ~20-40 s on 2 cores, so the checks share them):
+#   * one preempted job: SIGUSR1 after step 3 -> checkpoint -> exit 75 -> requeue -> resume -> COMPLETED. It proves
+#     both "the job trains" (30 steps, reward rises far above chance) and "preemption resumes from the checkpoint";
+#   * one job whose rank 1 is SIGKILLed mid-training: FAILED within 60 s.
+# checkpoint.save_every=0: the only checkpoints are the signal's and the final one, so "resumed from step k" can
+# only come from the checkpoint the signal wrote.
 
-needs_trainer = pytest.mark.skip(reason="needs trainer (issue 6)")
-
-
-@needs_trainer
-def test_tiny_cpu_trains_under_slurm(slurm, tmp_path):
-    job, log = submit(slurm, tmp_path, "megatron-rlvr train configs/tiny.yaml")
-    info = wait_state(slurm, job, DONE, timeout=600)
-    assert info["JobState"] == "COMPLETED", log.read_text()
-    metrics = tmp_path / "run" / "metrics.jsonl"
-    assert metrics.exists() and metrics.read_text().strip(), "the trainer writes metrics.jsonl into RLVR_RUN_DIR"
-
-
-@needs_trainer
-def test_trainer_preempt_requeue_resume(slurm, tmp_path):
-    job, log = submit(slurm, tmp_path, "megatron-rlvr train configs/tiny.yaml")
-    wait_state(slurm, job, {"RUNNING"}, timeout=60)
-    wait_for_log(log, r"step\s*2\b", timeout=300)
-    subprocess.run(["scancel", "--signal=USR1", job], env=slurm, check=True)
-    info = wait_state(slurm, job, DONE, timeout=600)
-    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log.read_text()
+TRAIN_STEPS = 30
+TRAIN_CMD = (
+    f"megatron-rlvr train configs/tiny.yaml schedule.steps={TRAIN_STEPS} checkpoint.save_every=0 "
+    "checkpoint.export_hf=false logging.plot_at_end=false logging.tensorboard=off"
+)
+CHANCE = 1 / 19  # the copy task: one right answer among the 19 non-special tokens a random policy draws from
 
 
-@needs_trainer
-def test_trainer_fail_fast_when_a_rank_is_killed(slurm, tmp_path):
-    job, log = submit(slurm, tmp_path, "megatron-rlvr train configs/tiny.yaml")
-    wait_for_log(log, r"step\s*1\b", timeout=300)
-    r = subprocess.run(["scontrol", "listpids", job], env=slurm, capture_output=True, text=True, check=True)
-    rows = [line.split() for line in r.stdout.splitlines()[1:]]
-    pids = [int(row[0]) for row in rows if len(row) == 5 and row[2] != "batch" and row[4] == "1"]
+def show_job(tag: str, env, job_id: str, log: Path, patterns: tuple[str, ...]) -> dict[str, str]:
+    """Print the `scontrol show job` summary and the job log's key lines (visible with pytest -s / -rA)."""
+    info = job_info(env, job_id)
+    keys = ("JobId", "JobName", "JobState", "Reason", "Restarts", "ExitCode", "RunTime", "NodeList", "NumTasks")
+    print(f"\n[{tag}] scontrol show job {job_id}: " + " ".join(f"{k}={info.get(k, '?')}" for k in keys))
+    text = log.read_text() if log.exists() else ""
+    for line in text.splitlines():
+        if any(re.search(p, line) for p in patterns):
+            print(f"[{tag}] {log.name}: {line}")
+    return info
+
+
+@contextlib.contextmanager
+def cancel_on_error(env, job_id: str):
+    """scancel the job when the block fails, so a broken test does not leave a 30-step job occupying the node."""
+    try:
+        yield
+    except BaseException:
+        subprocess.run(["scancel", job_id], env=env, capture_output=True)
+        raise
+
+
+def _log_time(line: str) -> float:
+    """Epoch seconds of a slurm/common.sh log line '[YYYY-mm-dd HH:MM:SS] ...' (local time, whole seconds)."""
+    m = re.match(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\]", line)
+    assert m, line
+    return time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S"))
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    assert path.exists(), f"the trainer writes metrics.jsonl into RLVR_RUN_DIR ({run_dir})"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def preempted_trainer_job(slurm, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("trainer_preempt")
     t0 = time.monotonic()
-    os.kill(pids[0], signal.SIGKILL)
-    info = wait_state(slurm, job, DONE, timeout=90)
-    assert info["JobState"] == "FAILED" and time.monotonic() - t0 < 60, log.read_text()
+    job, log = submit(slurm, tmp, TRAIN_CMD)
+    with cancel_on_error(slurm, job):
+        wait_state(slurm, job, {"RUNNING", *DONE}, timeout=120)
+        # after step 3 the trainer's signal handler is surely installed (before it, SIGUSR1 would just kill the ranks)
+        wait_for_log(log, r"(?m)^step 3/", timeout=240)
+        # what `#SBATCH --signal=USR1@180` does 180 s before the time limit: SIGUSR1 to every task of the job step
+        r = subprocess.run(["scancel", "--signal=USR1", job], env=slurm, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        wait_state(slurm, job, DONE, timeout=360)
+    lines = (r"restart=", r"SIGUSR1", r"exit code", r"requeueing", r"resumed from", r"^step ([1-8]|30)/", r"finished")
+    info = show_job("preempt", slurm, job, log, lines)
+    print(f"[preempt] wall time {time.monotonic() - t0:.1f} s")
+    return job, info, log.read_text(), tmp / "run"
+
+
+def test_trainer_job_completes_and_trains_under_slurm(preempted_trainer_job):
+    """sbatch slurm/tiny_cpu.sh runs the real trainer to the end: COMPLETED, exit 0:0, one metrics record per step
+    with a finite loss, and the mean reward of the last 5 steps far above a random policy's (~1/19), which a broken
+    pipeline (no weight sync, wrong advantage sign, wrong log-probs or masks) stays at."""
+    job, info, text, run_dir = preempted_trainer_job
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", text
+    assert f"finished tiny (mcpo) at step {TRAIN_STEPS}" in text and "finished (exit 0)" in text, text
+    recs = _metrics(run_dir)
+    assert [r["step"] for r in recs] == list(range(1, TRAIN_STEPS + 1)), [r["step"] for r in recs]
+    for r in recs:
+        assert r["loss/total"] is not None and math.isfinite(r["loss/total"]), r  # the logger writes NaN/inf as null
+        assert r["batch/sequences"] == 128.0, r  # 16 prompts x 8 samples trained every step
+    rewards = [r["reward/mean"] for r in recs]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    print(f"[train] reward first 5 steps {first:.3f} -> last 5 steps {last:.3f} (chance {CHANCE:.3f})")
+    assert first <= 0.2, f"a random policy starts near 1/19: {rewards[:5]}"
+    # 5 steps x 128 samples at chance: std ~0.009, so 0.25 is > 20 standard deviations above chance
+    assert last >= 0.25 and last >= first + 0.15, f"the reward did not rise: {rewards}"
+    assert (run_dir / "checkpoints" / f"step_{TRAIN_STEPS:09d}").is_dir(), list((run_dir / "checkpoints").iterdir())
+
+
+def test_trainer_preempt_checkpoint_requeue_resume(preempted_trainer_job):
+    """SIGUSR1 -> every rank checkpoints step k and exits 75 -> the script requeues the job (Restarts=1) -> the
+    restarted trainer resumes from step k's checkpoint: metrics of steps <= k were written before the restart, those
+    of steps > k after it (a restart from 0 would have rewritten every step after it), and the job COMPLETES."""
+    job, info, text, run_dir = preempted_trainer_job
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, text)
+    m = re.search(r"SIGUSR1: checkpoint of step (\d+) saved in (\S+)/checkpoints; exiting with 75", text)
+    assert m, text
+    k = int(m.group(1))
+    assert 3 <= k < TRAIN_STEPS and m.group(2) == str(run_dir), text
+    # both ranks exited 75 (slurm/common.sh's task wrapper counts them) and the script requeued the job
+    assert f"checkpointed (exit 75 on 2 of 2 tasks): requeueing job {job} (restart 1)" in text, text
+    assert "Terminated" not in text and "Killed" not in text, text
+    assert "SLURM_RESTART_COUNT=1" in text, text
+    assert f"megatron-rlvr: resumed from step {k} |" in text, text
+    after_resume = text.split(f"resumed from step {k} |", 1)[1]
+    assert re.search(rf"^step {k + 1}/{TRAIN_STEPS} \|", after_resume, re.M), after_resume
+    assert not re.search(rf"^step [1-{min(k, 9)}]/", after_resume, re.M), "the resumed run repeated early steps"
+    # the signal's checkpoint is on disk (save_every=0: nothing else could have written step_k)
+    assert (run_dir / "checkpoints" / f"step_{k:09d}" / "rlvr_meta.json").is_file()
+
+    restart_line = next(line for line in text.splitlines() if "restart=1" in line)
+    t_restart = _log_time(restart_line)
+    recs = {r["step"]: r for r in _metrics(run_dir)}
+    before = [recs[s]["wall_time"] for s in range(1, k + 1)]
+    after = [recs[s]["wall_time"] for s in range(k + 1, TRAIN_STEPS + 1)]
+    assert max(before) < t_restart <= min(after), (k, before, t_restart, after)
+
+
+def test_trainer_fail_fast_when_a_rank_is_killed(slurm, tmp_path):
+    """SIGKILL of rank 1's trainer process mid-training (rank 0 then waits in a gloo collective) ends the job
+    FAILED within 60 s: srun --kill-on-bad-exit kills the surviving rank."""
+    job, log = submit(slurm, tmp_path, TRAIN_CMD)
+    with cancel_on_error(slurm, job):
+        wait_for_log(log, r"(?m)^step 1/", timeout=240)
+        # rank 1's trainer process (its reward worker and slurm/common.sh's task wrapper are left alone)
+        pid, listing = task_program_pid(slurm, job, 1)
+        argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+        assert "python" in argv[0] and argv[1].endswith("megatron-rlvr") and argv[2] == "train", argv
+        print(f"\n[fail-fast] scontrol listpids {job}:\n{listing.rstrip()}")
+        print(f"[fail-fast] SIGKILL rank 1 trainer pid {pid}")
+        t0 = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        wait_state(slurm, job, DONE, timeout=90)
+    elapsed = time.monotonic() - t0
+    info = show_job("fail-fast", slurm, job, log, (r"restart=", r"srun:", r"FAILED", r"^step \d+/"))
+    print(f"[fail-fast] job ended {elapsed:.1f} s after the SIGKILL")
+    text = log.read_text()
+    assert info["JobState"] == "FAILED" and info["ExitCode"] != "0:0" and info["Restarts"] == "0", (info, text)
+    assert "task 1: Killed" in text and "FAILED: srun exited with" in text, text
+    assert f"finished tiny (mcpo) at step {TRAIN_STEPS}" not in text, text
+    assert elapsed < 60, f"job took {elapsed:.1f} s to fail"
