@@ -103,3 +103,21 @@ def test_killed_ranks_take_their_children_along():
             assert not alive, f"grandchild {pid} outlived its killed rank"
     finally:
         pool.close()
+
+
+def _make_groups_and_count_threads(n_new):
+    import threading as th
+
+    for _ in range(n_new):
+        torch.distributed.new_group(ranks=list(range(torch.distributed.get_world_size())))
+    return len(os.listdir(f"/proc/{os.getpid()}/task")), th.active_count()
+
+
+def test_process_groups_do_not_accumulate(dist_pool):
+    """Each gloo group keeps run-loop threads alive: groups a task makes, and those of a replaced layout, must be
+    destroyed, or a long test session piles up hundreds of threads per rank."""
+    first = dist_pool.run(_make_groups_and_count_threads, tp=2, args=(3,))
+    for tp in (1, 2, 4, 1, 2):
+        last = dist_pool.run(_make_groups_and_count_threads, tp=tp, args=(3,))
+    for (t0, _), (t1, _) in zip(first, last):
+        assert t1 <= t0 + 8, f"threads per rank grew from {t0} to {t1}"

@@ -71,12 +71,27 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(1.0)
 
 
-def init_megatron_parallel(tp: int, pp: int, seed: int = 1234) -> None:
+def _destroy_groups(keep: frozenset = frozenset()) -> None:
+    """Destroy every process group but WORLD and ``keep``. Why: each gloo group owns a TCP pair and run-loop
+    threads per peer that live as long as the group; a long-lived rank that re-initialises megatron for many layouts
+    (and runs code that makes its own groups) otherwise accumulates hundreds of busy threads and slows the machine."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    world = dist.group.WORLD
+    for pg in list(c10d._world.pg_map):
+        if pg is not world and pg not in keep:
+            dist.destroy_process_group(pg)
+
+
+def init_megatron_parallel(tp: int, pp: int, seed: int = 1234) -> frozenset:
     """(Re-)initialise megatron's model-parallel groups for (tp, pp) on an initialised default process group, and
-    seed every RNG (including megatron's model-parallel RNG tracker) deterministically."""
+    seed every RNG (including megatron's model-parallel RNG tracker) deterministically. Returns the process groups
+    that exist afterwards (the layout's own), so groups a task creates beyond them can be destroyed after it."""
     import torch
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from torch.distributed import distributed_c10d as c10d
 
     if parallel_state.model_parallel_is_initialized():
         same = (
@@ -85,10 +100,12 @@ def init_megatron_parallel(tp: int, pp: int, seed: int = 1234) -> None:
         )
         if not same:
             parallel_state.destroy_model_parallel()
+            _destroy_groups()
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    return frozenset(c10d._world.pg_map)
 
 
 def _worker(rank: int, world_size: int, port: int, tasks, results, parent_pid: int, pg_timeout_s: float) -> None:
@@ -122,8 +139,9 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, parent_pid: i
         task_id, payload = task
         try:
             fn, tp, pp, seed, args, kwargs = pickle.loads(payload)
-            init_megatron_parallel(tp, pp, seed)
+            layout_groups = init_megatron_parallel(tp, pp, seed)
             out = fn(*args, **kwargs)
+            _destroy_groups(keep=layout_groups)
             results.put((task_id, rank, True, pickle.dumps(out)))
         except BaseException:
             results.put((task_id, rank, False, pickle.dumps(traceback.format_exc())))
