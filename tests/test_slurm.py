@@ -261,14 +261,15 @@ def task_program_pid(env, job_id: str, task: int) -> tuple[int, str]:
     listpids columns: PID JOBID STEPID LOCALID GLOBALID."""
     r = subprocess.run(["scontrol", "listpids", job_id], env=env, capture_output=True, text=True, check=True)
     rows = [line.split() for line in r.stdout.splitlines()[1:]]
-    pids = {int(row[0]) for row in rows if len(row) == 5 and row[2] != "batch" and row[4] == str(task)}
+    # only the process slurmstepd started for the task (the wrapper) carries its task id; descendants show "-"
+    roots = [int(row[0]) for row in rows if len(row) == 5 and row[2] != "batch" and row[4] == str(task)]
+    assert len(roots) == 1, (r.stdout, roots)
+    step_pids = [int(row[0]) for row in rows if len(row) == 5 and row[2] != "batch"]
 
     def ppid(pid: int) -> int:
         return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
-    roots = [pid for pid in pids if ppid(pid) not in pids]  # the process slurmstepd started: the wrapper
-    assert len(roots) == 1, (r.stdout, roots)
-    children = [pid for pid in pids if ppid(pid) == roots[0]]
+    children = [pid for pid in step_pids if ppid(pid) == roots[0]]
     assert len(children) == 1, (r.stdout, children)
     return children[0], r.stdout
 
