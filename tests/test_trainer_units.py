@@ -157,8 +157,8 @@ def test_signal_exit_code_contract():
     assert exit_code_for(term, None, None, environ={}) == 0
     assert exit_code_for(usr1, None, None, environ={}) == 75
     assert exit_code_for(intr, None, None, environ={}) == 130
-    slurm = {"RLVR_REQUEUE_EXIT_CODE": "75"}  # exported by slurm/common.sh: preemption = requeue
-    assert exit_code_for(term, None, None, environ=slurm) == 75
+    slurm = {"RLVR_REQUEUE_EXIT_CODE": "75"}  # exported by slurm/common.sh
+    assert exit_code_for(term, None, None, environ=slurm) == 0  # scancel: saved and stopped, never requeued
     assert exit_code_for(usr1, None, None, environ=slurm) == 75
     assert exit_code_for(term, 0, 9, environ=slurm) == 0 and exit_code_for(usr1, 0, 9, environ=slurm) == 9
 

@@ -89,6 +89,10 @@ def _watch_parent(parent_pid: int) -> None:
 
 def _worker_main(conn: Connection, fn: str, extraction: str, timeout_s: float, parent_pid: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Slurm signals every process of a job step (USR1 before the time limit, TERM on scancel): the trainer decides
+    # when to stop and shuts its workers down; a worker dying here would score a step's items 0 and break resume.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     try:
         from megatron_rlvr.rewards.loading import build_scorer

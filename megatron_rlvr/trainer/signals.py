@@ -8,8 +8,8 @@ Exit codes (the contract with slurm/common.sh and docs/running-on-slurm.md):
 
 - SIGUSR1 (Slurm's time-limit warning, ``#SBATCH --signal=USR1@180``): ``$RLVR_REQUEUE_EXIT_CODE`` (75 when the
   Slurm scripts run us), else 75 (EX_TEMPFAIL): "checkpointed, requeue me".
-- SIGTERM: 0 ("saved and stopped cleanly") for an interactive or local run; under the Slurm scripts (which export
-  ``RLVR_REQUEUE_EXIT_CODE``) the requeue code, because there SIGTERM means preemption and the job must come back.
+- SIGTERM: 0 ("saved and stopped cleanly"), also under Slurm: ``scancel`` sends SIGTERM and a cancelled job must
+  not requeue itself, while Slurm's own preemption (PreemptMode=REQUEUE) requeues the job without our help.
 - SIGINT (Ctrl-C): 130 after the checkpoint; a second Ctrl-C interrupts immediately.
 Each default can be overridden in the config (``checkpoint.sigterm_exit_code`` / ``checkpoint.sigusr1_exit_code``).
 """
@@ -66,7 +66,7 @@ def exit_code_for(code: int, sigterm_exit_code: int | None, sigusr1_exit_code: i
     if code == _CODES[signal.SIGUSR1]:
         return sigusr1_exit_code if sigusr1_exit_code is not None else (requeue or REQUEUE_DEFAULT)
     if code == _CODES[signal.SIGTERM]:
-        return sigterm_exit_code if sigterm_exit_code is not None else (requeue or 0)
+        return sigterm_exit_code if sigterm_exit_code is not None else 0
     if code == _CODES[signal.SIGINT]:
         return 130
     return 0
