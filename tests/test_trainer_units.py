@@ -253,3 +253,38 @@ def test_env_references_expand_with_defaults(monkeypatch):
     assert got == {"a": ["/x/f", "/d/g"], "b": 3}
     with pytest.raises(ConfigError, match="data.train_files.0.: environment variable RLVR_UNSET_VAR is not set"):
         expand_env({"data": {"train_files": ["${RLVR_UNSET_VAR}/x"]}})
+
+
+def test_every_rank_of_a_rollout_tp_group_calls_generate():
+    """vLLM with rollout TP > 1 is SPMD: a non-leader rank must enter generate with its leader (or the leader hangs),
+    but it neither scores nor contributes the outputs (the leader does, once)."""
+    from megatron_rlvr.rollout.engine import SamplingParams
+    from megatron_rlvr.trainer.rollout import engine_info, generate_groups
+
+    calls = []
+
+    class RecordingEngine:
+        def generate(self, prompts, params, prompt_keys=None):
+            calls.append(list(prompt_keys))
+            return [None] * len(prompts)  # a non-leader must not look at these
+
+    class NoRewards:
+        def score(self, *a, **k):
+            raise AssertionError("only the engine's leader scores")
+
+    info = engine_info(rank=1, world_size=2, rollout_tp=2)
+    assert (info.index, info.count, info.leader) == (0, 1, False)
+    groups, _ = generate_groups(
+        RecordingEngine(),
+        NoRewards(),
+        None,
+        [None, None],
+        [[1], [2]],
+        SamplingParams(max_tokens=2),
+        info,
+        seed=0,
+        step=1,
+        round_idx=0,
+        gather=lambda obj: [obj],
+    )
+    assert calls == [[0, 1]] and groups == []

@@ -36,7 +36,8 @@ class Group:
 
 @dataclass
 class EngineInfo:
-    """Which engine this rank belongs to and whether it leads it (generates for the group, scores)."""
+    """Which engine this rank belongs to and whether it leads it (keeps and scores the outputs; every rank of the
+    engine calls generate)."""
 
     index: int
     count: int
@@ -93,11 +94,14 @@ def generate_groups(
     mine: list[Group] = []
     stats = {"time/generate_s": 0.0, "time/reward_s": 0.0}
     reward_stats: dict[str, float] = {}
-    if info.leader and len(share) > 0:
+    if len(share) > 0:
+        # Every rank of an engine's tensor-parallel group calls generate: a vLLM engine with rollout TP > 1 is SPMD
+        # (its ranks run the same steps together); only the group's leader keeps and scores the outputs.
         t0 = time.perf_counter()
         p = SamplingParams(**{**params.__dict__, "seed": round_seed(seed, step, round_idx)})
         outputs = engine.generate([prompt_ids[i] for i in share], p, prompt_keys=share)
         stats["time/generate_s"] = time.perf_counter() - t0
+    if info.leader and len(share) > 0:
         texts, gts, metas = [], [], []
         for i, out in zip(share, outputs):
             g = Group(example=examples[i], prompt_ids=prompt_ids[i])
