@@ -42,6 +42,7 @@ import yaml
 from megatron_rlvr.algorithms import PRESETS, AlgorithmConfig
 from megatron_rlvr.algorithms import preset as algorithm_preset
 from megatron_rlvr.data.config import DataConfig
+from megatron_rlvr.planner import ParallelConfig as PlannerParallelConfig
 from megatron_rlvr.rewards.config import RewardConfig
 
 DTYPES = ("float32", "bfloat16")
@@ -106,28 +107,15 @@ class ModelConfig:
 
 
 @dataclass
-class ParallelConfig:
-    """Parallel layout (the keys of the layout planner's ``parallel`` section)."""
-
-    tp: int = 1
-    """Training tensor-parallel size."""
-    pp: int = 1
-    """Training pipeline-parallel size (must divide the number of layers)."""
-    rollout_tp: int = 1
-    """Tensor-parallel size of each rollout engine (the transformers CPU engine supports 1)."""
-    sequence_parallel: bool | None = None
-    """Megatron sequence parallelism; None: on when tp > 1 on GPUs (as the planner assumes), off on CPU (where it
-    works through the CPU shims but only adds communication)."""
-    distributed_optimizer: bool = True
-    """Shard the fp32 master weights and Adam states over data-parallel ranks (Megatron DistributedOptimizer)."""
+class ParallelConfig(PlannerParallelConfig):
+    """Parallel layout: the layout planner's ``parallel`` section (same keys and checks), except that
+    ``sequence_parallel=None`` means on when tp > 1 on GPUs only; on CPU it works through the CPU shims but only adds
+    communication."""
 
     def __post_init__(self) -> None:
-        for k in ("tp", "pp", "rollout_tp"):
-            _positive_int(f"parallel.{k}", getattr(self, k))
-        if self.sequence_parallel is None:
-            self.sequence_parallel = self.tp > 1 and _cuda_available()
-        if self.sequence_parallel and self.tp == 1:
-            raise ValueError("parallel.sequence_parallel needs parallel.tp > 1")
+        if self.sequence_parallel is None and not _cuda_available():
+            self.sequence_parallel = False
+        super().__post_init__()  # validates the sizes; None -> tp > 1
 
 
 @dataclass
