@@ -142,3 +142,29 @@ def test_cpgd_drift_gradient_is_capped_k3_gradient():
     w = [math.expm1(0.5), 2.0, math.expm1(-0.5)]
     torch.testing.assert_close(logp.grad, torch.tensor([[0.01 * x / 3 for x in w]], dtype=torch.float64))
     torch.testing.assert_close(m["drift/capped_frac"], torch.tensor(1 / 3))
+
+
+@pytest.mark.parametrize("d0", [25.0, -25.0])
+def test_hinge_kl_keeps_restoring_gradient_beyond_cap(d0):
+    """Issue 14 item 12: |d| = 25 (beyond the +-20 ratio clamp) must still be pulled back. Reference in fp64 by hand:
+    d = -25: the exact phi, gradient e^d - 1 (about -1); d = +25: the tangent of phi at 20, value
+    k3(20) - k3(delta) + (e^20 - 1)(d - 20), gradient e^20 - 1. Clamping d first gave gradient 0 at both."""
+    delta = 0.01
+    cfg = HingeKLConfig(enabled=True, beta=1.0, delta=delta)
+    old = torch.full((1, 1), -30.0, dtype=torch.float64)
+    logp = (old + d0).requires_grad_()
+    norms = LossNormalizers(num_tokens=1, num_seqs=1, num_mastered_seqs=1)
+    loss, _ = hinge_kl_loss(cfg, logp, old, torch.ones(1, 1, dtype=torch.bool), torch.tensor([True]), norms)
+    loss.backward()
+    if d0 < 0:
+        ref_val, ref_grad = _k3(d0) - _k3(-delta), math.expm1(d0)
+    else:
+        ref_val, ref_grad = _k3(20.0) - _k3(delta) + math.expm1(20.0) * (d0 - 20.0), math.expm1(20.0)
+    assert math.isclose(float(loss), ref_val, rel_tol=1e-12)
+    assert math.isclose(float(logp.grad), ref_grad, rel_tol=1e-12)
+    assert (float(logp.grad) < 0) == (d0 < 0)  # restoring: descent moves d back towards the band
+    # fp32: still finite and the same direction
+    lp32 = (old.float() + d0).requires_grad_()
+    loss32, _ = hinge_kl_loss(cfg, lp32, old.float(), torch.ones(1, 1, dtype=torch.bool), torch.tensor([True]), norms)
+    loss32.backward()
+    assert torch.isfinite(loss32) and math.isclose(float(lp32.grad), ref_grad, rel_tol=1e-5)

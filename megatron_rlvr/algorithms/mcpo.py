@@ -97,6 +97,20 @@ def hinge_phi(d_BT: Tensor, delta: float) -> Tensor:
     return torch.where(d_BT > delta, _k3(upper) - k3_pos, torch.where(d_BT < -delta, _k3(lower) - k3_neg, zero))
 
 
+def hinge_phi_bounded(d_BT: Tensor, delta: float, cap: float = 20.0) -> Tensor:
+    """phi(d) with a bounded surrogate above ``cap``: phi(cap) + phi'(cap) (d - cap), its tangent at cap.
+
+    Clamping d before phi (as the policy ratio is clamped) would zero the gradient of exactly the most drifted
+    mastered tokens, the ones the hinge exists to pull back. Below -cap nothing overflows (e^d -> 0, the gradient
+    tends to -1), so phi is exact there; above +cap the tangent keeps the restoring gradient e^cap - 1 (finite in
+    fp32/bf16) and stays continuous with its first derivative at cap.
+    """
+    cap_t = torch.tensor(cap, dtype=d_BT.dtype, device=d_BT.device)
+    inner = torch.where(d_BT > cap, cap_t.expand_as(d_BT), d_BT)  # no exp of more than cap anywhere
+    excess = torch.where(d_BT > cap, d_BT - cap, torch.zeros_like(d_BT))
+    return hinge_phi(inner, delta) + torch.expm1(cap_t) * excess
+
+
 def hinge_kl_loss(
     cfg: HingeKLConfig,
     logp_BT: Tensor,
@@ -106,14 +120,15 @@ def hinge_kl_loss(
     norms: LossNormalizers,
     log_ratio_clamp: float = 20.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """beta * sum_{i mastered} (1/|y_i|) sum_t phi(d_it) / N_mastered_global, and its metrics.
+    """beta * sum_{i mastered} (1/|y_i|) sum_t phi(d_it) / N_mastered_global, and its metrics; phi is replaced by
+    its tangent above ``log_ratio_clamp`` (:func:`hinge_phi_bounded`), never clamped to a zero gradient.
 
     ``mask_BT`` bool [B, T]; ``mastered_B`` bool [B]. Returns (0-dim loss, metrics).
     """
     mask = mask_BT.bool() & mastered_B.bool()[:, None]
-    d = (logp_BT - old_logp_BT.detach()).clamp(-log_ratio_clamp, log_ratio_clamp)
+    d = logp_BT - old_logp_BT.detach()
     d = torch.where(mask, d, torch.zeros_like(d))
-    phi = hinge_phi(d, cfg.delta)
+    phi = hinge_phi_bounded(d, cfg.delta, log_ratio_clamp)
     len_B = mask.sum(dim=1).clamp_min(1).to(phi.dtype)
     per_seq = torch.where(mask, phi, torch.zeros_like(phi)).sum(dim=1) / len_B
     loss = cfg.beta * per_seq.sum() / max(norms.num_mastered_seqs, 1.0)
