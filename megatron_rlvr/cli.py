@@ -45,8 +45,12 @@ def _split_config_and_overrides(items: list[str]) -> tuple[str | None, list[str]
 
 def prepare_run(config: str | None, overrides: list[str], world_size: int | None = None):
     """Load + validate the config (including the layout for ``world_size`` ranks and the data files), choose the
-    run directory, write the resolved config there. Returns (cfg, run_dir, config_path, world_size)."""
+    run directory, lock it (megatron_rlvr/trainer/run_lock.py), check a resume against the run's config.yaml
+    (megatron_rlvr/trainer/resume.py), write the resolved config there. Returns (cfg, run_dir, config_path,
+    world_size); the lock stays held by this process (``run_lock.release(run_dir)`` frees it)."""
+    from megatron_rlvr.trainer import run_lock
     from megatron_rlvr.trainer.config import check_layout, default_world_size, dump_yaml, load_run_config
+    from megatron_rlvr.trainer.resume import check_resume_changes
     from megatron_rlvr.trainer.train import resolve_run_dir
 
     cfg = load_run_config(config, overrides)
@@ -58,26 +62,46 @@ def prepare_run(config: str | None, overrides: list[str], world_size: int | None
         build_train_dataset(cfg.data)
     run_dir = resolve_run_dir(cfg)
     cfg.logging.run_dir = run_dir
-    os.makedirs(run_dir, exist_ok=True)
-    path = os.path.join(run_dir, "config.yaml")
-    dump_yaml(cfg, path)
+    lock = run_lock.hold(run_dir)  # before anything in the run dir is written: a live run's config stays intact
+    try:
+        if lock is not None and lock.takeover_note():
+            print(lock.takeover_note(), flush=True)
+        for line in check_resume_changes(cfg, run_dir):
+            print(f"megatron-rlvr: resuming with a changed option: {line}", flush=True)
+        path = os.path.join(run_dir, "config.yaml")
+        try:
+            dump_yaml(cfg, path)
+        except OSError as e:
+            raise ValueError(f"cannot write {path}: {e.strerror}; choose a writable logging.run_dir") from None
+    except BaseException:
+        run_lock.release(run_dir)
+        raise
     return cfg, run_dir, path, world
 
 
+def one_off_overrides(cfg) -> list[str]:
+    """The one-off options of this invocation (not in config.yaml) as overrides for the ranks' command line."""
+    from megatron_rlvr.trainer.config import ONE_OFF_OPTIONS
+
+    out = []
+    for (section, key), default in ONE_OFF_OPTIONS.items():
+        value = getattr(getattr(cfg, section), key)
+        if value != default:
+            out.append(f"{section}.{key}={str(value).lower() if isinstance(value, bool) else value}")
+    return out
+
+
 def cmd_train(ns: argparse.Namespace) -> int:
-    from megatron_rlvr.trainer.config import ConfigError
+    from megatron_rlvr.trainer import run_lock
     from megatron_rlvr.trainer.distributed import env_rank_info
 
     config, overrides = _split_config_and_overrides(ns.args)
     joined = env_rank_info()
-    try:
-        if joined is not None:
-            return _train_as_rank(config, overrides, joined)
-        cfg, run_dir, path, world = prepare_run(config, overrides)
-    except (ConfigError, ValueError) as e:
-        print(f"megatron-rlvr train: error: {e}", file=sys.stderr)
-        return 2
+    if joined is not None:
+        return _train_as_rank(config, overrides, joined)
+    cfg, run_dir, path, world = prepare_run(config, overrides)
     if ns.dry_run:
+        run_lock.release(run_dir)
         print(f"config OK: {world} rank(s), run dir {run_dir}, resolved config {path}")
         return 0
     if world == 1:
@@ -89,8 +113,15 @@ def cmd_train(ns: argparse.Namespace) -> int:
 
     threads = cfg.launch.threads_per_rank or max(1, (os.cpu_count() or 1) // world)
     print(f"megatron-rlvr: launching {world} ranks ({cfg.launch.backend} backend), run dir {run_dir}", flush=True)
+    lock = run_lock._HELD.get(os.path.realpath(run_dir))
     return launch_local(
-        path, world, master_addr=cfg.launch.master_addr, master_port=cfg.launch.master_port, threads=threads
+        path,
+        world,
+        master_addr=cfg.launch.master_addr,
+        master_port=cfg.launch.master_port,
+        threads=threads,
+        overrides=one_off_overrides(cfg),
+        lock_fd=lock.fd if lock is not None else None,
     )
 
 
@@ -157,7 +188,11 @@ def cmd_convert(argv: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="megatron-rlvr", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="megatron-rlvr",
+        description=__doc__.split("\n\n")[0],
+        epilog="--debug (anywhere) or RLVR_DEBUG=1: show full tracebacks instead of one-line errors",
+    )
     sub = ap.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train (default config: configs/tiny.yaml)")
@@ -193,15 +228,58 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _user_errors() -> tuple:
+    """Exceptions that are the user's to fix: their message names the file, field or option and the fix."""
+    from megatron_rlvr.trainer.run_lock import RunDirLocked
+
+    return (ValueError, RunDirLocked, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+
+
+def _report(command: str, e: BaseException) -> None:
+    """One clear line instead of a traceback; an unexpected error's traceback goes to a file named in the line."""
+    import tempfile
+    import traceback
+
+    msg = str(e).strip() or type(e).__name__
+    if isinstance(e, _user_errors()):
+        print(f"megatron-rlvr {command}: error: {msg}", file=sys.stderr, flush=True)
+        return
+    fd, path = tempfile.mkstemp(prefix=f"megatron-rlvr-{command}-", suffix=".traceback.txt")
+    with os.fdopen(fd, "w") as f:
+        traceback.print_exception(e, file=f)
+    first = msg.splitlines()[0][:300]
+    print(
+        f"megatron-rlvr {command}: error: {type(e).__name__}: {first} (traceback in {path}; --debug or RLVR_DEBUG=1 "
+        "prints it)",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # plan / convert own their argument parsing
-    if argv and argv[0] == "plan":
-        return cmd_plan(argv[1:])
-    if argv and argv[0] == "convert":
-        return cmd_convert(argv[1:])
-    ns = build_parser().parse_args(argv)
-    return int(ns.func(ns) or 0)
+    debug = os.environ.get("RLVR_DEBUG", "") not in ("", "0")
+    if "--debug" in argv:  # anywhere on the line, for every subcommand
+        argv.remove("--debug")
+        debug = True
+        os.environ["RLVR_DEBUG"] = "1"  # the ranks of a local launch inherit it
+    command = argv[0] if argv else ""
+    try:
+        # plan / convert own their argument parsing
+        if argv and argv[0] == "plan":
+            return cmd_plan(argv[1:])
+        if argv and argv[0] == "convert":
+            return cmd_convert(argv[1:])
+        ns = build_parser().parse_args(argv)
+        return int(ns.func(ns) or 0)
+    except KeyboardInterrupt:
+        print(f"megatron-rlvr {command}: interrupted", file=sys.stderr, flush=True)
+        return 130
+    except Exception as e:
+        if debug:
+            raise
+        _report(command, e)
+        return 2 if isinstance(e, _user_errors()) else 1
 
 
 if __name__ == "__main__":

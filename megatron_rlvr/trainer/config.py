@@ -294,7 +294,13 @@ class CheckpointSection:
     """Save after the last step."""
     resume: str = "auto"
     """``auto``: continue from the newest checkpoint in the run directory if there is one; ``never``; or a path to a
-    checkpoint (a step_N folder or a checkpoints folder)."""
+    checkpoint (a step_N folder or a checkpoints folder). One-off: not written into the run's config.yaml."""
+    fallback: bool = True
+    """On resume, a corrupt or incomplete newest checkpoint is reported by path and the previous complete one is
+    used (with a warning); false: refuse to start instead."""
+    allow_changes: bool = False
+    """Resume even when options that shape the run (algorithm, model, data, rollout, train, optimizer, reward
+    function) differ from the run directory's config.yaml; the new values are applied. One-off: not persisted."""
     sharding_type: str = "fully_reshardable"
     """DistributedOptimizer state format (``fully_reshardable`` loads at any layout)."""
     export_hf: bool = False
@@ -775,9 +781,19 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
-    """Apply ``key=value`` overrides (YAML-typed values) to a nested dict in place; returns it."""
-    for item in overrides:
-        parts, value = parse_override(item)
+    """Apply ``key=value`` overrides (YAML-typed values) to a nested dict in place; returns it.
+
+    ``algorithm.preset=X`` on a resolved config (its ``algorithm`` section expanded: ``name``, no ``preset``)
+    replaces the whole section: the expanded fields of the old algorithm would otherwise override every field of
+    the new preset, silently keeping the old algorithm. It is applied before the other overrides, so
+    ``algorithm.<field>=...`` on the same command line refines the new preset."""
+    parsed = [parse_override(item) for item in overrides]
+    for parts, value in parsed:
+        if parts == ["algorithm", "preset"] and isinstance(raw.get("algorithm"), dict):
+            if "preset" not in raw["algorithm"] and "name" in raw["algorithm"]:  # expanded by dump_yaml
+                raw["algorithm"] = {}
+    parsed.sort(key=lambda pv: pv[0] != ["algorithm", "preset"])  # stable: the preset first, then the rest in order
+    for (parts, value), item in zip(parsed, [".".join(p) for p, _ in parsed]):
         node = raw
         for i, p in enumerate(parts[:-1]):
             nxt = node.get(p)
@@ -855,10 +871,23 @@ def resolved_dict(cfg: RunConfig) -> dict:
     return _plain(dataclasses.asdict(cfg))
 
 
+ONE_OFF_OPTIONS = {("checkpoint", "resume"): "auto", ("checkpoint", "allow_changes"): False}
+"""Options that apply to one invocation only: written into config.yaml at their defaults, so a later plain resume
+of the run directory does not repeat them (e.g. go back to an old checkpoint.resume=PATH)."""
+
+
+def persisted_dict(cfg: RunConfig) -> dict:
+    """``resolved_dict`` with the one-off options at their defaults: what a run directory's config.yaml holds."""
+    d = resolved_dict(cfg)
+    for (section, key), default in ONE_OFF_OPTIONS.items():
+        d[section][key] = default
+    return d
+
+
 def dump_yaml(cfg: RunConfig, path: str) -> None:
-    """Write the resolved config (atomic rename)."""
+    """Write the resolved config (atomic rename), one-off options at their defaults."""
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         f.write("# Resolved megatron-rlvr run config (every default expanded). Re-run: megatron-rlvr train THIS_FILE\n")
-        yaml.safe_dump(resolved_dict(cfg), f, sort_keys=False, default_flow_style=False)
+        yaml.safe_dump(persisted_dict(cfg), f, sort_keys=False, default_flow_style=False)
     os.replace(tmp, path)

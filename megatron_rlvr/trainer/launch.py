@@ -7,7 +7,11 @@ resolved config, and supervises them:
   the terminal reaches them once, through the launcher;
 - fail fast: when a rank exits with an error, the others get a few seconds to exit, then are killed (they would
   otherwise wait forever in a collective); the launcher exits with the first non-zero code;
-- no orphans: each rank watches the launcher's pid and exits if the launcher dies (e.g. SIGKILL).
+- no orphans: each rank watches the launcher's pid and exits if the launcher dies (e.g. SIGKILL);
+- the dead rank is named: "rank 1 (pid 4242) was killed by SIGKILL", not only the survivors' gloo errors;
+- ranks import the launcher's own ``megatron_rlvr`` (its installation is put first on ``sys.path``), never a
+  checkout that happens to sit in the current directory (``python -m`` would put the cwd first);
+- the run-directory lock (megatron_rlvr/trainer/run_lock.py) is inherited by every rank.
 """
 
 from __future__ import annotations
@@ -52,12 +56,49 @@ def _repo_root() -> str:
     return os.path.dirname(os.path.dirname(os.path.abspath(megatron_rlvr.__file__)))
 
 
-def launch_local(config_path: str, world_size: int, *, master_addr: str, master_port: int, threads: int) -> int:
-    """Run ``megatron-rlvr train <config_path>`` as ``world_size`` ranks; returns the exit code for the launcher."""
+# ``python -m megatron_rlvr.cli`` would import megatron_rlvr from the cwd first (sys.path[0] = cwd). The rank's
+# bootstrap puts the launcher's installation in front instead; the cwd stays on the path (after it) for user modules
+# such as a reward function next to the config.
+_RANK_BOOTSTRAP = (
+    "import sys; sys.path.insert(0, sys.argv.pop(1)); from megatron_rlvr.cli import main; sys.exit(main())"
+)
+
+
+def rank_command(args: list[str]) -> list[str]:
+    """The command line of one rank: ``megatron-rlvr ARGS`` with the launcher's ``megatron_rlvr``."""
+    return [sys.executable, "-c", _RANK_BOOTSTRAP, _repo_root(), *args]
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def launch_local(
+    config_path: str,
+    world_size: int,
+    *,
+    master_addr: str,
+    master_port: int,
+    threads: int,
+    overrides: list[str] | None = None,
+    lock_fd: int | None = None,
+) -> int:
+    """Run ``megatron-rlvr train <config_path> [overrides]`` as ``world_size`` ranks; returns the launcher's exit
+    code. ``lock_fd``: the held run-directory lock, inherited by every rank."""
+    from megatron_rlvr.trainer.run_lock import FD_ENV
+
     port = master_port or free_port()
     env_base = dict(os.environ)
     root = _repo_root()
     env_base["PYTHONPATH"] = root + (os.pathsep + env_base["PYTHONPATH"] if env_base.get("PYTHONPATH") else "")
+    if lock_fd is not None:
+        os.set_inheritable(lock_fd, True)
+        env_base[FD_ENV] = str(lock_fd)
     env_base.update(
         WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size),
@@ -66,13 +107,17 @@ def launch_local(config_path: str, world_size: int, *, master_addr: str, master_
         OMP_NUM_THREADS=str(threads),
         **{PARENT_ENV: str(os.getpid())},
     )
-    cmd = [sys.executable, "-m", "megatron_rlvr.cli", "train", config_path]
+    cmd = rank_command(["train", config_path, *(overrides or [])])
     procs: list[subprocess.Popen] = []
+    fds = (lock_fd,) if lock_fd is not None else ()
     for rank in range(world_size):
         env = dict(env_base, RANK=str(rank), LOCAL_RANK=str(rank))
-        procs.append(subprocess.Popen(cmd, env=env, process_group=0))
+        procs.append(subprocess.Popen(cmd, env=env, process_group=0, pass_fds=fds))
+
+    signalled: list[int] = []
 
     def forward(signum, frame):
+        signalled.append(signum)
         for p in procs:
             if p.poll() is None:
                 try:
@@ -82,7 +127,7 @@ def launch_local(config_path: str, world_size: int, *, master_addr: str, master_
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
     try:
-        return _supervise(procs)
+        return _supervise(procs, signalled)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
@@ -92,14 +137,22 @@ def launch_local(config_path: str, world_size: int, *, master_addr: str, master_
                 p.wait()
 
 
-def _supervise(procs: list[subprocess.Popen]) -> int:
+def _supervise(procs: list[subprocess.Popen], signalled: list[int] | None = None) -> int:
     first_bad: int | None = None
     bad_since = None
     while True:
         codes = [p.poll() for p in procs]
-        for c in codes:
+        for rank, c in enumerate(codes):
             if c is not None and c != 0 and first_bad is None:
                 first_bad, bad_since = c, time.monotonic()
+                if signalled:  # a forwarded stop signal: the ranks' documented exit codes, not a failure
+                    continue
+                others = " (the other ranks' errors below are the consequence)" if len(procs) > 1 else ""
+                print(
+                    f"megatron-rlvr: rank {rank} (pid {procs[rank].pid}) {describe_exit(c)}; stopping the job{others}",
+                    file=sys.stderr,
+                    flush=True,
+                )
         if all(c is not None for c in codes):
             if first_bad is not None:
                 return first_bad if first_bad > 0 else 128 - first_bad  # killed by signal -n -> 128 + n

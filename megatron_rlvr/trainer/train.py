@@ -299,6 +299,9 @@ def setup(cfg: RunConfig, run_dir: str | None) -> Trainer:
     if not torch.cuda.is_available():
         torch.set_num_threads(cpu_threads(cfg, d.world_size))
     run_dir = broadcast_object(run_dir or resolve_run_dir(cfg) if d.rank == 0 else None)
+    from megatron_rlvr.trainer.run_lock import hold_collective
+
+    hold_collective(run_dir, d.rank, broadcast_object)  # torchrun / srun: rank 0 locks (a launcher already did)
     if d.is_logger and not os.path.isfile(os.path.join(run_dir, "config.yaml")):  # torchrun / srun launches
         from megatron_rlvr.trainer.config import dump_yaml
 
@@ -518,6 +521,9 @@ def read_metrics(path: str) -> list[dict]:
 
 
 def teardown(t: Trainer) -> None:
+    from megatron_rlvr.trainer.run_lock import release
+
+    release(t.run_dir)
     if t.reward_manager is not None:
         t.reward_manager.close()
     if t.engine is not None:

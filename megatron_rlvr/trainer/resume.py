@@ -1,0 +1,171 @@
+"""Resume semantics (docs/training.md, "Resuming"): what a re-run of a run directory may change, and which
+checkpoint it continues from.
+
+- One-off options (``checkpoint.resume``, ``checkpoint.allow_changes``: config.ONE_OFF_OPTIONS) act on this
+  invocation only and are never written into the run's config.yaml.
+- Options compared with the run's config.yaml when a checkpoint will be resumed: the ones in ``APPLIED_ON_RESUME``
+  (length of the run, cadence, logging, eval, layout, reward-worker resources) are applied and listed; any other
+  change (algorithm, model, data, rollout, train, optimizer, reward function) would silently turn the run into a
+  different one, so it is refused with the list of differences, unless ``checkpoint.allow_changes=true``.
+- Checkpoint choice: the newest complete checkpoint whose files match the sizes recorded at save time; a corrupt
+  or incomplete one is reported by path and skipped for the previous one (``checkpoint.fallback=false``: refuse).
+"""
+
+from __future__ import annotations
+
+import os
+
+APPLIED_ON_RESUME = (
+    "schedule.steps",
+    "checkpoint.",
+    "logging.",
+    "eval.",
+    "launch.",
+    "parallel.",
+    "cluster.",
+    "reward.num_workers",
+    "reward.timeout_s",
+    "reward.kill_grace_s",
+    "reward.start_timeout_s",
+    "reward.max_error_frac",
+)
+"""Prefixes of dotted options a resumed run may change; they take effect from the resumed step on."""
+
+
+class ResumeError(ValueError):
+    """A resume that cannot proceed as asked (changed options, corrupt checkpoint without fallback)."""
+
+
+def _flatten(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def config_changes(old: dict, new: dict) -> list[tuple[str, object, object]]:
+    """(dotted key, old value, new value) for every option that differs between two resolved configs."""
+    a, b = _flatten(old), _flatten(new)
+    return [(k, a.get(k, "<unset>"), b.get(k, "<unset>")) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+
+
+def will_resume(cfg, run_dir: str) -> bool:
+    from megatron_rlvr.models.checkpointing import list_checkpoints
+    from megatron_rlvr.trainer.checkpoint import checkpoint_dir
+
+    how = cfg.checkpoint.resume
+    return how != "never" and (how != "auto" or bool(list_checkpoints(checkpoint_dir(run_dir))))
+
+
+def check_resume_changes(cfg, run_dir: str) -> list[str]:
+    """Compare ``cfg`` with ``<run_dir>/config.yaml`` before a resume; returns the applied changes as lines, raises
+    ResumeError listing the refused ones."""
+    import yaml
+
+    from megatron_rlvr.trainer.config import ONE_OFF_OPTIONS, persisted_dict
+
+    path = os.path.join(run_dir, "config.yaml")
+    if not os.path.isfile(path) or not will_resume(cfg, run_dir):
+        return []
+    with open(path) as f:
+        old = yaml.safe_load(f) or {}
+    changes = [c for c in config_changes(old, persisted_dict(cfg)) if tuple(c[0].split(".", 1)) not in ONE_OFF_OPTIONS]
+    applied = [c for c in changes if c[0].startswith(APPLIED_ON_RESUME)]
+    refused = [c for c in changes if not c[0].startswith(APPLIED_ON_RESUME)]
+    if refused and not cfg.checkpoint.allow_changes:
+        shown = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in refused[:12])
+        more = f" (and {len(refused) - 12} more)" if len(refused) > 12 else ""
+        raise ResumeError(
+            f"{run_dir} has checkpoints to resume from, but these options differ from its config.yaml and would "
+            f"change the run mid-way: {shown}{more}. Start a new run (logging.run_dir=NEW_DIR), resume unchanged, or "
+            "pass checkpoint.allow_changes=true to apply them to the resumed run"
+        )
+    return [f"{k}: {a!r} -> {b!r}" for k, a, b in applied + refused]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Checkpoint integrity
+# ----------------------------------------------------------------------------------------------------------------
+
+MANIFEST_FILE = "rlvr_files.json"
+"""Written by rank 0 into each checkpoint after it is complete: {relative path: size in bytes} of its files."""
+
+
+def write_manifest(ckpt_dir: str) -> None:
+    import json
+
+    files = {}
+    for root, _, names in os.walk(ckpt_dir):
+        for n in names:
+            if n == MANIFEST_FILE:
+                continue
+            p = os.path.join(root, n)
+            files[os.path.relpath(p, ckpt_dir)] = os.path.getsize(p)
+    tmp = os.path.join(ckpt_dir, "." + MANIFEST_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(files, f, indent=0, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(ckpt_dir, MANIFEST_FILE))
+
+
+def checkpoint_problem(ckpt_dir: str) -> str | None:
+    """Why ``ckpt_dir`` cannot be resumed (a missing or truncated file, unreadable metadata), or None if it looks
+    complete. Checkpoints written before the manifest existed are only checked for their metadata files."""
+    import json
+
+    from megatron_rlvr.models.checkpointing import META_FILE, TRAINER_STATE_FILE
+
+    for name in (META_FILE, TRAINER_STATE_FILE):
+        p = os.path.join(ckpt_dir, name)
+        try:
+            with open(p) as f:
+                json.load(f)
+        except (OSError, ValueError) as e:
+            return f"{p}: unreadable ({type(e).__name__}: {e})"
+    mpath = os.path.join(ckpt_dir, MANIFEST_FILE)
+    if not os.path.isfile(mpath):
+        return None
+    try:
+        with open(mpath) as f:
+            files = json.load(f)
+    except (OSError, ValueError) as e:
+        return f"{mpath}: unreadable ({type(e).__name__}: {e})"
+    for rel, size in sorted(files.items()):
+        p = os.path.join(ckpt_dir, rel)
+        if not os.path.isfile(p):
+            return f"{p}: missing"
+        actual = os.path.getsize(p)
+        if actual != size:
+            return f"{p}: {actual} bytes, {size} when saved (truncated or overwritten)"
+    return None
+
+
+def candidates(save_dir: str) -> list[str]:
+    """Complete checkpoints, newest first."""
+    from megatron_rlvr.models.checkpointing import list_checkpoints
+
+    return [p for _, p in reversed(list_checkpoints(save_dir))]
+
+
+def choose_checkpoint(paths: list[str], fallback: bool, warn=print) -> tuple[str | None, list[str]]:
+    """The first of ``paths`` (newest first) without a problem; ``warn`` gets one line per skipped checkpoint.
+    Returns (path or None, skipped paths). Without fallback a problem with the newest raises ResumeError."""
+    skipped = []
+    for p in paths:
+        problem = checkpoint_problem(p)
+        if problem is None:
+            return p, skipped
+        if not fallback:
+            raise ResumeError(
+                f"checkpoint {p} is corrupt or incomplete ({problem}); checkpoint.fallback=false, so not resuming "
+                "from an older one. Delete that folder (or set checkpoint.fallback=true) to resume from the previous "
+                "complete checkpoint"
+            )
+        skipped.append(p)
+        warn(f"megatron-rlvr: WARNING: checkpoint {p} is corrupt or incomplete ({problem}); trying the previous one")
+    return None, skipped
