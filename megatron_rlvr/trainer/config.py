@@ -788,7 +788,7 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     the new preset, silently keeping the old algorithm. It is applied before the other overrides, so
     ``algorithm.<field>=...`` on the same command line refines the new preset."""
     parsed = [parse_override(item) for item in overrides]
-    for parts, value in parsed:
+    for parts, _value in parsed:
         if parts == ["algorithm", "preset"] and isinstance(raw.get("algorithm"), dict):
             if "preset" not in raw["algorithm"] and "name" in raw["algorithm"]:  # expanded by dump_yaml
                 raw["algorithm"] = {}
