@@ -43,6 +43,10 @@ def misbehaving_reward(response: str, ground_truth: str, **metadata) -> float:
                 pass
     if response == "exit":
         os._exit(7)
+    if response == "die":  # a real crash (segfault, OOM kill): the worker is gone
+        os.kill(os.getpid(), signal.SIGKILL)
+    if response == "str":
+        return "1.0"
     if response == "nan":
         return math.nan
     if response == "meta":
@@ -215,10 +219,12 @@ def test_user_fn_raise_and_nan_are_counted(user_rm):
     pids = user_rm.worker_pids
     rewards, stats = user_rm.score(["4", "raise", "nan", "5"], ["4", "4", "4", "4"])
     assert rewards == [1.0, 0.0, 0.0, 0.0]
-    assert stats["reward/n_error"] == 2 and stats["reward/n_timeout"] == 0
+    # NaN is counted on its own (reward/n_nonfinite), not as an error (issue 14 item 5)
+    assert stats["reward/n_error"] == 1 and stats["reward/n_nonfinite"] == 1 and stats["reward/n_timeout"] == 0
     details = user_rm.score_detailed(["raise", "nan"], ["1", "1"])
     assert details[0].status == "error" and "RuntimeError: user reward exploded" in details[0].error
-    assert details[1].status == "error" and "non-finite" in details[1].error
+    assert "misbehaving_reward" in details[0].detail  # the traceback travels with the result
+    assert details[1].status == "nonfinite" and "non-finite" in details[1].error
     assert user_rm.worker_pids == pids  # an exception does not cost a worker
 
 
@@ -260,12 +266,31 @@ def test_stuck_worker_is_killed_and_replaced(user_rm):
 
 
 def test_worker_death_is_an_error_and_replaced(user_rm):
-    rewards, stats = user_rm.score(["exit", "3"], ["3", "3"])
+    rewards, stats = user_rm.score(["die", "3"], ["3", "3"])
     assert rewards == [0.0, 1.0]
     assert stats["reward/n_error"] == 1 and stats["reward/workers_restarted"] == 1
-    detail = user_rm.score_detailed(["exit"], ["3"])[0]
-    assert detail.status == "error" and "exit code 7" in detail.error
+    detail = user_rm.score_detailed(["die"], ["3"])[0]
+    assert detail.status == "error" and "exit code -9" in detail.error
     assert user_rm.score(["3"], ["3"])[0] == [1.0]
+
+
+def test_os_exit_in_the_reward_fn_is_an_error_without_a_worker_restart(user_rm):
+    """Issue 14 item 5: os._exit used to end the worker, and each replacement costs seconds of imports (steps 40x
+    slower). In a worker it now raises: an error naming the call, the same worker processes."""
+    pids = user_rm.worker_pids
+    rewards, stats = user_rm.score(["exit", "3", "exit"], ["3", "3", "3"])
+    assert rewards == [0.0, 1.0, 0.0]
+    assert stats["reward/n_error"] == 2 and stats["reward/workers_restarted"] == 0
+    detail = user_rm.score_detailed(["exit"], ["3"])[0]
+    assert detail.status == "error" and "os._exit(7)" in detail.error
+    assert user_rm.worker_pids == pids
+
+
+def test_non_numeric_return_is_rejected_with_the_value(user_rm):
+    """A string "1.0" used to be converted silently; it is an error that shows the value."""
+    detail = user_rm.score_detailed(["str"], ["1"])[0]
+    assert detail.status == "error" and detail.reward == 0.0
+    assert "returned str '1.0'" in detail.error and "must return a number" in detail.error
 
 
 def test_bad_inputs(user_rm):

@@ -37,6 +37,10 @@ class RewardConfig:
     start_timeout_s: float = 120.0
     """Seconds a new worker may take to import and warm up its reward function before start-up is an error."""
 
+    max_error_frac: float = 0.5
+    """A step fails the run (a clear error) when more than this fraction of its rewards could not be computed
+    (errors, timeouts, non-finite values): a broken reward function must not train on zeros. 1.0: never."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.fn, str) or not self.fn.strip():
             raise ValueError(f"reward.fn must be a built-in {sorted(REWARD_FNS)} or a dotted path, got {self.fn!r}")
@@ -49,6 +53,8 @@ class RewardConfig:
             raise ValueError(f"reward.extraction must be one of {EXTRACTION_MODES}, got {self.extraction!r}")
         if not isinstance(self.num_workers, int) or self.num_workers < 0:
             raise ValueError(f"reward.num_workers must be an int >= 0, got {self.num_workers!r}")
+        if not isinstance(self.max_error_frac, (int, float)) or not 0.0 <= self.max_error_frac <= 1.0:
+            raise ValueError(f"reward.max_error_frac must be a number in [0, 1], got {self.max_error_frac!r}")
         for name in ("timeout_s", "kill_grace_s", "start_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value > 0:

@@ -5,12 +5,17 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+import numbers
 from collections.abc import Callable
 from typing import Any
 
 from megatron_rlvr.rewards.builtin import REWARD_FNS
 
-__all__ = ["Scorer", "build_scorer", "load_reward_fn"]
+__all__ = ["NonFiniteReward", "Scorer", "build_scorer", "load_reward_fn"]
+
+
+class NonFiniteReward(ValueError):
+    """The reward function returned NaN or +-inf (counted in reward/n_nonfinite, scored 0)."""
 
 
 def load_reward_fn(spec: str) -> Callable[..., float]:
@@ -82,12 +87,16 @@ class Scorer:
         if self._accepted is not None:
             kwargs = {k: v for k, v in kwargs.items() if k in self._accepted}
         value = self.fn(response, ground_truth, **kwargs)
-        try:
-            reward = float(value)
-        except (TypeError, ValueError) as e:
-            raise TypeError(f"reward fn {self.name} returned {type(value).__name__} {value!r}, not a float") from e
+        # Numbers only (int, float, bool, numpy scalars, 0-dim tensors: anything with __float__): a string "1.0",
+        # None or a list is a bug in the function, not a reward to parse.
+        if not isinstance(value, numbers.Real) and not hasattr(type(value), "__float__"):
+            raise TypeError(
+                f"reward fn {self.name} returned {type(value).__name__} {value!r:.200}; it must return a number "
+                "(float, int or bool)"
+            )
+        reward = float(value)
         if not math.isfinite(reward):
-            raise ValueError(f"reward fn {self.name} returned a non-finite reward {reward}")
+            raise NonFiniteReward(f"reward fn {self.name} returned a non-finite reward {reward}")
         return reward
 
     def warmup(self) -> None:

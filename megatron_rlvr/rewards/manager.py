@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections.abc import Sequence
 
@@ -11,7 +12,30 @@ from megatron_rlvr.rewards.config import RewardConfig
 from megatron_rlvr.rewards.extract import extract_answer
 from megatron_rlvr.rewards.pool import ItemResult, ScoringPool, score_inline
 
-__all__ = ["RewardManager"]
+__all__ = ["RewardFailure", "RewardManager", "check_failure_fraction"]
+
+
+class RewardFailure(RuntimeError):
+    """Too many rewards of one step could not be computed (reward.max_error_frac)."""
+
+
+def check_failure_fraction(stats: dict[str, float], max_frac: float, fn: str) -> None:
+    """Raise RewardFailure when errors + timeouts + non-finite rewards exceed ``max_frac`` of ``reward/n_items``."""
+    n = stats.get("reward/n_items", 0.0)
+    bad = sum(stats.get(k, 0.0) for k in ("reward/n_error", "reward/n_timeout", "reward/n_nonfinite"))
+    if n > 0 and bad / n > max_frac:
+        raise RewardFailure(
+            f"reward fn {fn!r}: {bad:.0f} of {n:.0f} rewards of this step failed (errors "
+            f"{stats.get('reward/n_error', 0):.0f}, timeouts {stats.get('reward/n_timeout', 0):.0f}, non-finite "
+            f"{stats.get('reward/n_nonfinite', 0):.0f}), more than reward.max_error_frac={max_frac:g}; the first "
+            "failure of each kind is printed above. Fix the function (or raise reward.max_error_frac)"
+        )
+
+
+def failure_kind(r: ItemResult) -> str:
+    if r.status != "error":
+        return r.status
+    return r.error.split(":", 1)[0] if r.error else "error"
 
 
 class RewardManager:
@@ -25,10 +49,14 @@ class RewardManager:
     one rank, or on disjoint shards) and share the rewards, rather than scoring the same batch on every rank.
     """
 
-    def __init__(self, cfg: RewardConfig):
+    def __init__(self, cfg: RewardConfig, report=None):
         self.cfg = cfg
         self._pool: ScoringPool | None = None
         self._scorer = None
+        self.reported: set[str] = set()
+        """Failure kinds already printed (the first of each kind is shown in full, later ones only counted)."""
+        self._report = report or (lambda text: print(text, file=sys.stderr, flush=True))
+        self._batch_ids: Sequence | None = None
         if cfg.num_workers > 0:
             self._pool = ScoringPool(
                 cfg.fn,
@@ -37,6 +65,7 @@ class RewardManager:
                 cfg.timeout_s,
                 cfg.kill_grace_s,
                 start_timeout_s=cfg.start_timeout_s,
+                on_failure=self._on_failure,
             )
         else:
             from megatron_rlvr.rewards.loading import build_scorer
@@ -49,10 +78,36 @@ class RewardManager:
         """PIDs of the current worker processes (empty with num_workers=0)."""
         return self._pool.pids if self._pool is not None else []
 
+    def _on_failure(self, idx: int, r: ItemResult) -> None:
+        """Print the first failure of each kind at once (a hanging function is reported at its first timeout)."""
+        kind = failure_kind(r)
+        if kind in self.reported:
+            return
+        self.reported.add(kind)
+        ids = self._batch_ids
+        where = f"prompt {ids[idx]}" if ids is not None and idx < len(ids) else f"item {idx}"
+        counter = {"timeout": "reward/n_timeout", "nonfinite": "reward/n_nonfinite"}.get(r.status, "reward/n_error")
+        lines = [f"megatron-rlvr: reward fn {self.cfg.fn!r} failed on {where}: {r.error} (scored 0)"]
+        if r.status == "timeout":
+            lines.append(
+                f"  it ran past reward.timeout_s={self.cfg.timeout_s:g} s; each hanging item holds a worker for up to "
+                f"{self.cfg.timeout_s + self.cfg.kill_grace_s:g} s, so steps slow down: fix the function or lower "
+                "reward.timeout_s"
+            )
+        if r.detail:
+            lines.append("  " + r.detail.rstrip().replace("\n", "\n  "))
+        lines.append(f"  (the first failure of this kind; later ones are only counted in {counter})")
+        self._report("\n".join(lines))
+
     def score_detailed(
-        self, responses: Sequence[str], ground_truths: Sequence[str], metas: Sequence[dict | None] | None = None
+        self,
+        responses: Sequence[str],
+        ground_truths: Sequence[str],
+        metas: Sequence[dict | None] | None = None,
+        ids: Sequence | None = None,
     ) -> list[ItemResult]:
-        """Per-item results (reward, status "ok"/"timeout"/"error", error text), in input order."""
+        """Per-item results (reward, status "ok"/"timeout"/"error"/"nonfinite", error text), in input order.
+        ``ids``: the items' prompt ids, named when a failure is reported."""
         if self._closed:
             raise RuntimeError("RewardManager is closed")
         if len(responses) != len(ground_truths):
@@ -69,23 +124,36 @@ class RewardManager:
         items = [(r, g, m) for r, g, m in zip(responses, ground_truths, metas)]
         if not items:
             return []
-        if self._pool is not None:
-            return self._pool.score(items)
-        return score_inline(self._scorer, self.cfg.timeout_s, items)
+        self._batch_ids = ids
+        try:
+            if self._pool is not None:
+                return self._pool.score(items)
+            results = score_inline(self._scorer, self.cfg.timeout_s, items)
+            for i, r in enumerate(results):
+                if r.status != "ok":
+                    self._on_failure(i, r)
+            return results
+        finally:
+            self._batch_ids = None
 
     def score(
-        self, responses: Sequence[str], ground_truths: Sequence[str], metas: Sequence[dict | None] | None = None
+        self,
+        responses: Sequence[str],
+        ground_truths: Sequence[str],
+        metas: Sequence[dict | None] | None = None,
+        ids: Sequence | None = None,
     ) -> tuple[list[float], dict[str, float]]:
         """Rewards for a batch and namespaced stats.
 
-        Stats: ``reward/mean``, ``reward/n_items``, ``reward/n_timeout``, ``reward/n_error`` (both scored 0),
+        Stats: ``reward/mean``, ``reward/n_items``, ``reward/n_timeout``, ``reward/n_error``, ``reward/n_nonfinite``
+        (NaN / inf returned; all three scored 0),
         ``reward/n_no_answer`` (built-in rewards: no answer could be extracted; 0 for user functions),
         ``reward/workers_restarted`` (in this batch), ``reward/time_s``. An empty batch gives no rewards and
         ``reward/mean`` = NaN (there is no mean of nothing).
         """
         t0 = time.perf_counter()
         restarts_before = self._pool.restarts if self._pool is not None else 0
-        results = self.score_detailed(responses, ground_truths, metas)
+        results = self.score_detailed(responses, ground_truths, metas, ids)
         rewards = [r.reward for r in results]
         n_no_answer = 0
         if self.cfg.fn in REWARD_FNS:
@@ -95,6 +163,7 @@ class RewardManager:
             "reward/n_items": float(len(results)),
             "reward/n_timeout": float(sum(r.status == "timeout" for r in results)),
             "reward/n_error": float(sum(r.status == "error" for r in results)),
+            "reward/n_nonfinite": float(sum(r.status == "nonfinite" for r in results)),
             "reward/n_no_answer": float(n_no_answer),
             "reward/workers_restarted": float((self._pool.restarts if self._pool is not None else 0) - restarts_before),
             "reward/time_s": time.perf_counter() - t0,

@@ -12,7 +12,14 @@ with its own pipe, scoring one item at a time in its main thread:
   ``kill_grace_s`` after its timeout (C code, a swallowed interrupt, a reset signal handler) gets its worker
   SIGKILLed and replaced;
 - a worker that dies mid-item (segfault, ``os._exit``, OOM kill) -> status "error" and a replacement;
-- an exception in the reward function -> status "error" with its message; the worker lives on.
+- an exception in the reward function -> status "error" with its message and traceback; the worker lives on;
+- a non-finite reward -> status "nonfinite" (reward 0, counted on its own); a non-numeric one -> "error" showing
+  the value;
+- ``os._exit`` / ``sys.exit`` called by the reward function -> status "error": in a worker ``os._exit`` raises
+  instead of ending the process (a replacement worker costs seconds of imports: a function exiting on every item
+  made steps 40x slower);
+- ``on_failure(index, result)`` is called the moment an item fails (e.g. the first timeout of a hanging function is
+  reported at once, not after the whole batch).
 
 Workers are plain ``python -c`` subprocesses talking over a socketpair (a multiprocessing Connection), not
 multiprocessing children: the caller's ``__main__`` is not re-imported in every worker (a training script's
@@ -51,9 +58,23 @@ class ItemResult:
     reward: float
     """The reward; 0.0 unless status is "ok"."""
     status: str
-    """"ok", "timeout" (interrupted or killed at the limit) or "error" (the function raised, or the worker died)."""
+    """"ok", "timeout" (interrupted or killed at the limit), "error" (the function raised or returned a
+    non-number, or the worker died) or "nonfinite" (it returned NaN or +-inf)."""
     error: str = ""
     """Short description of the error or timeout; empty when ok."""
+    detail: str = ""
+    """The reward function's traceback, when it raised."""
+
+
+class ExitCalled(BaseException):
+    """Raised in a reward worker instead of ending it when the reward function calls ``os._exit``."""
+
+
+_REAL_EXIT = os._exit
+
+
+def _exit_raises(code=0):
+    raise ExitCalled(f"the reward function called os._exit({code})")
 
 
 def _on_alarm(signum, frame):
@@ -73,17 +94,28 @@ def _score_one(scorer, timeout_s: float, response: str, ground_truth: str, meta:
             signal.setitimer(signal.ITIMER_REAL, 0)
         return ItemResult(reward, "ok")
     except ItemTimeout:
-        return ItemResult(0.0, "timeout", f"interrupted after {timeout_s:g} s")
+        return ItemResult(0.0, "timeout", f"interrupted after {timeout_s:g} s", _short_traceback())
     except KeyboardInterrupt:  # only reachable inline (workers ignore SIGINT): Ctrl-C must still stop the run
         raise
     except BaseException as e:  # SystemExit from user code included: never let one item end the worker
-        return ItemResult(0.0, "error", f"{type(e).__name__}: {e}"[:1000])
+        return _failure(e)
+
+
+def _short_traceback() -> str:
+    return "".join(traceback.format_exc(limit=-12))[-4000:]
+
+
+def _failure(e: BaseException) -> ItemResult:
+    from megatron_rlvr.rewards.loading import NonFiniteReward
+
+    status = "nonfinite" if isinstance(e, NonFiniteReward) else "error"
+    return ItemResult(0.0, status, f"{type(e).__name__}: {e}"[:1000], _short_traceback())
 
 
 def _watch_parent(parent_pid: int) -> None:
     while True:
         if os.getppid() != parent_pid:
-            os._exit(3)
+            _REAL_EXIT(3)
         time.sleep(1.0)
 
 
@@ -94,6 +126,7 @@ def _worker_main(conn: Connection, fn: str, extraction: str, timeout_s: float, p
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    os._exit = _exit_raises  # the worker's own exits below use _REAL_EXIT
     try:
         from megatron_rlvr.rewards.loading import build_scorer
 
@@ -112,7 +145,7 @@ def _worker_main(conn: Connection, fn: str, extraction: str, timeout_s: float, p
             # Skip interpreter teardown (seconds with sympy loaded): nothing to clean up but the std streams.
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(0)
+            _REAL_EXIT(0)
         idx, response, ground_truth, meta = msg
         result = _score_one(scorer, timeout_s, response, ground_truth, meta)
         try:
@@ -148,7 +181,7 @@ def score_inline(scorer, timeout_s: float, items) -> list[ItemResult]:
                 try:
                     results.append(ItemResult(scorer(response, ground_truth, meta), "ok"))
                 except Exception as e:
-                    results.append(ItemResult(0.0, "error", f"{type(e).__name__}: {e}"[:1000]))
+                    results.append(_failure(e))
     finally:
         if main:
             signal.signal(signal.SIGALRM, old)
@@ -213,6 +246,7 @@ class ScoringPool:
         timeout_s: float,
         kill_grace_s: float,
         start_timeout_s: float = 120.0,
+        on_failure=None,
     ):
         if num_workers < 1:
             raise ValueError(f"ScoringPool needs num_workers >= 1, got {num_workers}")
@@ -222,6 +256,8 @@ class ScoringPool:
         self.start_timeout_s = start_timeout_s
         self.restarts = 0
         """Workers replaced after a hang or crash, over the pool's lifetime."""
+        self.on_failure = on_failure
+        """Called as ``on_failure(index, ItemResult)`` the moment an item fails (before the batch is done)."""
         self._closed = False
         self._workers: list[_Worker] = []
         _LIVE_POOLS.add(self)
@@ -251,7 +287,7 @@ class ScoringPool:
             raise RuntimeError(f"reward worker failed to start ({self._args[0]!r}): {msg[1]}")
         else:
             idx, result = msg
-            results[idx] = result
+            self._set(results, idx, result)
             w.item = None
 
     def _on_death(self, i: int, results: list) -> None:
@@ -264,8 +300,13 @@ class ScoringPool:
             self.close()
             raise RuntimeError(f"reward worker died during start-up (exit code {code}); its stderr has the cause")
         if w.item is not None:
-            results[w.item] = ItemResult(0.0, "error", f"reward worker died (exit code {code})")
+            self._set(results, w.item, ItemResult(0.0, "error", f"reward worker died (exit code {code})"))
         self._replace(i)
+
+    def _set(self, results: list, idx: int, result: ItemResult) -> None:
+        results[idx] = result
+        if result.status != "ok" and self.on_failure is not None:
+            self.on_failure(idx, result)
 
     def score(self, items: list[tuple[str, str, dict | None]]) -> list[ItemResult]:
         """Score ``items`` (response, ground_truth, metadata); results in input order. Never raises for a bad item;
@@ -286,7 +327,8 @@ class ScoringPool:
                         pending.appendleft(idx)  # worker died while idle: its EOF is handled below
                         break
                     except Exception as e:  # unpicklable metadata: pickling fails before anything is written
-                        results[idx] = ItemResult(0.0, "error", f"cannot send item to worker: {type(e).__name__}: {e}")
+                        err = f"cannot send item to worker: {type(e).__name__}: {e}"
+                        self._set(results, idx, ItemResult(0.0, "error", err))
                         continue
                     w.item = idx
                     w.deadline = now + self.timeout_s + self.kill_grace_s
@@ -306,8 +348,9 @@ class ScoringPool:
             now = time.monotonic()
             for i, w in enumerate(self._workers):
                 if w.item is not None and now >= w.deadline:
-                    results[w.item] = ItemResult(
-                        0.0, "timeout", f"worker killed {self.timeout_s + self.kill_grace_s:g} s after start of item"
+                    limit = self.timeout_s + self.kill_grace_s
+                    self._set(
+                        results, w.item, ItemResult(0.0, "timeout", f"worker killed {limit:g} s after start of item")
                     )
                     self._replace(i)
                 elif not w.ready and now >= w.started_at + self.start_timeout_s:

@@ -85,11 +85,14 @@ def generate_groups(
     step: int,
     round_idx: int,
     gather,
+    reward_max_error_frac: float | None = None,
+    reward_fn: str = "",
 ) -> tuple[list[Group], dict[str, float]]:
     """Generate and score this engine's share, all-gather: every rank returns all groups in prompt order.
 
     ``gather(obj) -> list`` is an all-gather over the world (rank order); ``params.seed`` is replaced by the
-    round's derived seed."""
+    round's derived seed. ``reward_max_error_frac``: raise RewardFailure (on every rank) when more of the round's
+    rewards failed."""
     share = shard_range(len(examples), info.index, info.count)
     mine: list[Group] = []
     stats = {"time/generate_s": 0.0, "time/reward_s": 0.0}
@@ -102,7 +105,7 @@ def generate_groups(
         outputs = engine.generate([prompt_ids[i] for i in share], p, prompt_keys=share)
         stats["time/generate_s"] = time.perf_counter() - t0
     if info.leader and len(share) > 0:
-        texts, gts, metas = [], [], []
+        texts, gts, metas, item_ids = [], [], [], []
         for i, out in zip(share, outputs):
             g = Group(example=examples[i], prompt_ids=prompt_ids[i])
             for c in out.completions:
@@ -114,12 +117,14 @@ def generate_groups(
                 texts.append(text)
                 gts.append(examples[i].answer)
                 metas.append(examples[i].metadata)
+                item_ids.append(examples[i].id)
             mine.append(g)
         t0 = time.perf_counter()
-        rewards, reward_stats = reward_manager.score(texts, gts, metas)
+        rewards, reward_stats = reward_manager.score(texts, gts, metas, item_ids)
         stats["time/reward_s"] = time.perf_counter() - t0
         bad = {i for i, r in enumerate(rewards) if not (isinstance(r, (int, float)) and math.isfinite(r))}
-        reward_stats["reward/n_nonfinite"] = float(len(bad))  # a reward fn returning NaN/inf/None: scored 0
+        # the manager scores NaN/inf as 0 and counts it; anything else non-finite here is counted too
+        reward_stats["reward/n_nonfinite"] = reward_stats.get("reward/n_nonfinite", 0.0) + float(len(bad))
         rewards = [0.0 if i in bad else float(r) for i, r in enumerate(rewards)]
         k = 0
         for g in mine:
@@ -131,6 +136,7 @@ def generate_groups(
     for part, rstats, tstats in everything:
         groups.extend(part)
         for key in (
+            "reward/n_items",
             "reward/n_timeout",
             "reward/n_error",
             "reward/n_no_answer",
@@ -140,4 +146,8 @@ def generate_groups(
             merged[key] = merged.get(key, 0.0) + float(rstats.get(key, 0.0))
         for key, v in tstats.items():  # engines run in parallel: the slowest one is the step's cost
             merged[key] = max(merged.get(key, 0.0), v)
+    if reward_max_error_frac is not None:  # every rank sees the same merged counts: all raise together
+        from megatron_rlvr.rewards.manager import check_failure_fraction
+
+        check_failure_fraction(merged, reward_max_error_frac, reward_fn)
     return groups, merged

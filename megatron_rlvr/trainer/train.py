@@ -123,6 +123,8 @@ def collect_groups(t: Trainer, step: int):
             step=step,
             round_idx=round_idx,
             gather=all_gather_objects,
+            reward_max_error_frac=cfg.reward.max_error_frac,
+            reward_fn=cfg.reward.fn,
         )
         for k, v in stats.items():
             m[k] = m.get(k, 0.0) + v
