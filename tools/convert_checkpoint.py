@@ -15,4 +15,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_rlvr.models.convert import convert_main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(convert_main(sys.argv[1:]))
+    if "--debug" in sys.argv or os.environ.get("RLVR_DEBUG", "") not in ("", "0"):
+        sys.argv = [a for a in sys.argv if a != "--debug"]
+        sys.exit(convert_main(sys.argv[1:]))
+    try:
+        sys.exit(convert_main(sys.argv[1:]))
+    except (ValueError, OSError) as e:  # bad input: one line naming the option (--debug shows the traceback)
+        print(f"convert_checkpoint: error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -42,11 +42,18 @@ def iter_rows(path: str) -> Iterator[tuple[str, Any, str | None]]:
     or ``"file:row N"`` (parquet, 1-based); ``error`` says why the row is not a JSON object (row is then None)."""
     ext = os.path.splitext(path)[1].lower()
     if ext == ".jsonl":
-        with open(path, encoding="utf-8") as f:
-            for line_no, line in enumerate(f, start=1):
+        # Bytes, decoded per line: one non-UTF-8 row is a malformed row (file:line, skippable), not a whole-file
+        # UnicodeDecodeError naming nothing.
+        with open(path, "rb") as f:
+            for line_no, raw in enumerate(f, start=1):
+                loc = f"{path}:{line_no}"
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    yield loc, None, f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})"
+                    continue
                 if not line.strip():
                     continue
-                loc = f"{path}:{line_no}"
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as e:

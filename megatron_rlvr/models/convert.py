@@ -32,11 +32,10 @@ def to_hf_on_rank(
     from megatron.core import parallel_state as ps
 
     from megatron_rlvr.models.build import build_gpt_model
-    from megatron_rlvr.models.checkpointing import checkpoint_model_args, latest_checkpoint, load_checkpoint, read_meta
+    from megatron_rlvr.models.checkpointing import checkpoint_model_args, load_checkpoint, read_meta
     from megatron_rlvr.models.export import export_hf
 
-    if not os.path.isfile(os.path.join(ckpt_dir, "rlvr_meta.json")):
-        ckpt_dir = latest_checkpoint(ckpt_dir) or ckpt_dir
+    ckpt_dir = resolve_checkpoint(ckpt_dir)
     meta = read_meta(ckpt_dir)
     args = checkpoint_model_args(
         ckpt_dir,
@@ -50,9 +49,38 @@ def to_hf_on_rank(
         source_hf = meta.get("hf_config", {}).get("_name_or_path") or None
         if source_hf and not os.path.isdir(source_hf):
             source_hf = None
-    return export_hf(
+    out = export_hf(
         model, args, out_dir, source_dir=source_hf, dtype=dtype, max_shard_bytes=max_shard_bytes, overwrite=overwrite
     )
+    if source_hf is None and torch.distributed.get_rank() == 0 and is_tiny_config(meta.get("hf_config", {})):
+        from megatron_rlvr.trainer.tiny import save_tiny_tokenizer
+
+        save_tiny_tokenizer(out)  # the built-in tiny tokenizer has no source folder to copy from
+    return out
+
+
+def is_tiny_config(hf_config: dict) -> bool:
+    """The checkpoint is of the built-in ``tiny`` model (megatron_rlvr/trainer/tiny.py)."""
+    from megatron_rlvr.trainer.tiny import tiny_hf_config
+
+    ref = tiny_hf_config()
+    keys = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+    return all(hf_config.get(k) == ref[k] for k in keys)
+
+
+def resolve_checkpoint(path: str) -> str:
+    """``--ckpt``: a step_N folder, a checkpoints folder (its newest), or a run directory (its checkpoints/)."""
+    from megatron_rlvr.models.checkpointing import latest_checkpoint
+
+    if os.path.isfile(os.path.join(path, "rlvr_meta.json")):
+        return path
+    found = latest_checkpoint(path) or latest_checkpoint(os.path.join(path, "checkpoints"))
+    if found is None:
+        raise ValueError(
+            f"--ckpt {path}: no complete megatron-rlvr checkpoint there (a step_N folder with rlvr_meta.json, a "
+            "checkpoints folder, or a run directory with checkpoints/)"
+        )
+    return found
 
 
 def to_megatron_on_rank(hf_dir: str, save_dir: str, step: int = 0, dtype: str | None = None) -> str:
@@ -121,19 +149,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _validate_layout(args, cfg_source) -> None:
     """Fail before starting ranks: the layout must divide the model (same ValueErrors as the model build)."""
-    from megatron_rlvr.models.checkpointing import checkpoint_model_args, latest_checkpoint
+    from megatron_rlvr.models.checkpointing import checkpoint_model_args
     from megatron_rlvr.models.hf_config import megatron_model_args
 
     if args.tp < 1 or args.pp < 1:
         raise ValueError(f"--tp and --pp must be >= 1, got {args.tp}, {args.pp}")
     if args.direction == "to-hf":
-        ckpt = cfg_source
-        if not os.path.isfile(os.path.join(ckpt, "rlvr_meta.json")):
-            ckpt = latest_checkpoint(ckpt)
-            if ckpt is None:
-                raise ValueError(f"--ckpt {cfg_source}: no complete megatron-rlvr checkpoint there")
-        checkpoint_model_args(ckpt, tp_size=args.tp, pp_size=args.pp)
+        checkpoint_model_args(resolve_checkpoint(cfg_source), tp_size=args.tp, pp_size=args.pp)
+        from megatron_rlvr.models.export import SAFE_INDEX, SAFE_SINGLE
+
+        existing = [n for n in (SAFE_SINGLE, SAFE_INDEX) if os.path.isfile(os.path.join(args.out, n))]
+        if existing and not args.overwrite:
+            raise ValueError(
+                f"--out {args.out} already holds an HF checkpoint ({existing[0]}); pass --overwrite to replace it, or "
+                "choose another --out"
+            )
     else:
+        if not os.path.isfile(os.path.join(cfg_source, "config.json")):
+            raise ValueError(f"--hf {cfg_source}: not an HF model folder (no config.json)")
         megatron_model_args(cfg_source, tp_size=args.tp, pp_size=args.pp)
 
 

@@ -132,7 +132,10 @@ def export_hf(
     if rank == 0:
         existing = glob.glob(os.path.join(out_dir, "model*.safetensors*"))
         if existing and not overwrite:
-            err = f"{out_dir} already holds an HF checkpoint ({os.path.basename(existing[0])}); pass overwrite=True"
+            err = (
+                f"{out_dir} already holds an HF checkpoint ({os.path.basename(existing[0])}); pass overwrite=True "
+                "(--overwrite for megatron-rlvr convert)"
+            )
         else:
             for f in existing:
                 os.remove(f)

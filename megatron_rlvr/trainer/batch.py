@@ -102,3 +102,17 @@ def batch_metrics(groups: list[Group], algo: AlgorithmConfig) -> dict[str, float
 
 def _finite(m: dict[str, float]) -> dict[str, float]:
     return {k: (v if math.isfinite(v) else 0.0) for k, v in m.items()}
+
+
+def warn_all_too_long(t, step: int, m: dict) -> None:
+    """Every prompt of the step was longer than rollout.max_prompt_len: say so once per run (rank 0), with the fix;
+    the step is skipped (``train/skipped_all_too_long``)."""
+    if getattr(t, "_warned_too_long", False) or not t.dist.is_logger:
+        return
+    t._warned_too_long = True
+    print(
+        f"megatron-rlvr: WARNING: step {step}: all {m['data/prompts_too_long']:.0f} prompts are longer than "
+        f"rollout.max_prompt_len={t.cfg.rollout.max_prompt_len} tokens (after the prompt template), so the step "
+        "trains on nothing; raise rollout.max_prompt_len (every such step is skipped)",
+        flush=True,
+    )

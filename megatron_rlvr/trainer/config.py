@@ -751,6 +751,12 @@ def validate_cross_section(cfg: RunConfig) -> None:
             raise ConfigError("rollout.engine=vllm needs a CUDA GPU; use rollout.engine=hf on this machine")
     if cfg.rollout.engine == "hf" and cfg.parallel.rollout_tp != 1:
         raise ConfigError("rollout.engine=hf runs one engine per rank: set parallel.rollout_tp=1")
+    if r.n < 2:  # every advantage estimator is group-relative (reward minus its group's baseline)
+        raise ConfigError(
+            f"rollout.n={r.n}: algorithm.advantage.estimator={cfg.algorithm.advantage.estimator!r} is group-relative "
+            "(a rollout's advantage is its reward minus its group's baseline), so groups of one sample have advantage "
+            "0 and the run would train on nothing; set rollout.n >= 2"
+        )
     if cfg.eval.every and not cfg.eval_files:
         raise ConfigError("eval.every > 0 needs eval.files (or data.eval_files)")
 

@@ -21,6 +21,64 @@ def resolve_model_dir(path: str) -> str:
     )
 
 
+TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+"""One of these in a folder means it has a tokenizer (without one transformers can silently build an empty one)."""
+
+EVAL_DEFAULTS = {"reward": "math", "extraction": "boxed", "template": "chat", "prompt_template": None}
+
+
+def run_settings(model_path: str) -> dict:
+    """The reward / extraction / template settings of the run MODEL belongs to (its config.yaml: MODEL itself or
+    the folder above an exported hf/), or {} when it is not a run's export."""
+    import yaml
+
+    for d in (model_path, os.path.dirname(os.path.abspath(model_path))):
+        path = os.path.join(d, "config.yaml")
+        if os.path.isfile(path):
+            try:
+                with open(path) as f:
+                    cfg = yaml.safe_load(f) or {}
+            except (OSError, yaml.YAMLError):
+                return {}
+            reward, data = cfg.get("reward") or {}, cfg.get("data") or {}
+            out = {
+                "reward": reward.get("fn"),
+                "extraction": reward.get("extraction"),
+                "template": data.get("template"),
+                "prompt_template": data.get("prompt_template"),
+            }
+            return {k: v for k, v in out.items() if v is not None}
+    return {}
+
+
+def resolve_settings(ns) -> tuple[dict, list[str]]:
+    """Explicit flags, else the run's own settings, else the eval defaults; plus notes on what came from the run."""
+    run = run_settings(ns.model)
+    out, notes = {}, []
+    for key, default in EVAL_DEFAULTS.items():
+        given = getattr(ns, key, None)
+        if given is not None:
+            out[key] = given
+        elif key in run:
+            out[key] = run[key]
+            notes.append(f"{key.replace('_', '-')}={run[key]!r}")
+        else:
+            out[key] = default
+    return out, notes
+
+
+def check_tokenizer(model_dir: str, tokenizer_dir: str | None) -> str:
+    d = tokenizer_dir or model_dir
+    if not any(os.path.isfile(os.path.join(d, n)) for n in TOKENIZER_MARKERS):
+        flag = "--tokenizer" if tokenizer_dir else "MODEL"
+        raise ValueError(
+            f"{flag} {d} has no tokenizer files ({', '.join(TOKENIZER_MARKERS)}): copy the base model's tokenizer "
+            "there, or pass --tokenizer DIR (a tiny-model export: re-export it with `megatron-rlvr convert to-hf`, "
+            "which now writes the tokenizer)"
+        )
+    return d
+
+
 def eval_main(ns) -> int:
     import torch
 
@@ -36,19 +94,23 @@ def eval_main(ns) -> int:
                 raise ValueError(f"--files: not found: {f}")
         if ns.k < 1:
             raise ValueError(f"--k must be >= 1, got {ns.k}")
-        data_kwargs = {"template": ns.template}
-        if ns.prompt_template:
-            data_kwargs["prompt_template"] = ns.prompt_template
+        tok_dir = check_tokenizer(model_dir, getattr(ns, "tokenizer", None))
+        settings, notes = resolve_settings(ns)
+        data_kwargs = {"template": settings["template"]}
+        if settings["prompt_template"]:
+            data_kwargs["prompt_template"] = settings["prompt_template"]
         data_cfg = DataConfig(**data_kwargs)
-        reward_cfg = RewardConfig(fn=ns.reward, extraction=ns.extraction, num_workers=1)
+        reward_cfg = RewardConfig(fn=settings["reward"], extraction=settings["extraction"], num_workers=1)
     except ValueError as e:
         print(f"megatron-rlvr eval: error: {e}", file=sys.stderr)
         return 2
+    if notes:
+        print(f"megatron-rlvr eval: using the run's settings: {', '.join(notes)}", file=sys.stderr, flush=True)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32 if device == "cpu" else torch.bfloat16)
     eos = None
     try:

@@ -139,7 +139,20 @@ class RunLogger:
         parts = [f"step {step}/{self.total_steps}" if self.total_steps else f"step {step}"]
         if m.get("train/skipped", 0):
             why = "empty or all-truncated batch" if m.get("train/skipped_empty") else "non-finite logits/loss/grads"
+            if m.get("train/skipped_all_too_long"):
+                why = "every prompt longer than rollout.max_prompt_len"
             parts.append(f"SKIPPED ({why})")
+        failed = [
+            f"{m[k]:.0f} {label}"
+            for k, label in (
+                ("reward/n_error", "errors"),
+                ("reward/n_timeout", "timeouts"),
+                ("reward/n_nonfinite", "non-finite"),
+            )
+            if m.get(k)
+        ]
+        if failed:
+            parts.append("reward fn: " + ", ".join(failed))
         for key, label in (
             ("reward/mean", "reward"),
             ("reward/accuracy", "acc"),

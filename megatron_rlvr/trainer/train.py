@@ -66,6 +66,11 @@ def rl_step(t: Trainer, step: int) -> dict[str, float]:
     if not any(s.train for s in seqs):  # empty or all-truncated batch: nothing to learn from
         m.update(refresh_engine(t, updated=False))
         m.update({"train/skipped": 1.0, "train/skipped_empty": 1.0, "time/step_s": time.perf_counter() - t0})
+        if not all_groups and m.get("data/prompts_too_long", 0) > 0:
+            from megatron_rlvr.trainer.batch import warn_all_too_long
+
+            m["train/skipped_all_too_long"] = 1.0
+            warn_all_too_long(t, step, m)
         return m
     t1 = time.perf_counter()
     old, ref, lp = behaviour_and_reference_logprobs(t, seqs)  # old log-probs (recompute), reference log-probs (KL)
@@ -476,12 +481,18 @@ def finish(t: Trainer) -> None:
             plot_path = plot_runs([t.run_dir])
         except ImportError:  # matplotlib is optional
             pass
+        except ValueError as e:  # e.g. no step trained: the summary below still says where everything is
+            print(f"megatron-rlvr: no curves: {e}", flush=True)
     print(summary(t, ckpt_path, hf_dir, plot_path), flush=True)
 
 
 def summary(t: Trainer, ckpt_path, hf_dir, plot_path) -> str:
     hist = [h for h in read_metrics(t.logger.path) if h.get("reward/mean") is not None]
     lines = [f"megatron-rlvr: finished {t.cfg.logging.name} ({t.cfg.algorithm.name}) at step {t.step}"]
+    recs = read_metrics(t.logger.path)
+    skipped = sum(1 for h in recs if h.get("train/skipped"))
+    if recs and skipped:
+        lines.append(f"  WARNING: {skipped} of {len(recs)} steps were skipped (no update); see the progress lines")
     if hist:
         w = max(1, min(5, len(hist) // 4 or 1))
         first = sum(h["reward/mean"] for h in hist[:w]) / w
