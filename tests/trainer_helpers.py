@@ -18,3 +18,16 @@ def flaky_reward(response: str, ground_truth: str, **metadata) -> float:
 def zero_reward(response: str, ground_truth: str, **metadata) -> float:
     """Every response is wrong: every group has zero variance (nothing for dynamic sampling to keep)."""
     return 0.0
+
+
+def mastery_mix_reward(response: str, ground_truth: str, **metadata) -> float:
+    """Prompts with an even answer are always right (mastered groups); the others are right for one-character
+    responses only (mixed groups: non-zero advantages, so the first mini-batch moves the policy)."""
+    if ground_truth.strip() in ("0", "2", "4", "6", "8"):
+        return 1.0
+    return 1.0 if len(response.strip()) == 1 else 0.0
+
+
+def broken_reward(response: str, ground_truth: str, **metadata) -> float:
+    """Every call raises (a reward function with a bug)."""
+    raise KeyError("broken_reward: no such field")

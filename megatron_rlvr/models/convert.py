@@ -155,15 +155,16 @@ def _validate_layout(args, cfg_source) -> None:
     if args.tp < 1 or args.pp < 1:
         raise ValueError(f"--tp and --pp must be >= 1, got {args.tp}, {args.pp}")
     if args.direction == "to-hf":
-        checkpoint_model_args(resolve_checkpoint(cfg_source), tp_size=args.tp, pp_size=args.pp)
         from megatron_rlvr.models.export import SAFE_INDEX, SAFE_SINGLE
 
+        ckpt = resolve_checkpoint(cfg_source)
         existing = [n for n in (SAFE_SINGLE, SAFE_INDEX) if os.path.isfile(os.path.join(args.out, n))]
         if existing and not args.overwrite:
             raise ValueError(
                 f"--out {args.out} already holds an HF checkpoint ({existing[0]}); pass --overwrite to replace it, or "
                 "choose another --out"
             )
+        checkpoint_model_args(ckpt, tp_size=args.tp, pp_size=args.pp)
     else:
         if not os.path.isfile(os.path.join(cfg_source, "config.json")):
             raise ValueError(f"--hf {cfg_source}: not an HF model folder (no config.json)")

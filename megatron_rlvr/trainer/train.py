@@ -380,8 +380,12 @@ def setup(cfg: RunConfig, run_dir: str | None) -> Trainer:
         update_ctx=update_ctx,
         ref_model=ref_model,
     )
-    t.eval_sets = load_eval_sets(cfg)
-    t.start_step = ckpt.maybe_resume(t)
+    try:
+        t.eval_sets = load_eval_sets(cfg)
+        t.start_step = ckpt.maybe_resume(t)
+    except BaseException:  # e.g. a refused resume: stop the engine and reward workers, free the run dir
+        teardown(t)
+        raise
     from megatron_rlvr.trainer.weights import sync_weights
 
     sync_weights(t.engine, t.model, t.args, t.dist.pg)  # the engine starts from the (loaded) policy weights
