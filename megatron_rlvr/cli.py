@@ -232,9 +232,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _user_errors() -> tuple:
     """Exceptions that are the user's to fix: their message names the file, field or option and the fix."""
+    from megatron_rlvr.rewards.manager import RewardFailure
     from megatron_rlvr.trainer.run_lock import RunDirLocked
 
-    return (ValueError, RunDirLocked, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+    return (
+        ValueError,
+        RunDirLocked,
+        RewardFailure,
+        FileNotFoundError,
+        PermissionError,
+        IsADirectoryError,
+        NotADirectoryError,
+    )
 
 
 def _report(command: str, e: BaseException) -> None:
@@ -243,6 +252,13 @@ def _report(command: str, e: BaseException) -> None:
     import traceback
 
     msg = str(e).strip() or type(e).__name__
+    from megatron_rlvr.rewards.manager import RewardFailure
+    from megatron_rlvr.trainer.resume import ResumeError
+    from megatron_rlvr.trainer.run_lock import RunDirLocked
+
+    collective = (RewardFailure, ResumeError, RunDirLocked)  # raised identically on every rank: rank 0 says it
+    if isinstance(e, collective) and os.environ.get("RANK", "0") != "0":
+        return
     if isinstance(e, _user_errors()):
         print(f"megatron-rlvr {command}: error: {msg}", file=sys.stderr, flush=True)
         return

@@ -147,7 +147,7 @@ def _supervise(procs: list[subprocess.Popen], signalled: list[int] | None = None
                 first_bad, bad_since = c, time.monotonic()
                 if signalled:  # a forwarded stop signal: the ranks' documented exit codes, not a failure
                     continue
-                others = " (the other ranks' errors below are the consequence)" if len(procs) > 1 else ""
+                others = " (the other ranks' errors below are the consequence)" if len(procs) > 1 and c != 2 else ""
                 print(
                     f"megatron-rlvr: rank {rank} (pid {procs[rank].pid}) {describe_exit(c)}; stopping the job{others}",
                     file=sys.stderr,
