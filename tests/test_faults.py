@@ -232,12 +232,13 @@ def test_a_hanging_function_is_reported_at_its_first_timeout():
     seen = []
     cfg = RewardConfig(fn=f"{__name__}:raising_reward", num_workers=1, timeout_s=0.5, kill_grace_s=0.5)
     with RewardManager(cfg, report=lambda text: seen.append((time.monotonic(), text))) as rm:
+        assert rm.score(["ok"], ["1"])[0] == [1.0]  # the worker is up (its start-up is not part of the timing)
         t0 = time.monotonic()
-        _, stats = rm.score(["hang", "hang", "hang"], ["1"] * 3, ids=["a", "b", "c"])
+        _, stats = rm.score(["hang"] * 4, ["1"] * 4, ids=["a", "b", "c", "d"])
         done = time.monotonic()
-    assert stats["reward/n_timeout"] == 3 and len(seen) == 1
+    assert stats["reward/n_timeout"] == 4 and len(seen) == 1
     first_at, text = seen[0]
-    assert first_at - t0 < 1.4 and done - t0 >= 1.4  # reported after the first item, the batch took longer
+    assert done - t0 >= 1.9 and first_at - t0 < 0.5 * (done - t0)  # reported at the first of four timeouts
     assert "prompt a" in text and "reward.timeout_s=0.5" in text
 
 
@@ -448,6 +449,12 @@ def _trainer_faults(root, overrides):
     run = os.path.join(root, "ckpt")
     ck = ["checkpoint.save_every=1", "checkpoint.save_at_end=true", "checkpoint.keep_last=3"]
     out["train_code"] = train(load_run_config(None, [*overrides, *ck]), run)
+    # item 3 under torchrun / srun (no launcher): rank 0 compares with config.yaml, every rank raises
+    try:
+        setup(load_run_config(None, [*overrides, *ck, "algorithm.preset=dapo"]), run)
+        out["changed"] = None
+    except ResumeError as e:
+        out["changed"] = str(e)
     # item 8: `convert to-hf --ckpt RUN_DIR` of a tiny run writes the tokenizer (the run dir is resolved too)
     hf = os.path.join(root, "hf_of_run")
     to_hf_on_rank(run, hf)
@@ -487,6 +494,7 @@ def test_trainer_level_faults(dist_pool, tmp_path):
         # 4
         assert o["train_code"] == 0 and o["resumed_from"] == 1
         assert o["strict"] is not None and "step_000000002" in o["strict"] and "checkpoint.fallback=true" in o["strict"]
+        assert o["changed"] is not None and "algorithm.name: 'mcpo' -> 'dapo'" in o["changed"]
         # 8
         assert "tokenizer.json" in o["hf_files"] and "model.safetensors" in o["hf_files"]
 

@@ -87,6 +87,31 @@ def check_resume_changes(cfg, run_dir: str) -> list[str]:
     return [f"{k}: {a!r} -> {b!r}" for k, a, b in applied + refused]
 
 
+def prepare_run_dir_on_ranks(cfg, run_dir: str, rank: int, broadcast) -> None:
+    """In every rank (torchrun / srun / in-process): rank 0 locks ``run_dir``; if it took the lock now (no launcher
+    of ours did), it also checks a resume's changed options and writes config.yaml, as ``prepare_run`` does for a
+    launched run. Errors are raised on every rank."""
+    from megatron_rlvr.trainer.config import dump_yaml
+    from megatron_rlvr.trainer.run_lock import hold_collective, release
+
+    if not hold_collective(run_dir, rank, broadcast):
+        return
+    err = None
+    if rank == 0:
+        try:
+            cfg.logging.run_dir = run_dir
+            for line in check_resume_changes(cfg, run_dir):
+                print(f"megatron-rlvr: resuming with a changed option: {line}", flush=True)
+            dump_yaml(cfg, os.path.join(run_dir, "config.yaml"))
+        except (ResumeError, OSError) as e:
+            err = e if isinstance(e, ResumeError) else ResumeError(f"cannot write {run_dir}/config.yaml: {e}")
+    err = broadcast(err)
+    if err is not None:
+        if rank == 0:
+            release(run_dir)
+        raise err
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Checkpoint integrity
 # ----------------------------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ host, start time, Slurm job id) into the file; a second run is refused with that
 
 from __future__ import annotations
 
+import atexit
 import errno
 import fcntl
 import json
@@ -97,12 +98,12 @@ class RunLock:
         self.flocked = flocked
 
     def release(self) -> None:
+        """Clear the holder record (a clean exit leaves no stale note for the next run) and unlock."""
         if self.fd < 0:
             return
         try:
-            if not self.flocked:
-                os.ftruncate(self.fd, 0)
-            else:
+            os.ftruncate(self.fd, 0)
+            if self.flocked:
                 fcntl.flock(self.fd, fcntl.LOCK_UN)
         except OSError:
             pass
@@ -180,23 +181,32 @@ def hold(run_dir: str) -> RunLock | None:
     return lock
 
 
+@atexit.register
+def _release_all() -> None:  # a clean exit of the holder (launcher, single process, rank 0 under srun)
+    for key in list(_HELD):
+        _HELD.pop(key).release()
+
+
 def release(run_dir: str) -> None:
     lock = _HELD.pop(os.path.realpath(run_dir), None)
     if lock is not None:
         lock.release()
 
 
-def hold_collective(run_dir: str, rank: int, broadcast) -> None:
+def hold_collective(run_dir: str, rank: int, broadcast) -> bool:
     """In every rank: rank 0 holds the lock (unless this process or its launcher does); a refusal is raised on
-    every rank (one rank alone raising would leave the others blocked in the next collective)."""
-    err = None
+    every rank (one rank alone raising would leave the others blocked in the next collective). Returns whether
+    rank 0 took the lock now (False: a launcher or an earlier call in this process holds it)."""
+    err, acquired = None, False
     if rank == 0:
         try:
             lock = hold(run_dir)
+            acquired = lock is not None
             if lock is not None and lock.takeover_note():
                 print(lock.takeover_note(), flush=True)
         except RunDirLocked as e:
             err = str(e)
-    err = broadcast(err)
+    err, acquired = broadcast((err, acquired))
     if err:
         raise RunDirLocked(err)
+    return acquired

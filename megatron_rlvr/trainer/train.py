@@ -306,15 +306,11 @@ def setup(cfg: RunConfig, run_dir: str | None) -> Trainer:
     if not torch.cuda.is_available():
         torch.set_num_threads(cpu_threads(cfg, d.world_size))
     run_dir = broadcast_object(run_dir or resolve_run_dir(cfg) if d.rank == 0 else None)
-    from megatron_rlvr.trainer.run_lock import hold_collective
+    from megatron_rlvr.trainer.resume import prepare_run_dir_on_ranks
 
-    hold_collective(run_dir, d.rank, broadcast_object)  # torchrun / srun: rank 0 locks (a launcher already did)
-    if d.is_logger and not os.path.isfile(os.path.join(run_dir, "config.yaml")):  # torchrun / srun launches
-        from megatron_rlvr.trainer.config import dump_yaml
-
-        os.makedirs(run_dir, exist_ok=True)
-        cfg.logging.run_dir = run_dir
-        dump_yaml(cfg, os.path.join(run_dir, "config.yaml"))
+    # torchrun / srun (no launcher of ours): rank 0 locks the run dir, checks a resume's changed options, writes
+    # config.yaml; after `megatron-rlvr train` launched us, the launcher has done all three
+    prepare_run_dir_on_ranks(cfg, run_dir, d.rank, broadcast_object)
     # local rank 0 first: a GGUF model is converted (and cached) once per node, not by every rank at once
     if d.local_rank == 0:
         source = resolve_model_source(cfg.model)
