@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -49,8 +50,12 @@ class RewardManager:
     one rank, or on disjoint shards) and share the rewards, rather than scoring the same batch on every rank.
     """
 
-    def __init__(self, cfg: RewardConfig, report=None):
+    def __init__(self, cfg: RewardConfig, report=None, report_now: bool | None = None):
         self.cfg = cfg
+        self.report_now = os.environ.get("RANK", "0") == "0" if report_now is None else report_now
+        """Print a first failure at once (global rank 0, or one process); else keep it for :meth:`take_pending`, so
+        that rank 0 prints each kind once for the whole job."""
+        self.pending: list[tuple[str, str]] = []
         self._pool: ScoringPool | None = None
         self._scorer = None
         self.reported: set[str] = set()
@@ -97,7 +102,22 @@ class RewardManager:
         if r.detail:
             lines.append("  " + r.detail.rstrip().replace("\n", "\n  "))
         lines.append(f"  (the first failure of this kind; later ones are only counted in {counter})")
-        self._report("\n".join(lines))
+        if self.report_now:
+            self._report("\n".join(lines))
+        else:
+            self.pending.append((kind, "\n".join(lines)))
+
+    def take_pending(self) -> list[tuple[str, str]]:
+        """First failures this (non-reporting) manager saw since the last call: [(kind, text)]."""
+        out, self.pending = self.pending, []
+        return out
+
+    def report_gathered(self, items: list[tuple[str, str]]) -> None:
+        """Print other ranks' first failures of kinds this manager has not reported yet."""
+        for kind, text in items:
+            if kind not in self.reported:
+                self.reported.add(kind)
+                self._report(text)
 
     def score_detailed(
         self,

@@ -130,10 +130,14 @@ def generate_groups(
         for g in mine:
             g.rewards = rewards[k : k + len(g.texts)]
             k += len(g.texts)
-    everything = gather((mine, reward_stats, stats) if info.leader else ([], {}, {}))
+    scoring = info.leader and reward_manager is not None
+    pending = reward_manager.take_pending() if scoring else []
+    everything = gather((mine, reward_stats, stats, pending) if info.leader else ([], {}, {}, []))
+    if scoring and reward_manager.report_now:  # rank 0: each failure kind once per job
+        reward_manager.report_gathered([item for *_, p in everything for item in p])
     groups: list[Group] = []
     merged: dict[str, float] = {}
-    for part, rstats, tstats in everything:
+    for part, rstats, tstats, _ in everything:
         groups.extend(part)
         for key in (
             "reward/n_items",
