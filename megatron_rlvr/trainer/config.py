@@ -297,7 +297,7 @@ class CheckpointSection:
     checkpoint (a step_N folder or a checkpoints folder). One-off: not written into the run's config.yaml."""
     fallback: bool = True
     """On resume, a corrupt or incomplete newest checkpoint is reported by path and the previous complete one is
-    used (with a warning); false: refuse to start instead."""
+    used (with a warning); false: refuse to start instead. One-off: not persisted."""
     allow_changes: bool = False
     """Resume even when options that shape the run (algorithm, model, data, rollout, train, optimizer, reward
     function) differ from the run directory's config.yaml; the new values are applied. One-off: not persisted."""
@@ -877,7 +877,11 @@ def resolved_dict(cfg: RunConfig) -> dict:
     return _plain(dataclasses.asdict(cfg))
 
 
-ONE_OFF_OPTIONS = {("checkpoint", "resume"): "auto", ("checkpoint", "allow_changes"): False}
+ONE_OFF_OPTIONS = {
+    ("checkpoint", "resume"): "auto",
+    ("checkpoint", "allow_changes"): False,
+    ("checkpoint", "fallback"): True,
+}
 """Options that apply to one invocation only: written into config.yaml at their defaults, so a later plain resume
 of the run directory does not repeat them (e.g. go back to an old checkpoint.resume=PATH)."""
 

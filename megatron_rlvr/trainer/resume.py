@@ -1,7 +1,7 @@
 """Resume semantics (docs/training.md, "Resuming"): what a re-run of a run directory may change, and which
 checkpoint it continues from.
 
-- One-off options (``checkpoint.resume``, ``checkpoint.allow_changes``: config.ONE_OFF_OPTIONS) act on this
+- One-off options (``checkpoint.resume``, ``allow_changes``, ``fallback``: config.ONE_OFF_OPTIONS) act on this
   invocation only and are never written into the run's config.yaml.
 - Options compared with the run's config.yaml when a checkpoint will be resumed: the ones in ``APPLIED_ON_RESUME``
   (length of the run, cadence, logging, eval, layout, reward-worker resources) are applied and listed; any other
