@@ -157,7 +157,12 @@ def _validate_layout(args, cfg_source) -> None:
     if args.direction == "to-hf":
         from megatron_rlvr.models.export import SAFE_INDEX, SAFE_SINGLE
 
+        from megatron_rlvr.trainer.resume import checkpoint_problem
+
         ckpt = resolve_checkpoint(cfg_source)
+        problem = checkpoint_problem(ckpt)
+        if problem is not None:
+            raise ValueError(f"--ckpt {ckpt} is corrupt or incomplete ({problem}); pass an older step_N folder")
         existing = [n for n in (SAFE_SINGLE, SAFE_INDEX) if os.path.isfile(os.path.join(args.out, n))]
         if existing and not args.overwrite:
             raise ValueError(

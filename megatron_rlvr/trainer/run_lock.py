@@ -119,6 +119,8 @@ class RunLock:
 def acquire(run_dir: str) -> RunLock:
     """Lock ``run_dir`` (created if missing) for this process; raises RunDirLocked naming the live holder."""
     path = os.path.join(run_dir, LOCK_NAME)
+    if os.path.exists(run_dir) and not os.path.isdir(run_dir):
+        raise RunDirLocked(f"logging.run_dir {run_dir} is a file, not a directory; choose another logging.run_dir")
     try:
         os.makedirs(run_dir, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
