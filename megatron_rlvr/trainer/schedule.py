@@ -15,6 +15,8 @@ from collections.abc import Callable
 
 import torch
 
+from megatron_rlvr.cpu_shims import native_torch
+
 
 def run_microbatches(
     model,
@@ -43,7 +45,8 @@ def run_microbatches(
     scale = float(n_micro * pg.dp.size())
 
     def adapter(mb, output_tensor):
-        loss, info = loss_fn(mb, output_tensor)
+        with native_torch():  # our statistics and loss make no CUDA calls: skip the CPU shims' per-call handler
+            loss, info = loss_fn(mb, output_tensor)
         if not forward_only:
             loss = loss * scale
         return loss, info
@@ -52,7 +55,7 @@ def run_microbatches(
         mb = next(data_iterator)
         tokens = mb["tokens"].to(device)
         position_ids = mb["position_ids"].to(device)
-        output = model_chunk(tokens, position_ids, None)
+        output = model_chunk(tokens, position_ids, None)  # under the CPU shims: megatron allocates on "cuda" here
         return output, functools.partial(adapter, mb)
 
     fwd_bwd = get_forward_backward_func(pp_size=pp_size)
