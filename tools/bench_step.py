@@ -139,7 +139,8 @@ def run_ours(workdir: str, tp: int, steps: int, warmup: int, index: int) -> dict
     env.pop("OMP_NUM_THREADS", None)  # launch.threads_per_rank decides
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"our trainer failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        tail = f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        raise RuntimeError(f"our trainer failed (exit {proc.returncode}):\n{tail}")
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         recs = [json.loads(line) for line in f if line.strip()]
     recs = [r for r in recs if "time/step_s" in r][warmup:]

@@ -24,9 +24,9 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    import bench_step
     import torch
 
-    import bench_step
     from megatron_rlvr.trainer.config import load_run_config
     from megatron_rlvr.trainer.train import rl_step, setup, teardown
 
