@@ -398,10 +398,16 @@ def setup(cfg: RunConfig, run_dir: str | None) -> Trainer:
         where = f"resumed from step {t.start_step}" if t.start_step else "starting"
         print(
             f"megatron-rlvr: {where} | {cfg.logging.name} | algorithm {cfg.algorithm.name} | world {d.world_size} "
-            f"(tp {d.tp_size}, pp {d.pp_size}, dp {d.dp_size}) | {d.backend} | run dir {run_dir}",
+            f"(tp {d.tp_size}, pp {d.pp_size}, dp {d.dp_size}) | {d.backend} | {fusions_line()} | run dir {run_dir}",
             flush=True,
         )
     return t
+
+
+def fusions_line() -> str:
+    from megatron_rlvr.models.fusions import detect
+
+    return detect().describe()
 
 
 def cpu_threads(cfg: RunConfig, world_size: int) -> int:
