@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_rlvr.algorithms import AlgorithmConfig, LossNormalizers, PolicyLossInputs, compute_policy_loss
+from megatron_rlvr.cpu_shims import native_torch
 from megatron_rlvr.ops import vocab_parallel_token_stats
 from megatron_rlvr.trainer.microbatch import tis_weights
 
@@ -68,7 +69,8 @@ def logprob_fn(spec: StatsSpec, with_entropy: bool):
 
     def fn(mb, logits_bsv):
         want = ("logprob", "entropy") if with_entropy else ("logprob",)
-        st, bad = token_stats(logits_bsv, mb["labels"], spec, want)
+        with native_torch():  # no CUDA calls in here: skip the CPU shims' per-call handler
+            st, bad = token_stats(logits_bsv, mb["labels"], spec, want)
         mask = mb["mask"].to(logits_bsv.device)
         info = {
             "logp": st["logprob"].detach().float().cpu(),
@@ -103,7 +105,6 @@ def policy_loss_fn(
     exact_kl = algo.ref_kl.coef > 0 and algo.ref_kl.estimator == "exact"
 
     def fn(mb, logits_bsv):
-        dev = logits_bsv.device
         want = ["logprob", "entropy"]
         if algo.margin_credit.enabled:
             want.append("margin")
@@ -111,11 +112,16 @@ def policy_loss_fn(
         if exact_kl:
             want.append("kl")
             other = ref_logits_fn(mb)
+        with native_torch():  # the statistics and the loss make no CUDA calls (the reference forward above may)
+            return _policy_loss(mb, logits_bsv, want, other)
+
+    def _policy_loss(mb, logits_bsv, want, other):
+        dev = logits_bsv.device
         st, bad_logits = token_stats(logits_bsv, mb["labels"], spec, want, other)
         mask = mb["mask"].to(dev)
         logp = st["logprob"]
         if old_from_forward:
-            # zeros off the mask, as the recompute path's scatter leaves them: the loss is then identical bit for bit
+            # zeros off the mask, as the recompute path's scatter leaves them (padding is masked anyway)
             old_BT = torch.where(mask, logp.detach().float(), torch.zeros((), dtype=torch.float32, device=dev))
             tis_BT = None if tis_cap is None else tis_weights(old_BT, mb["rollout_logp"].to(dev), mask, tis_cap)
         else:

@@ -15,8 +15,6 @@ from collections.abc import Callable
 
 import torch
 
-from megatron_rlvr.cpu_shims import native_torch
-
 
 def run_microbatches(
     model,
@@ -45,8 +43,7 @@ def run_microbatches(
     scale = float(n_micro * pg.dp.size())
 
     def adapter(mb, output_tensor):
-        with native_torch():  # our statistics and loss make no CUDA calls: skip the CPU shims' per-call handler
-            loss, info = loss_fn(mb, output_tensor)
+        loss, info = loss_fn(mb, output_tensor)
         if not forward_only:
             loss = loss * scale
         return loss, info
