@@ -131,13 +131,15 @@ OURS_PHASES = {
 }
 
 
-def run_ours(workdir: str, tp: int, steps: int, warmup: int, index: int) -> dict[str, float]:
-    run_dir = os.path.join(workdir, f"ours-tp{tp}-{index}")
-    cmd = [sys.executable, "-m", "megatron_rlvr.cli", "train", os.path.join(REPO, "configs", "tiny.yaml")]
+def run_ours(workdir: str, tp: int, steps: int, warmup: int, index: int, repo: str = REPO) -> dict[str, float]:
+    """``repo``: the checkout whose trainer runs (``--baseline-repo`` compares another commit in the same run)."""
+    tag = "ours" if repo == REPO else "base"
+    run_dir = os.path.join(workdir, f"{tag}-tp{tp}-{index}")
+    cmd = [sys.executable, "-m", "megatron_rlvr.cli", "train", os.path.join(repo, "configs", "tiny.yaml")]
     cmd += ours_overrides(workdir, run_dir, tp, steps)
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("OMP_NUM_THREADS", None)  # launch.threads_per_rank decides
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         tail = f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         raise RuntimeError(f"our trainer failed (exit {proc.returncode}):\n{tail}")
@@ -285,6 +287,9 @@ def main() -> int:
     ap.add_argument("--tp", default="1,2", help="our layouts to run: comma-separated TP sizes (1 and/or 2)")
     ap.add_argument("--trl-python", default=None, help="interpreter with trl installed (default: this one)")
     ap.add_argument("--workdir", default=None, help="where inputs and run dirs go (default: a temp dir)")
+    ap.add_argument(
+        "--baseline-repo", default=None, help="another checkout (e.g. the previous commit) run as 'base_tp1' too"
+    )
     ap.add_argument("--trl-worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -304,11 +309,15 @@ def main() -> int:
     print(f"bench_step: {a.runs} runs per side x {a.steps} steps ({a.warmup} warm-up); workdir {workdir}")
     print(f"bench_step: TRL interpreter {trl_python}")
     results: dict[str, list[dict[str, float]]] = {"trl": [], **{f"ours_tp{tp}": [] for tp in tps}}
+    if a.baseline_repo:
+        results["base_tp1"] = []
     for i in range(a.runs):
         for side in results:
             t0 = time.perf_counter()
             if side == "trl":
                 r = run_trl(trl_python, workdir, a.steps, a.warmup, i)
+            elif side == "base_tp1":
+                r = run_ours(workdir, 1, a.steps, a.warmup, i, repo=os.path.abspath(a.baseline_repo))
             else:
                 r = run_ours(workdir, int(side.removeprefix("ours_tp")), a.steps, a.warmup, i)
             results[side].append(r)
@@ -321,6 +330,8 @@ def main() -> int:
     per_run = [o["step"] / t["step"] for o, t in zip(results.get("ours_tp1", []), results["trl"])]
     if per_run:
         print("step_vs_trl per run pair: " + " ".join(f"{x:.3f}" for x in per_run))
+    if "base_tp1" in med:
+        print(f"ours_vs_base={med['ours_tp1']['step'] / med['base_tp1']['step']:.3f}")
     if "ours_tp2" in med:
         print(f"step_vs_trl_tp2={med['ours_tp2']['step'] / med['trl']['step']:.3f}")
     if "ours_tp1" in med:
