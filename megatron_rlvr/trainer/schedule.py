@@ -52,7 +52,7 @@ def run_microbatches(
         mb = next(data_iterator)
         tokens = mb["tokens"].to(device)
         position_ids = mb["position_ids"].to(device)
-        output = model_chunk(tokens, position_ids, None)  # under the CPU shims: megatron allocates on "cuda" here
+        output = model_chunk(tokens, position_ids, None)
         return output, functools.partial(adapter, mb)
 
     fwd_bwd = get_forward_backward_func(pp_size=pp_size)
