@@ -98,7 +98,7 @@ def policy_loss_fn(
 
     ``old_from_forward``: the behaviour policy IS the policy being updated (recomputed old log-probs, first
     mini-batch of the first epoch: no optimizer step yet), so the old log-probs are this forward's own log-probs,
-    detached -- the values a separate no-grad recompute pass of the same micro-batch gives, without that pass. The
+    detached -- what a separate no-grad recompute pass gives (up to float noise), without that pass. The
     info then also holds them as ``logp`` [b, s] (cpu, float32) for later epochs and the mismatch metrics, and
     ``tis_cap`` (truncated IS) is applied from them (else from ``mb["tis_weight"]``).
     """
