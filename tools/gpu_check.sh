@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU check (one GPU, < 10 minutes): every GPU-marked test of the repository (`pytest -m gpu`: vLLM engine on a tiny
 # random model built from a config, weight sync at rollout TP != training TP, log-prob agreement, plus the other
-# packages' GPU tests) and the weight-sync benchmark; a summary table is printed last.
+# packages' GPU tests, e.g. tests/test_models_fusions.py: a step with the detected Megatron fusions (TE / Apex) agrees
+# with an all-unfused one) and the weight-sync benchmark; a summary table is printed last.
 #
 # Needs the gpu extra installed (`MEGATRON_RLVR_EXTRAS=dev,gpu bash tools/setup.sh`; vllm==0.33.0 pins its own CUDA
 # torch). Environment: PYTHON (default .venv/bin/python), GPU_CHECK_LOG_DIR (default /tmp/megatron-rlvr-gpu-check),

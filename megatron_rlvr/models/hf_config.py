@@ -150,15 +150,20 @@ def megatron_model_args(
     padded_vocab_size: int | None = None,
     sequence_parallel: bool = False,
     perform_initialization: bool = True,
+    fusions: bool | None = None,
     **config_overrides,
 ) -> MegatronModelArgs:
     """Translate an HF causal-LM config into megatron's TransformerConfig and GPTModel arguments.
 
     ``padded_vocab_size`` overrides the padding rule (checkpoints keep the padded size they were saved with, so a
     reload at another TP uses the saved value; it must then be divisible by ``tp_size``).
+    ``fusions``: megatron's kernel fusions; None: those the installed stack supports on this device (all off on
+    CPU), False: all off (the reference an unfused GPU step is checked against).
     ``config_overrides`` go straight into TransformerConfig (e.g. ``recompute_granularity``).
     """
     from megatron.core.transformer import TransformerConfig
+
+    from megatron_rlvr.models.fusions import fusion_flags
 
     cfg = load_hf_config(hf_config)
     archs = cfg.get("architectures") or []
@@ -224,13 +229,8 @@ def megatron_model_args(
         init_method_std=float(cfg.get("initializer_range", 0.02)),
         rotary_interleaved=False,  # HF rotate_half layout
         attention_softmax_in_fp32=True,
-        # Fused kernels need CUDA/Apex/TE; they are also off by default. Explicit, so a GPU run opts in knowingly.
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        bias_dropout_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
+        # Fused kernels need CUDA (and TE / Apex for some): on exactly where detected, off on CPU (models/fusions.py).
+        **fusion_flags(fusions),
         tensor_model_parallel_size=tp_size,
         pipeline_model_parallel_size=pp_size,
         sequence_parallel=sequence_parallel and tp_size > 1,

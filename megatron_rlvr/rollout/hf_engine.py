@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_rlvr.cpu_shims import native_torch
 from megatron_rlvr.rollout.engine import (
     Completion,
     RolloutEngine,
@@ -65,6 +66,10 @@ def filter_logits(scaled_BV: torch.Tensor, top_k: int, top_p: float) -> torch.Te
         remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
         out = out.masked_fill(remove, float("-inf"))
     return out
+
+
+_NOISE_BUDGET = 1 << 22
+"""Floats of sampling noise drawn ahead (B rows x steps x V); 16 MiB."""
 
 
 def _cache_kwarg(model) -> str:
@@ -220,11 +225,12 @@ class HFRolloutEngine(RolloutEngine):
         rows = [(i, j) for i in range(len(prompts)) for j in range(params.n)]
         outputs = [RolloutOutput(prompt_token_ids=list(p), completions=[None] * params.n) for p in prompts]
         step = self.config.max_batch_rows
-        for start in range(0, len(rows), step):
-            chunk = rows[start : start + step]
-            seeds = [sample_seed(base_seed, keys[i], j) for i, j in chunk]
-            for (i, j), comp in zip(chunk, self._generate_rows([prompts[i] for i, _ in chunk], seeds, params)):
-                outputs[i].completions[j] = comp
+        with native_torch():  # transformers makes no CUDA calls for a CPU model: skip the CPU shims' handler
+            for start in range(0, len(rows), step):
+                chunk = rows[start : start + step]
+                seeds = [sample_seed(base_seed, keys[i], j) for i, j in chunk]
+                for (i, j), comp in zip(chunk, self._generate_rows([prompts[i] for i, _ in chunk], seeds, params)):
+                    outputs[i].completions[j] = comp
         return outputs
 
     @torch.no_grad()
@@ -262,6 +268,11 @@ class HFRolloutEngine(RolloutEngine):
         lps: list[list[float]] = [[] for _ in range(B)]
         done: list[Completion | None] = [None] * B
         T = params.temperature if not params.greedy else 1.0
+        # Exponential-race noise (argmax p / q, q ~ Exp(1), is a sample of p), drawn for `chunk` steps at once per
+        # row: a generator's stream is sequential, so q[r, k] is bit-identical to drawing V values per step, while
+        # the calls drop from B per step to B per chunk (the chunk bounds the buffer at ~_NOISE_BUDGET floats).
+        chunk = max(1, min(params.max_tokens, _NOISE_BUDGET // max(1, B * logits.shape[-1])))
+        noise = None
         for step in range(params.max_tokens):
             scaled = logits / T
             logp_full = torch.log_softmax(scaled, dim=-1)
@@ -269,13 +280,16 @@ class HFRolloutEngine(RolloutEngine):
                 chosen = logits.argmax(dim=-1)
             else:
                 probs = torch.softmax(filter_logits(scaled, params.top_k, params.top_p), dim=-1)
-                chosen = torch.empty(B, dtype=torch.long, device=dev)
-                for r in range(B):
-                    if done[r] is not None:
-                        chosen[r] = 0
-                        continue
-                    q = torch.empty_like(probs[r]).exponential_(generator=gens[r])
-                    chosen[r] = torch.argmax(probs[r] / q)
+                if step % chunk == 0:
+                    noise = torch.empty(B, chunk, probs.shape[-1], dtype=probs.dtype, device=dev)
+                    for r in range(B):
+                        if done[r] is None:  # a finished row's generator is never read again
+                            noise[r].exponential_(generator=gens[r])
+                        else:
+                            noise[r].fill_(1.0)
+                chosen = torch.argmax(probs / noise[:, step % chunk], dim=-1)
+                if any(d is not None for d in done):
+                    chosen[torch.tensor([d is not None for d in done], device=dev)] = 0
             chosen_lp = logp_full.gather(-1, chosen[:, None])[:, 0].tolist()
             chosen_l = chosen.tolist()
             for r in range(B):

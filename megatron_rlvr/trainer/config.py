@@ -211,6 +211,10 @@ class TrainConfig:
     skip_nonfinite: bool = True
     """A NaN/inf in logits, log-probs, loss or gradients skips the optimizer step (weights unchanged, reported as
     ``train/skipped_nonfinite``); False raises instead."""
+    old_logprobs_from_update: bool = True
+    """With ``rollout.old_logprobs=recompute``: the first mini-batch of the first epoch takes its behaviour log-probs
+    from the update's own forward (detached; the policy has not changed yet, so they are exactly the recomputed
+    values) instead of a separate forward pass. False: recompute every sequence's first (the reference path)."""
 
     def __post_init__(self) -> None:
         for k in ("prompts_per_step", "ppo_epochs", "logits_chunk", "dynamic_sampling_max_rounds"):

@@ -9,7 +9,9 @@ from dataclasses import dataclass
 import torch
 
 from megatron_rlvr.algorithms import AlgorithmConfig, LossNormalizers, PolicyLossInputs, compute_policy_loss
+from megatron_rlvr.cpu_shims import native_torch
 from megatron_rlvr.ops import vocab_parallel_token_stats
+from megatron_rlvr.trainer.microbatch import tis_weights
 
 
 @dataclass
@@ -67,7 +69,8 @@ def logprob_fn(spec: StatsSpec, with_entropy: bool):
 
     def fn(mb, logits_bsv):
         want = ("logprob", "entropy") if with_entropy else ("logprob",)
-        st, bad = token_stats(logits_bsv, mb["labels"], spec, want)
+        with native_torch():  # no CUDA calls in here: skip the CPU shims' per-call handler
+            st, bad = token_stats(logits_bsv, mb["labels"], spec, want)
         mask = mb["mask"].to(logits_bsv.device)
         info = {
             "logp": st["logprob"].detach().float().cpu(),
@@ -80,15 +83,28 @@ def logprob_fn(spec: StatsSpec, with_entropy: bool):
     return fn
 
 
-def policy_loss_fn(algo: AlgorithmConfig, norms: LossNormalizers, spec: StatsSpec, ref_logits_fn=None):
+def policy_loss_fn(
+    algo: AlgorithmConfig,
+    norms: LossNormalizers,
+    spec: StatsSpec,
+    ref_logits_fn=None,
+    *,
+    old_from_forward: bool = False,
+    tis_cap: float | None = None,
+):
     """The training loss of one micro-batch: (sum-reduced loss, metrics incl. ``train/nonfinite``).
 
     ``ref_logits_fn(mb)`` gives the reference model's logits shard when ``algo.ref_kl.estimator == 'exact'``.
+
+    ``old_from_forward``: the behaviour policy IS the policy being updated (recomputed old log-probs, first
+    mini-batch of the first epoch: no optimizer step yet), so the old log-probs are this forward's own log-probs,
+    detached -- what a separate no-grad recompute pass gives (up to float noise), without that pass. The
+    info then also holds them as ``logp`` [b, s] (cpu, float32) for later epochs and the mismatch metrics, and
+    ``tis_cap`` (truncated IS) is applied from them (else from ``mb["tis_weight"]``).
     """
     exact_kl = algo.ref_kl.coef > 0 and algo.ref_kl.estimator == "exact"
 
     def fn(mb, logits_bsv):
-        dev = logits_bsv.device
         want = ["logprob", "entropy"]
         if algo.margin_credit.enabled:
             want.append("margin")
@@ -96,16 +112,28 @@ def policy_loss_fn(algo: AlgorithmConfig, norms: LossNormalizers, spec: StatsSpe
         if exact_kl:
             want.append("kl")
             other = ref_logits_fn(mb)
+        with native_torch():  # the statistics and the loss make no CUDA calls (the reference forward above may)
+            return _policy_loss(mb, logits_bsv, want, other)
+
+    def _policy_loss(mb, logits_bsv, want, other):
+        dev = logits_bsv.device
         st, bad_logits = token_stats(logits_bsv, mb["labels"], spec, want, other)
         mask = mb["mask"].to(dev)
         logp = st["logprob"]
-        if "tis_weight" in mb:
-            adv_B, adv_BT = None, mb["adv"].to(dev)[:, None] * mb["tis_weight"].to(dev)
+        if old_from_forward:
+            # zeros off the mask, as the recompute path's scatter leaves them (padding is masked anyway)
+            old_BT = torch.where(mask, logp.detach().float(), torch.zeros((), dtype=torch.float32, device=dev))
+            tis_BT = None if tis_cap is None else tis_weights(old_BT, mb["rollout_logp"].to(dev), mask, tis_cap)
+        else:
+            old_BT = mb["old_logp"].to(dev)
+            tis_BT = mb["tis_weight"].to(dev) if "tis_weight" in mb else None
+        if tis_BT is not None:
+            adv_B, adv_BT = None, mb["adv"].to(dev)[:, None] * tis_BT
         else:
             adv_B, adv_BT = mb["adv"].to(dev), None
         inputs = PolicyLossInputs(
             logp_BT=logp,
-            old_logp_BT=mb["old_logp"].to(dev),
+            old_logp_BT=old_BT,
             mask_BT=mask,
             adv_B=adv_B,
             adv_BT=adv_BT,
@@ -123,6 +151,8 @@ def policy_loss_fn(algo: AlgorithmConfig, norms: LossNormalizers, spec: StatsSpe
             # keep the backward finite-or-not as it is: the step is skipped after the all-reduce of this flag
             info = {k: (v if v == v and abs(v) != float("inf") else 0.0) for k, v in info.items()}
             info["train/nonfinite"] = 1.0
+        if old_from_forward:
+            info["logp"] = logp.detach().float().cpu()
         return loss, info
 
     return fn

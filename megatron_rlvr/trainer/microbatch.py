@@ -144,12 +144,16 @@ def build_microbatch(
         "seq_ids": seq_ids,
     }
     if tis_cap is not None and old_logp is not None:
-        # Truncated importance sampling (Yao et al., "Your efficient RL framework secretly brings you off-policy RL
-        # training", 2025): w = min(pi_train_old / pi_rollout, C) per token, folded into the advantage (every policy
-        # loss here is positively homogeneous in A, so w * loss(A) == loss(w * A)).
-        w = torch.exp((old - rollout).clamp(max=20.0)).clamp(max=tis_cap)
-        out["tis_weight"] = torch.where(mask, w, torch.ones_like(w))
+        out["tis_weight"] = tis_weights(old, rollout, mask, tis_cap)
     return out
+
+
+def tis_weights(old_bs: torch.Tensor, rollout_bs: torch.Tensor, mask_bs: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance sampling (Yao et al., "Your efficient RL framework secretly brings you off-policy RL
+    training", 2025): w = min(pi_train_old / pi_rollout, C) per token (1 off the mask), folded into the advantage
+    (every policy loss here is positively homogeneous in A, so w * loss(A) == loss(w * A))."""
+    w = torch.exp((old_bs - rollout_bs).clamp(max=20.0)).clamp(max=cap)
+    return torch.where(mask_bs, w, torch.ones_like(w))
 
 
 def response_values(values_bs: torch.Tensor, seqs: list[Sequence]) -> list[torch.Tensor]:

@@ -77,8 +77,14 @@ def rl_step(t: Trainer, step: int) -> dict[str, float]:
     m.update(lp)
     m["time/logprobs_s"] = time.perf_counter() - t1
     t1 = time.perf_counter()
-    m.update(policy_update(t.update_ctx, t.model, t.optimizer, seqs, old, ref, ref_logits_fn(t)))  # mini-batches
+    fused = old_logprobs_from_update(t)  # the first update's forward gives its old log-probs (no recompute pass)
+    m.update(
+        policy_update(t.update_ctx, t.model, t.optimizer, seqs, old, ref, ref_logits_fn(t), old_from_forward=fused)
+    )
     m["time/update_s"] = time.perf_counter() - t1
+    if fused:  # the recompute pass's metrics, now that ``old`` is complete
+        m["logprobs/nonfinite"] = max(m["logprobs/nonfinite"], m.pop("logprobs/nonfinite_update"))
+        m.update(mismatch_metrics(t, seqs, old))
     t.scheduler.step(increment=1)
     m.update(refresh_engine(t, updated=m.get("train/updates", 0) > 0))  # weight sync to the engine
     m["train/skipped"] = float(m.get("train/updates", 0) == 0)
@@ -152,14 +158,19 @@ def behaviour_and_reference_logprobs(t: Trainer, seqs):
     term is on), for this data-parallel rank's sequences; plus train/inference mismatch metrics."""
     import torch
 
-    from megatron_rlvr.trainer.update import compute_logprobs, my_sequence_ids
+    from megatron_rlvr.trainer.update import compute_logprobs, my_sequence_ids, recompute_ids
 
     ctx = t.update_ctx
     ids = my_sequence_ids(ctx, len(seqs))
     m: dict[str, float] = {}
     if t.cfg.rollout.old_logprobs == "recompute":
-        old, _, bad = compute_logprobs(ctx, t.model, seqs, ids)
-        m.update(mismatch_metrics(t, seqs, old))
+        fused = old_logprobs_from_update(t)
+        todo = recompute_ids(ctx, len(seqs), fused)
+        old, bad = {}, 0.0
+        if todo:
+            old, _, bad = compute_logprobs(ctx, t.model, seqs, todo)
+        if not fused:
+            m.update(mismatch_metrics(t, seqs, old))
     else:
         old = {i: torch.tensor(seqs[i].rollout_logprobs, dtype=torch.float32) for i in ids}
         bad = 0.0
@@ -169,6 +180,11 @@ def behaviour_and_reference_logprobs(t: Trainer, seqs):
         bad = max(bad, bad_ref)
     m["logprobs/nonfinite"] = bad
     return old, ref, m
+
+
+def old_logprobs_from_update(t: Trainer) -> bool:
+    """Recomputed behaviour log-probs of the first mini-batch come from the first update's own forward."""
+    return t.cfg.rollout.old_logprobs == "recompute" and t.cfg.train.old_logprobs_from_update
 
 
 def mismatch_metrics(t: Trainer, seqs, old) -> dict[str, float]:
@@ -392,10 +408,16 @@ def setup(cfg: RunConfig, run_dir: str | None) -> Trainer:
         where = f"resumed from step {t.start_step}" if t.start_step else "starting"
         print(
             f"megatron-rlvr: {where} | {cfg.logging.name} | algorithm {cfg.algorithm.name} | world {d.world_size} "
-            f"(tp {d.tp_size}, pp {d.pp_size}, dp {d.dp_size}) | {d.backend} | run dir {run_dir}",
+            f"(tp {d.tp_size}, pp {d.pp_size}, dp {d.dp_size}) | {d.backend} | {fusions_line()} | run dir {run_dir}",
             flush=True,
         )
     return t
+
+
+def fusions_line() -> str:
+    from megatron_rlvr.models.fusions import detect
+
+    return detect().describe()
 
 
 def cpu_threads(cfg: RunConfig, world_size: int) -> int:

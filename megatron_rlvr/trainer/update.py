@@ -108,13 +108,19 @@ def compute_logprobs(ctx: UpdateContext, model, seqs: list[Sequence], ids: list[
 
 
 def _grads_finite(model) -> bool:
+    """One check over all gradients (a per-parameter isfinite().all() costs ~3 ops and a host sync each): a
+    tensor's max-abs norm is finite iff every element is (a NaN/inf anywhere makes it NaN/inf)."""
+    grads = []
     for p in model.parameters():
         g = getattr(p, "main_grad", None)
         if g is None:
             g = p.grad
-        if g is not None and not bool(torch.isfinite(g).all()):
-            return False
-    return True
+        if g is not None:
+            grads.append(g)
+    if not grads:
+        return True
+    norms = torch._foreach_norm(grads, ord=float("inf"))
+    return bool(torch.isfinite(torch.stack(norms)).all())
 
 
 def _all_max(value: float) -> float:
@@ -125,11 +131,32 @@ def _all_max(value: float) -> float:
     return float(t.item())
 
 
-def policy_update(ctx: UpdateContext, ddp_model, optimizer, seqs, old, ref, ref_logits_fn=None) -> dict[str, float]:
-    """All mini-batch updates of one step; returns merged (over ranks) loss metrics and update counters."""
+def recompute_ids(ctx: UpdateContext, num_seqs: int, old_from_forward: bool) -> list[int]:
+    """This rank's sequences whose behaviour log-probs need a recompute pass before the update: all of them, or,
+    with ``old_from_forward``, all but the first mini-batch's (the first update's forward gives those)."""
+    ids = my_sequence_ids(ctx, num_seqs)
+    if not old_from_forward:
+        return ids
+    first = set(my_sequence_ids(ctx, num_seqs, 0))
+    return [i for i in ids if i not in first]
+
+
+def policy_update(
+    ctx: UpdateContext, ddp_model, optimizer, seqs, old, ref, ref_logits_fn=None, *, old_from_forward: bool = False
+) -> dict[str, float]:
+    """All mini-batch updates of one step; returns merged (over ranks) loss metrics and update counters.
+
+    ``old_from_forward``: ``old`` (a dict, recomputed log-probs) lacks the first mini-batch's sequences. Before the
+    first optimizer step the policy IS the behaviour policy, so the first mini-batch of the first epoch takes its
+    old log-probs from its own forward, detached (exact: the first update's ratio is 1; a separate no-grad
+    recompute agrees only to float noise, ~5e-7 on CPU), and stores them into ``old`` (in place) for later epochs
+    and the mismatch metrics;
+    ``logprobs/nonfinite_update`` then says whether those log-probs were finite on this rank.
+    """
     acc = LossMetrics()
     updates = skipped = 0
     grad_norms = []
+    fused_bad = 0.0
     G = len(seqs) // ctx.n_per_group
     for _epoch in range(ctx.ppo_epochs):
         for m in range(ctx.num_mini_batches):
@@ -146,18 +173,25 @@ def policy_update(ctx: UpdateContext, ddp_model, optimizer, seqs, old, ref, ref_
                 counts += local_normalizer_counts(mask, torch.tensor([q.mastered]))
             norms = LossNormalizers.from_counts(counts)
             ids = my_sequence_ids(ctx, len(seqs), m)
-            mbs, _ = _microbatches(ctx, seqs, ids, old, ref, with_tis=ctx.tis_cap is not None)
+            fused = old_from_forward and _epoch == 0 and m == 0
+            with_tis = ctx.tis_cap is not None and not fused
+            mbs, members = _microbatches(ctx, seqs, ids, None if fused else old, ref, with_tis=with_tis)
+            loss_fn = policy_loss_fn(
+                ctx.algo,
+                norms,
+                ctx.spec,
+                ref_logits_fn,
+                old_from_forward=fused,
+                tis_cap=ctx.tis_cap if fused else None,
+            )
             ddp_model.zero_grad_buffer()
             optimizer.zero_grad()
-            infos = run_microbatches(
-                ddp_model,
-                mbs,
-                policy_loss_fn(ctx.algo, norms, ctx.spec, ref_logits_fn),
-                pg=ctx.pg,
-                forward_only=False,
-                device=ctx.device,
-            )
-            for info in infos:
+            infos = run_microbatches(ddp_model, mbs, loss_fn, pg=ctx.pg, forward_only=False, device=ctx.device)
+            for info, chosen in zip(infos, members):
+                if fused:
+                    for i, v in zip(chosen, response_values(info.pop("logp"), [seqs[i] for i in chosen])):
+                        old[i] = v
+                    fused_bad = max(fused_bad, info.get("train/nonfinite", 0.0))
                 acc.add(info)
             local_bad = max([info.get("train/nonfinite", 0.0) for info in infos] + [0.0])
             local_bad = max(local_bad, 0.0 if _grads_finite(ddp_model) else 1.0)
@@ -183,4 +217,6 @@ def policy_update(ctx: UpdateContext, ddp_model, optimizer, seqs, old, ref, ref_
     out["train/skipped_nonfinite"] = float(skipped)
     if grad_norms:
         out["optim/grad_norm"] = sum(grad_norms) / len(grad_norms)
+    if old_from_forward:
+        out["logprobs/nonfinite_update"] = fused_bad
     return out
