@@ -196,6 +196,45 @@ def test_corrupt_newest_checkpoint_is_named_and_the_previous_one_used(tmp_path):
         choose_checkpoint(candidates(os.path.join(run, "checkpoints")), False)
 
 
+def test_after_a_fallback_the_damaged_step_is_saved_again(tmp_path, monkeypatch):
+    """Resumed from step 1 because step 2 is damaged: training step 2 again must replace the damaged folder (save
+    used to return early because step_2 was "already the newest checkpoint", so a SIGTERM at step 2 claimed a save
+    that never happened and every later resume fell back to step 1). Re-saving the step that was resumed from stays
+    a no-op."""
+    from megatron_rlvr.models import checkpointing
+    from megatron_rlvr.trainer import checkpoint as ckpt
+
+    run = str(tmp_path / "run")
+    _fake_checkpoint(run, 1)
+    newest = _fake_checkpoint(run, 2)
+    with open(os.path.join(newest, "__0_0.distcp"), "r+b") as f:
+        f.truncate(10)
+    saved = []
+
+    def fake_save(cfg, step, **kw):
+        saved.append(step)
+        return _fake_checkpoint(run, step)
+
+    monkeypatch.setattr(checkpointing, "save_checkpoint", fake_save)
+    cfg = SimpleNamespace(checkpoint=SimpleNamespace(keep_last=0, sharding_type="fully_reshardable"))
+    t = SimpleNamespace(
+        run_dir=run,
+        cfg=SimpleNamespace(algorithm=SimpleNamespace(name="grpo"), **vars(cfg)),
+        loader=SimpleNamespace(state_dict=lambda: {}),
+        dist=SimpleNamespace(rank=0, pg=None),
+        model=None,
+        optimizer=None,
+        scheduler=None,
+        args=None,
+        start_step=1,
+    )
+    assert ckpt.save(t, 2) == newest and saved == [2]
+    with open(os.path.join(newest, "__0_0.distcp"), "rb") as f:
+        assert len(f.read()) == 100  # the damaged shard was replaced
+    t.start_step = 2  # a run resumed from its final checkpoint saves at the end: nothing to write
+    assert ckpt.save(t, 2) == newest and saved == [2]
+
+
 # ----------------------------------------------------------------------------------------------- reward failures
 
 
