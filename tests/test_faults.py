@@ -164,6 +164,29 @@ def test_changed_options_on_resume_are_applied_or_refused(tmp_path, capsys):
     assert "name: dapo" in text and "allow_changes: false" in text  # applied, and the one-off not persisted
 
 
+def test_resume_of_a_run_dir_written_before_an_option_existed(tmp_path, capsys):
+    """A config.yaml written by an older version lacks the options added since. A plain resume must not be refused
+    for them when they hold their defaults (nothing was changed); a non-default value is still a refused change."""
+    import yaml
+
+    from megatron_rlvr.trainer.resume import ResumeError
+
+    run = tmp_path / "run"
+    _, path = _prepare(None, [f"logging.run_dir={run}"])
+    _fake_checkpoint(str(run), 10)
+    with open(path) as f:
+        old = yaml.safe_load(f)
+    assert old["train"].pop("offload_during_rollout") is False and old["reward"].pop("max_error_frac") == 0.5
+    with open(path, "w") as f:
+        yaml.safe_dump(old, f, sort_keys=False)
+    with pytest.raises(ResumeError, match=r"train\.offload_during_rollout: '<unset>' -> True"):
+        _prepare(None, [f"logging.run_dir={run}", "train.offload_during_rollout=true"])
+    with open(path, "w") as f:
+        yaml.safe_dump(old, f, sort_keys=False)
+    _prepare(None, [f"logging.run_dir={run}"])
+    assert "train.offload_during_rollout: '<unset>' -> False" in capsys.readouterr().out
+
+
 def test_preset_override_on_a_resolved_config_takes_effect(tmp_path):
     """Item 3: algorithm.preset=X on a resolved config (expanded fields, no preset key) used to keep the old
     algorithm; now it is the new preset, refined by algorithm.* overrides given with it (in any order)."""
