@@ -88,6 +88,26 @@ def test_ranks_keep_the_launchers_lock_after_the_launcher_dies(tmp_path):
     acquire(str(run)).release()
 
 
+def test_a_lock_that_cannot_be_written_is_refused_on_every_rank(tmp_path, monkeypatch):
+    """A full disk or quota while writing the holder record is a clear RunDirLocked naming the lock file (raised by
+    rank 0 alone as a bare OSError, the other ranks of an srun job would wait in the broadcast forever), and the
+    lock is not left held."""
+    run = tmp_path / "run"
+
+    def full(fd, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(run_lock.os, "write", full)
+    with pytest.raises(RunDirLocked, match=r"\.rlvr-lock: No space left on device"):
+        acquire(str(run))
+    sent = []
+    with pytest.raises(RunDirLocked, match="No space left on device"):
+        run_lock.hold_collective(str(run), 0, lambda obj: sent.append(obj) or obj)
+    assert sent and "No space left" in sent[0][0]  # the error went through the broadcast
+    monkeypatch.undo()
+    acquire(str(run)).release()  # nothing left holding it
+
+
 def test_stale_rules_without_flock_including_slurm_requeue():
     """File systems without flock: a dead pid on this host is stale, a live one is not; another host is stale only
     when it is an earlier attempt of the same Slurm job (a requeue runs after the old allocation ended)."""
@@ -185,6 +205,23 @@ def test_resume_of_a_run_dir_written_before_an_option_existed(tmp_path, capsys):
         yaml.safe_dump(old, f, sort_keys=False)
     _prepare(None, [f"logging.run_dir={run}"])
     assert "train.offload_during_rollout: '<unset>' -> False" in capsys.readouterr().out
+
+
+def test_an_unreadable_config_yaml_on_resume_is_refused_on_every_rank(tmp_path):
+    """Under torchrun / srun rank 0 reads the run's config.yaml: a YAML error there must reach every rank as a
+    ResumeError naming the file (raised on rank 0 alone, the others would wait in the broadcast forever)."""
+    from megatron_rlvr.trainer.config import load_run_config
+    from megatron_rlvr.trainer.resume import ResumeError, prepare_run_dir_on_ranks
+
+    run = tmp_path / "run"
+    _fake_checkpoint(str(run), 3)
+    (run / "config.yaml").write_text("train: [unclosed\n")
+    cfg = load_run_config(None, [f"logging.run_dir={run}"])
+    sent = []
+    with pytest.raises(ResumeError, match=r"config\.yaml: .*Error"):
+        prepare_run_dir_on_ranks(cfg, str(run), 0, lambda obj: sent.append(obj) or obj)
+    assert isinstance(sent[-1], ResumeError)
+    acquire(str(run)).release()  # the lock was released
 
 
 def test_preset_override_on_a_resolved_config_takes_effect(tmp_path):

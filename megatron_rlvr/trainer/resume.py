@@ -140,8 +140,8 @@ def prepare_run_dir_on_ranks(cfg, run_dir: str, rank: int, broadcast) -> None:
             for line in check_resume_changes(cfg, run_dir):
                 print(f"megatron-rlvr: resuming with a changed option: {line}", flush=True)
             dump_yaml(cfg, os.path.join(run_dir, "config.yaml"))
-        except (ResumeError, OSError) as e:
-            err = e if isinstance(e, ResumeError) else ResumeError(f"cannot write {run_dir}/config.yaml: {e}")
+        except Exception as e:  # on rank 0 alone: it must reach every rank, or they wait in the broadcast forever
+            err = e if isinstance(e, ResumeError) else ResumeError(f"{run_dir}/config.yaml: {type(e).__name__}: {e}")
     err = broadcast(err)
     if err is not None:
         if rank == 0:
