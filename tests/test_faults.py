@@ -88,6 +88,26 @@ def test_ranks_keep_the_launchers_lock_after_the_launcher_dies(tmp_path):
     acquire(str(run)).release()
 
 
+def test_a_lock_that_cannot_be_written_is_refused_on_every_rank(tmp_path, monkeypatch):
+    """A full disk or quota while writing the holder record is a clear RunDirLocked naming the lock file (raised by
+    rank 0 alone as a bare OSError, the other ranks of an srun job would wait in the broadcast forever), and the
+    lock is not left held."""
+    run = tmp_path / "run"
+
+    def full(fd, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(run_lock.os, "write", full)
+    with pytest.raises(RunDirLocked, match=r"\.rlvr-lock: No space left on device"):
+        acquire(str(run))
+    sent = []
+    with pytest.raises(RunDirLocked, match="No space left on device"):
+        run_lock.hold_collective(str(run), 0, lambda obj: sent.append(obj) or obj)
+    assert sent and "No space left" in sent[0][0]  # the error went through the broadcast
+    monkeypatch.undo()
+    acquire(str(run)).release()  # nothing left holding it
+
+
 def test_stale_rules_without_flock_including_slurm_requeue():
     """File systems without flock: a dead pid on this host is stale, a live one is not; another host is stale only
     when it is an earlier attempt of the same Slurm job (a requeue runs after the old allocation ended)."""
@@ -164,6 +184,46 @@ def test_changed_options_on_resume_are_applied_or_refused(tmp_path, capsys):
     assert "name: dapo" in text and "allow_changes: false" in text  # applied, and the one-off not persisted
 
 
+def test_resume_of_a_run_dir_written_before_an_option_existed(tmp_path, capsys):
+    """A config.yaml written by an older version lacks the options added since. A plain resume must not be refused
+    for them when they hold their defaults (nothing was changed); a non-default value is still a refused change."""
+    import yaml
+
+    from megatron_rlvr.trainer.resume import ResumeError
+
+    run = tmp_path / "run"
+    _, path = _prepare(None, [f"logging.run_dir={run}"])
+    _fake_checkpoint(str(run), 10)
+    with open(path) as f:
+        old = yaml.safe_load(f)
+    assert old["train"].pop("offload_during_rollout") is False and old["reward"].pop("max_error_frac") == 0.5
+    with open(path, "w") as f:
+        yaml.safe_dump(old, f, sort_keys=False)
+    with pytest.raises(ResumeError, match=r"train\.offload_during_rollout: '<unset>' -> True"):
+        _prepare(None, [f"logging.run_dir={run}", "train.offload_during_rollout=true"])
+    with open(path, "w") as f:
+        yaml.safe_dump(old, f, sort_keys=False)
+    _prepare(None, [f"logging.run_dir={run}"])
+    assert "train.offload_during_rollout: '<unset>' -> False" in capsys.readouterr().out
+
+
+def test_an_unreadable_config_yaml_on_resume_is_refused_on_every_rank(tmp_path):
+    """Under torchrun / srun rank 0 reads the run's config.yaml: a YAML error there must reach every rank as a
+    ResumeError naming the file (raised on rank 0 alone, the others would wait in the broadcast forever)."""
+    from megatron_rlvr.trainer.config import load_run_config
+    from megatron_rlvr.trainer.resume import ResumeError, prepare_run_dir_on_ranks
+
+    run = tmp_path / "run"
+    _fake_checkpoint(str(run), 3)
+    (run / "config.yaml").write_text("train: [unclosed\n")
+    cfg = load_run_config(None, [f"logging.run_dir={run}"])
+    sent = []
+    with pytest.raises(ResumeError, match=r"config\.yaml: .*Error"):
+        prepare_run_dir_on_ranks(cfg, str(run), 0, lambda obj: sent.append(obj) or obj)
+    assert isinstance(sent[-1], ResumeError)
+    acquire(str(run)).release()  # the lock was released
+
+
 def test_preset_override_on_a_resolved_config_takes_effect(tmp_path):
     """Item 3: algorithm.preset=X on a resolved config (expanded fields, no preset key) used to keep the old
     algorithm; now it is the new preset, refined by algorithm.* overrides given with it (in any order)."""
@@ -194,6 +254,45 @@ def test_corrupt_newest_checkpoint_is_named_and_the_previous_one_used(tmp_path):
     assert len(warnings) == 1 and shard in warnings[0] and "10 bytes, 100 when saved" in warnings[0]
     with pytest.raises(ResumeError, match=r"step_000000002 is corrupt.*checkpoint\.fallback=true"):
         choose_checkpoint(candidates(os.path.join(run, "checkpoints")), False)
+
+
+def test_after_a_fallback_the_damaged_step_is_saved_again(tmp_path, monkeypatch):
+    """Resumed from step 1 because step 2 is damaged: training step 2 again must replace the damaged folder (save
+    used to return early because step_2 was "already the newest checkpoint", so a SIGTERM at step 2 claimed a save
+    that never happened and every later resume fell back to step 1). Re-saving the step that was resumed from stays
+    a no-op."""
+    from megatron_rlvr.models import checkpointing
+    from megatron_rlvr.trainer import checkpoint as ckpt
+
+    run = str(tmp_path / "run")
+    _fake_checkpoint(run, 1)
+    newest = _fake_checkpoint(run, 2)
+    with open(os.path.join(newest, "__0_0.distcp"), "r+b") as f:
+        f.truncate(10)
+    saved = []
+
+    def fake_save(cfg, step, **kw):
+        saved.append(step)
+        return _fake_checkpoint(run, step)
+
+    monkeypatch.setattr(checkpointing, "save_checkpoint", fake_save)
+    cfg = SimpleNamespace(checkpoint=SimpleNamespace(keep_last=0, sharding_type="fully_reshardable"))
+    t = SimpleNamespace(
+        run_dir=run,
+        cfg=SimpleNamespace(algorithm=SimpleNamespace(name="grpo"), **vars(cfg)),
+        loader=SimpleNamespace(state_dict=lambda: {}),
+        dist=SimpleNamespace(rank=0, pg=None),
+        model=None,
+        optimizer=None,
+        scheduler=None,
+        args=None,
+        start_step=1,
+    )
+    assert ckpt.save(t, 2) == newest and saved == [2]
+    with open(os.path.join(newest, "__0_0.distcp"), "rb") as f:
+        assert len(f.read()) == 100  # the damaged shard was replaced
+    t.start_step = 2  # a run resumed from its final checkpoint saves at the end: nothing to write
+    assert ckpt.save(t, 2) == newest and saved == [2]
 
 
 # ----------------------------------------------------------------------------------------------- reward failures

@@ -47,6 +47,13 @@ def misbehaving_reward(response: str, ground_truth: str, **metadata) -> float:
         os.kill(os.getpid(), signal.SIGKILL)
     if response == "str":
         return "1.0"
+    if response == "fork":  # a child of the reward fn (the multiprocessing "fork" method ends it with os._exit)
+        import multiprocessing
+
+        child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(0.01,))
+        child.start()
+        child.join(5)
+        return float(child.exitcode == 0)
     if response == "nan":
         return math.nan
     if response == "meta":
@@ -284,6 +291,16 @@ def test_os_exit_in_the_reward_fn_is_an_error_without_a_worker_restart(user_rm):
     detail = user_rm.score_detailed(["exit"], ["3"])[0]
     assert detail.status == "error" and "os._exit(7)" in detail.error
     assert user_rm.worker_pids == pids
+
+
+def test_forked_child_of_the_reward_fn_still_exits(user_rm):
+    """os._exit raises only in the worker itself: a child forked by the reward function (multiprocessing "fork",
+    which ends the child with os._exit) must exit, not carry on as a second reader of the worker's pipe."""
+    pids = user_rm.worker_pids
+    details = user_rm.score_detailed(["fork", "3", "fork", "3"], ["3", "3", "3", "3"])
+    assert [(d.status, d.reward) for d in details] == [("ok", 1.0)] * 4, details
+    assert user_rm.worker_pids == pids
+    assert user_rm.score(["3", "x"], ["3", "3"])[0] == [1.0, 0.0]
 
 
 def test_non_numeric_return_is_rejected_with_the_value(user_rm):

@@ -71,9 +71,15 @@ class ExitCalled(BaseException):
 
 
 _REAL_EXIT = os._exit
+_WORKER_PID: int | None = None
+"""The reward worker's own pid: only there does os._exit raise."""
 
 
 def _exit_raises(code=0):
+    # A child forked by the reward function (multiprocessing's "fork" start method ends its children with
+    # os._exit) must really exit: raising there would run it on as a second reader of the worker's pipe.
+    if os.getpid() != _WORKER_PID:
+        _REAL_EXIT(code)
     raise ExitCalled(f"the reward function called os._exit({code})")
 
 
@@ -126,6 +132,8 @@ def _worker_main(conn: Connection, fn: str, extraction: str, timeout_s: float, p
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    global _WORKER_PID
+    _WORKER_PID = os.getpid()
     os._exit = _exit_raises  # the worker's own exits below use _REAL_EXIT
     try:
         from megatron_rlvr.rewards.loading import build_scorer

@@ -26,13 +26,16 @@ def _ckpt_config(t):
 
 
 def save(t, step: int) -> str:
-    """Save step ``step`` (collective); a no-op returning the path if that step is already the newest checkpoint.
-    Rank 0 then records every file's size (megatron_rlvr/trainer/resume.py: a truncated shard is found on resume)."""
+    """Save step ``step`` (collective); a no-op returning the path if that step is the checkpoint this run resumed
+    from (e.g. the final save of a run resumed at its last step). Rank 0 then records every file's size
+    (megatron_rlvr/trainer/resume.py: a truncated shard is found on resume)."""
     from megatron_rlvr.models.checkpointing import latest_checkpoint, save_checkpoint, step_dir_name
     from megatron_rlvr.trainer.resume import write_manifest
 
     path = os.path.join(checkpoint_dir(t.run_dir), step_dir_name(step))
-    if latest_checkpoint(checkpoint_dir(t.run_dir)) == path:
+    # Only the resumed-from step is known to hold this state: a newer step_N folder that the resume skipped as
+    # corrupt (checkpoint.fallback) must be replaced when the run reaches that step again, not kept.
+    if step == t.start_step and latest_checkpoint(checkpoint_dir(t.run_dir)) == path:
         return path
     state = {"step": step, "data": t.loader.state_dict(), "algorithm": t.cfg.algorithm.name}
     out = save_checkpoint(

@@ -53,6 +53,42 @@ def config_changes(old: dict, new: dict) -> list[tuple[str, object, object]]:
     return [(k, a.get(k, "<unset>"), b.get(k, "<unset>")) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
 
+_NO_DEFAULT = object()
+
+
+def field_default(dotted: str):
+    """The dataclass default of a dotted RunConfig option (as plain YAML data), or ``_NO_DEFAULT``."""
+    import dataclasses
+    import typing
+
+    from megatron_rlvr.trainer.config import RunConfig, _plain
+
+    cls, parts = RunConfig, dotted.split(".")
+    for i, name in enumerate(parts):
+        fields = {f.name: f for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
+        f = fields.get(name)
+        if f is None:
+            return _NO_DEFAULT
+        if i < len(parts) - 1:
+            try:
+                cls = typing.get_type_hints(cls).get(name)
+            except Exception:  # an annotation that does not resolve: no default known, the change is reported
+                return _NO_DEFAULT
+            continue
+        if f.default is not dataclasses.MISSING:
+            return _plain(f.default)
+        if f.default_factory is not dataclasses.MISSING:
+            value = f.default_factory()
+            return _plain(dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value)
+    return _NO_DEFAULT
+
+
+def _not_a_change(key: str, old, new) -> bool:
+    """A config.yaml written by an older version lacks the options added since (at their defaults nothing changed)
+    and may hold options since removed (nothing this version could apply)."""
+    return new == "<unset>" or (old == "<unset>" and field_default(key) == new)
+
+
 def will_resume(cfg, run_dir: str) -> bool:
     from megatron_rlvr.models.checkpointing import list_checkpoints
     from megatron_rlvr.trainer.checkpoint import checkpoint_dir
@@ -75,7 +111,8 @@ def check_resume_changes(cfg, run_dir: str) -> list[str]:
         old = yaml.safe_load(f) or {}
     changes = [c for c in config_changes(old, persisted_dict(cfg)) if tuple(c[0].split(".", 1)) not in ONE_OFF_OPTIONS]
     applied = [c for c in changes if c[0].startswith(APPLIED_ON_RESUME)]
-    refused = [c for c in changes if not c[0].startswith(APPLIED_ON_RESUME)]
+    refused = [c for c in changes if not c[0].startswith(APPLIED_ON_RESUME) and not _not_a_change(*c)]
+    applied += [c for c in changes if not c[0].startswith(APPLIED_ON_RESUME) and _not_a_change(*c)]
     if refused and not cfg.checkpoint.allow_changes:
         shown = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in refused[:12])
         more = f" (and {len(refused) - 12} more)" if len(refused) > 12 else ""
@@ -103,8 +140,8 @@ def prepare_run_dir_on_ranks(cfg, run_dir: str, rank: int, broadcast) -> None:
             for line in check_resume_changes(cfg, run_dir):
                 print(f"megatron-rlvr: resuming with a changed option: {line}", flush=True)
             dump_yaml(cfg, os.path.join(run_dir, "config.yaml"))
-        except (ResumeError, OSError) as e:
-            err = e if isinstance(e, ResumeError) else ResumeError(f"cannot write {run_dir}/config.yaml: {e}")
+        except Exception as e:  # on rank 0 alone: it must reach every rank, or they wait in the broadcast forever
+            err = e if isinstance(e, ResumeError) else ResumeError(f"{run_dir}/config.yaml: {type(e).__name__}: {e}")
     err = broadcast(err)
     if err is not None:
         if rank == 0:

@@ -149,10 +149,17 @@ def acquire(run_dir: str) -> RunLock:
                 f"run directory {run_dir} is in use by another run: {describe(previous)} (this file system has no "
                 f"flock, so a holder on another host cannot be checked; if it is certainly gone, delete {path})"
             ) from None
-    os.ftruncate(fd, 0)
-    os.lseek(fd, 0, os.SEEK_SET)
-    os.write(fd, (json.dumps(_me()) + "\n").encode())
-    os.fsync(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.lseek(fd, 0, os.SEEK_SET)
+        os.write(fd, (json.dumps(_me()) + "\n").encode())
+        os.fsync(fd)
+    except OSError as e:  # full disk, quota: closing the descriptor also drops the flock
+        os.close(fd)
+        raise RunDirLocked(
+            f"cannot write the run directory lock {path}: {e.strerror}; free space there or choose another "
+            "logging.run_dir"
+        ) from None
     return RunLock(path, fd, previous, flocked)
 
 
@@ -206,8 +213,8 @@ def hold_collective(run_dir: str, rank: int, broadcast) -> bool:
             acquired = lock is not None
             if lock is not None and lock.takeover_note():
                 print(lock.takeover_note(), flush=True)
-        except RunDirLocked as e:
-            err = str(e)
+        except Exception as e:  # raised on rank 0 alone, it would leave the other ranks waiting in the broadcast
+            err = str(e) if isinstance(e, RunDirLocked) else f"cannot lock the run directory {run_dir}: {e}"
     err, acquired = broadcast((err, acquired))
     if err:
         raise RunDirLocked(err)
