@@ -90,14 +90,17 @@ def main(argv=None) -> int:
         ),
     )
     start_s = time.perf_counter() - t0
-    print(f"vLLM engine start-up: {start_s:.1f} s ({vllm.platform.name}); torch threads {torch.get_num_threads()}")
+    print(
+        f"vLLM engine start-up: {start_s:.1f} s ({vllm.platform.name}); torch threads {torch.get_num_threads()}",
+        flush=True,
+    )
     try:
         pairs = list(source.named_parameters())
         nbytes = sum(t.numel() * t.element_size() for _, t in pairs)
         vllm.update_weights(iter(pairs))  # the real weights (also the untimed first load)
 
-        _timed_generate(hf, prompts, params)  # warm-up
-        _timed_generate(vllm, prompts, params)
+        for name, eng in (("hf", hf), ("vllm", vllm)):  # warm-up
+            print(f"  warm-up {name}: {_timed_generate(eng, prompts, params)[0]:.2f} s", flush=True)
         times = {"hf": [], "vllm": []}
         tokens = {}
         for r in range(args.repeats):
@@ -105,6 +108,7 @@ def main(argv=None) -> int:
                 dt, n_tok = _timed_generate(eng, prompts, params)
                 times[name].append(dt)
                 tokens[name] = n_tok
+                print(f"  repeat {r} {name}: {n_tok} tokens in {dt:.2f} s", flush=True)
         if tokens["hf"] != tokens["vllm"]:
             raise RuntimeError(f"the engines generated different token counts: {tokens}")
         tps = {k: tokens[k] / min(v) for k, v in times.items()}
