@@ -18,3 +18,9 @@ def flaky_reward(response: str, ground_truth: str, **metadata) -> float:
 def zero_reward(response: str, ground_truth: str, **metadata) -> float:
     """Every response is wrong: every group has zero variance (nothing for dynamic sampling to keep)."""
     return 0.0
+
+
+def even_digit_reward(response: str, ground_truth: str, **metadata) -> float:
+    """1.0 when the response starts with an even digit: about a quarter of a random policy's samples, so a 16-sample
+    step has reward variance (a non-zero update) for any model initialisation, unlike the ~6% exact-copy reward."""
+    return 1.0 if response[:1] in ("0", "2", "4", "6", "8") else 0.0
