@@ -27,6 +27,9 @@ SMALL = [
 ]
 
 
+VARIED_REWARD = "reward.fn=trainer_helpers:even_digit_reward"
+
+
 def _records(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
@@ -56,6 +59,7 @@ def _one_step(run_dir, overrides):
     from megatron_rlvr.trainer.config import load_run_config
     from megatron_rlvr.trainer.train import rl_step, setup, teardown
 
+    sys.path.insert(0, TESTS_DIR)  # reward.fn=trainer_helpers:...
     t = setup(load_run_config(None, overrides), run_dir)
     try:
         before = _engine_checksum(t)
@@ -73,6 +77,7 @@ def _bad_inputs(run_root, overrides):
     from megatron_rlvr.trainer.train import rl_step, setup, teardown
 
     out = {}
+    sys.path.insert(0, TESTS_DIR)  # reward.fn=trainer_helpers:...
     t = setup(load_run_config(None, overrides), os.path.join(run_root, "nan"))
     real = loss_mod.token_stats
     try:
@@ -177,7 +182,8 @@ def test_one_step_is_the_same_at_every_layout(dist_pool, tmp_path):
     """Same seed, any (TP, PP, DP), micro-batch split or optimizer sharding: the same rollouts,
     loss and gradient norm, and the same updated weights in the engines. A wrong loss scale (megatron averages over
     micro-batches and DP ranks; the RLVR losses are global sums) or a wrong weight sync breaks this."""
-    base = [*SMALL, "train.prompts_per_step=8", "algorithm.preset=grpo", "optimizer.lr=1e-3"]
+    # a reward with variance in any batch: the exact-copy reward of a random policy can be 0 for all 32 samples
+    base = [*SMALL, "train.prompts_per_step=8", "algorithm.preset=grpo", "optimizer.lr=1e-3", VARIED_REWARD]
     results = {}
     for name, (tp, pp, extra) in LAYOUTS.items():
         over = [*base, f"parallel.tp={tp}", f"parallel.pp={pp}", *extra]
@@ -196,7 +202,7 @@ def test_one_step_is_the_same_at_every_layout(dist_pool, tmp_path):
 
 
 def test_nan_logits_and_empty_batches_skip_the_step(dist_pool, tmp_path):
-    out = dist_pool.run(_bad_inputs, tp=2, args=(str(tmp_path), SMALL), timeout=300)
+    out = dist_pool.run(_bad_inputs, tp=2, args=(str(tmp_path), [*SMALL, VARIED_REWARD]), timeout=300)
     for o in out:
         assert o["step1"]["train/updates"] == 1
         nan = o["nan"]

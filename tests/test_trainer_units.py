@@ -81,7 +81,7 @@ def test_layout_must_divide():
     check_layout(cfg, 4)  # TP=2 x DP=2
     with pytest.raises(ConfigError, match="does not divide the world size 3"):
         check_layout(cfg, 3)
-    with pytest.raises(ConfigError, match="does not divide the model's num_attention_heads=4"):
+    with pytest.raises(ConfigError, match="does not divide the model's num_attention_heads=2"):
         check_layout(load_run_config(None, ["parallel.tp=8"]), 8)
     with pytest.raises(ConfigError, match="does not divide the model's num_hidden_layers=2"):
         check_layout(load_run_config(None, ["parallel.tp=1", "parallel.pp=4"]), 4)

