@@ -165,9 +165,10 @@ def main(argv=None) -> int:
                 }
                 results.append(row)
                 tgt = [x for x in row["M_ret_at_target"] if x is not None]
+                at = fmt_ci(tgt) if len(tgt) == len(runs) else f"{len(tgt)}/{len(runs)} reached"
                 print(
-                    f"lr={lr} N={N:6d} {name:12s} Q_pos {fmt_ci(row['Q_pos_final'])}  M_ret {fmt_ci(row['M_ret_final'])}"
-                    f"  M_ret@Q>={args.q_target}: {fmt_ci(tgt) if len(tgt) == len(runs) else f'{len(tgt)}/{len(runs)} reached'}",
+                    f"lr={lr} N={N:6d} {name:12s} Q_pos {fmt_ci(row['Q_pos_final'])}  "
+                    f"M_ret {fmt_ci(row['M_ret_final'])}  M_ret@Q>={args.q_target}: {at}",
                     flush=True,
                 )
     meta = {k: v for k, v in vars(args).items()}

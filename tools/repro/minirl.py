@@ -323,7 +323,7 @@ def comparisons() -> dict[str, dict]:
         "mcpo_vs_dapo": {
             "what": "MCPO (hinge-KL + query-weight rebalancing) vs DAPO (clip-higher, token-mean, no dynamic sampling) "
             "and the two MCPO ablations; 4 mini-batch updates per step so that mastered prompts drift",
-            "settings": RLSettings(steps=80, lr=2e-3, num_mini_batches=4),
+            "settings": RLSettings(steps=80, lr=3e-4, num_mini_batches=4),
             "arms": [
                 Arm("dapo", dapo),
                 Arm("mcpo", _with(dapo, "mcpo", {**hinge, **qw})),
@@ -333,8 +333,8 @@ def comparisons() -> dict[str, dict]:
         },
         "cpgd_stability": {
             "what": "CPGD vs GRPO vs GRPO without clip vs PG, off-policy: 4 epochs x 4 mini-batches per step (16 "
-            "optimizer steps on each batch) at a high learning rate",
-            "settings": RLSettings(steps=60, lr=3e-3, num_mini_batches=4, ppo_epochs=4),
+            "optimizer steps on each batch) at 3x the learning rate of the other comparisons",
+            "settings": RLSettings(steps=40, lr=1e-3, num_mini_batches=4, ppo_epochs=4),
             "arms": [
                 Arm("grpo", grpo),
                 Arm("grpo_noclip", _with(grpo, "grpo_noclip", {"policy_loss": {"eps_low": 0.999, "eps_high": 1e6}})),
@@ -344,7 +344,7 @@ def comparisons() -> dict[str, dict]:
         },
         "margin_credit": {
             "what": "GRPO vs GRPO + MCPO margin credit (tau_lo 0.3, tau_hi 0.9, floor 0.5)",
-            "settings": RLSettings(steps=80, lr=2e-3, num_mini_batches=2),
+            "settings": RLSettings(steps=80, lr=3e-4, num_mini_batches=2),
             "arms": [
                 Arm("grpo", grpo),
                 Arm("grpo_margin", _with(grpo, "grpo_margin", {"margin_credit": {"enabled": True}})),
@@ -352,7 +352,7 @@ def comparisons() -> dict[str, dict]:
         },
         "fgrpo_passk": {
             "what": "GRPO vs F-GRPO (gamma 0.5 and 1.0), held-out pass@k up to k = 256",
-            "settings": RLSettings(steps=80, lr=2e-3, num_mini_batches=2),
+            "settings": RLSettings(steps=80, lr=3e-4, num_mini_batches=2),
             "eval_k": 256,
             "eval_problems": 100,
             "arms": [
