@@ -489,7 +489,7 @@ def render_table(name, spec, results, init_evals, seeds, settings, eval_k, sft_s
             else:
                 cells.append("n/a")
         if any_val:
-            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+            lines.append(f"| {label.replace('|', chr(92) + '|')} | " + " | ".join(cells) + " |")
     secs = [sum(r["seconds"] for r in results[a]) for a in arms]
     lines.append("| seconds (all seeds) | " + " | ".join(f"{s:.0f}" for s in secs) + " |")
     return "\n".join(lines) + "\n"
