@@ -67,15 +67,16 @@ def test_probe_selection_and_config():
 
 
 def test_probe_and_ratio_stats_are_logged_by_a_training_run(tmp_path):
-    """12 tiny steps with the probe every step and 2 mini-batches (so ratios move off 1): the probe logs a prompt
-    count each step, and accuracy in [0, 1] whenever some prompt was mastered; ratio quantiles are logged."""
+    """10 tiny steps with the probe every step and 2 mini-batches (so ratios move off 1): the probe logs a prompt
+    count each step, and accuracy in [0, 1] whenever some prompt was mastered; ratio quantiles are logged. "Mastered"
+    is lowered to >= 1 of 2 rollouts correct so that a near-random policy has mastered prompts to probe."""
     run = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=REPO)
     args = [
         f"logging.run_dir={run}",
-        "schedule.steps=12",
-        "rollout.n=4",
-        "optimizer.lr=1e-2",
+        "schedule.steps=10",
+        "rollout.n=2",
+        "algorithm.hinge_kl.mastered_threshold=0.5",
         "train.mini_batch_prompts=8",
         "diagnostics.forgetting_every=1",
         "diagnostics.forgetting_prompts=4",
@@ -95,9 +96,9 @@ def test_probe_and_ratio_stats_are_logged_by_a_training_run(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     recs = [json.loads(line) for line in open(run / "metrics.jsonl")]
-    assert len(recs) == 12 and all("forget/probe_prompts" in r for r in recs)
+    assert len(recs) == 10 and all("forget/probe_prompts" in r for r in recs)
     probed = [r for r in recs if r["forget/probe_prompts"] > 0]
-    assert probed, "no prompt was ever mastered in 12 steps at lr 1e-2"
+    assert probed, "no prompt had a correct rollout in 10 steps"
     assert all(0.0 <= r["forget/probe_accuracy"] <= 1.0 and r["forget/probe_prompts"] <= 4 for r in probed)
     assert all(r["ratio/q50"] > 0 and r["ratio/q99"] >= r["ratio/q1"] for r in recs if "ratio/q50" in r)
     assert any(r.get("ratio/abs_log_ratio_max", 0.0) > 0 for r in recs)  # the second mini-batch is off-policy
