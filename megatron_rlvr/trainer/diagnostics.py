@@ -72,9 +72,9 @@ def ratio_quantile_metrics(
     m = mask_BT.bool()
     lr = (logp_BT.detach() - old_logp_BT.detach()).double().clamp(-20.0, 20.0)[m]
     if lr.numel() == 0 or not bool(torch.isfinite(lr).all()):
-        lr = torch.zeros(1, dtype=torch.float64)
+        lr = torch.zeros(1, dtype=torch.float64, device=lr.device)
     r = lr.exp()
-    qs = torch.quantile(r, torch.tensor(quantiles, dtype=torch.float64))
+    qs = torch.quantile(r, torch.tensor(quantiles, dtype=torch.float64, device=r.device))  # q on the input's device
     out = {_qname(q): float(v) for q, v in zip(quantiles, qs)}
     out["ratio/out_of_band_frac"] = float(((r - 1.0).abs() > band).double().mean())
     out["ratio/abs_log_ratio_max"] = float(lr.abs().max())
