@@ -16,6 +16,7 @@ Sections (each a dataclass; the components' configs are used as they are):
     checkpoint  CheckpointSection                save cadence, resume, signal exit codes, HF export
     logging     LoggingConfig                    run directory, JSONL / TensorBoard / progress line
     eval        EvalConfig                       periodic evaluation (avg@k / pass@k)
+    diagnostics DiagnosticsConfig                forgetting probe (trainer.diagnostics)
     launch      LaunchConfig                     local rank spawning (ignored under torchrun / srun)
     cluster     dict                             the layout planner's allocation section (not used by the trainer)
 
@@ -44,6 +45,7 @@ from megatron_rlvr.algorithms import preset as algorithm_preset
 from megatron_rlvr.data.config import DataConfig
 from megatron_rlvr.planner import ParallelConfig as PlannerParallelConfig
 from megatron_rlvr.rewards.config import RewardConfig
+from megatron_rlvr.trainer.diagnostics import DiagnosticsConfig
 
 DTYPES = ("float32", "bfloat16")
 ENGINES = ("auto", "hf", "vllm")
@@ -453,6 +455,8 @@ class RunConfig:
     """Run directory and logs."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Evaluation."""
+    diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
+    """Run diagnostics: the forgetting probe (megatron_rlvr.trainer.diagnostics)."""
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     """Local rank spawning."""
     cluster: dict = field(default_factory=dict)

@@ -11,6 +11,7 @@ import torch
 from megatron_rlvr.algorithms import AlgorithmConfig, LossNormalizers, PolicyLossInputs, compute_policy_loss
 from megatron_rlvr.cpu_shims import native_torch
 from megatron_rlvr.ops import vocab_parallel_token_stats
+from megatron_rlvr.trainer.diagnostics import ratio_quantile_metrics
 from megatron_rlvr.trainer.microbatch import tis_weights
 
 
@@ -146,6 +147,7 @@ def policy_loss_fn(
         loss, metrics = compute_policy_loss(algo, inputs, norms)
         bad = bad_logits or _nonfinite(logp, mask) or not bool(torch.isfinite(loss))
         info = {k: float(v) for k, v in metrics.items()}
+        info.update(ratio_quantile_metrics(logp, inputs.old_logp_BT, mask))  # diagnostics: ratio dynamics (CPGD)
         info["train/nonfinite"] = float(bad)
         if bad:
             # keep the backward finite-or-not as it is: the step is skipped after the all-reduce of this flag

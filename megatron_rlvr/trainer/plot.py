@@ -21,6 +21,14 @@ PANELS: list[tuple[str, list[tuple[str, str]]]] = [
     ("response length", [("response/length_mean", "mean"), ("response/truncated_frac", "truncated frac")]),
     ("clip fractions", [("loss/clip_frac_low", "low"), ("loss/clip_frac_high", "high")]),
     (
+        "forgetting probe (mastered at step s, re-sampled after its update)",
+        [("forget/probe_accuracy", "accuracy"), ("forget/still_mastered_frac", "still mastered")],
+    ),
+    (
+        "token ratio r = pi / pi_old",
+        [("ratio/q1", "q1%"), ("ratio/q99", "q99%"), ("ratio/q99.9", "q99.9%"), ("loss/ratio_max", "max")],
+    ),
+    (
         "train / inference mismatch",
         [("mismatch/abs_prob_diff_mean", "mean |p_train - p_rollout|"), ("mismatch/kl_k3", "k3 KL(rollout || train)")],
     ),

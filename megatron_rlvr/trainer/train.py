@@ -54,6 +54,7 @@ class Trainer:
 def rl_step(t: Trainer, step: int) -> dict[str, float]:
     """One RL step on every rank; returns the step's metrics (identical on every rank)."""
     from megatron_rlvr.trainer.batch import batch_metrics, build_sequences
+    from megatron_rlvr.trainer.diagnostics import forgetting_probe
     from megatron_rlvr.trainer.engine import sleep_engine
     from megatron_rlvr.trainer.update import policy_update
 
@@ -87,6 +88,7 @@ def rl_step(t: Trainer, step: int) -> dict[str, float]:
         m.update(mismatch_metrics(t, seqs, old))
     t.scheduler.step(increment=1)
     m.update(refresh_engine(t, updated=m.get("train/updates", 0) > 0))  # weight sync to the engine
+    m.update(forgetting_probe(t, all_groups, step))  # diagnostics: this step's mastered prompts, updated policy
     m["train/skipped"] = float(m.get("train/updates", 0) == 0)
     m["optim/lr"] = current_lr(t)
     m["time/step_s"] = time.perf_counter() - t0

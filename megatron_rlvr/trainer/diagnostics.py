@@ -1,0 +1,146 @@
+"""Diagnostics that make the headline algorithms' claims measurable during a run (issue 13), cheap enough to leave on.
+
+- **Forgetting probe** (MCPO, arXiv 2604.16972: "prompts mastered at step t fall from 100% to ~95% accuracy at step
+  t + 1 under DAPO, ~98% with the hinge-KL"). Every ``diagnostics.forgetting_every`` steps, after the update and the
+  weight sync, the prompts that were MASTERED in this step's rollouts (all rollouts correct, the hinge-KL's
+  definition) are re-sampled ``forgetting_rollouts`` times with the UPDATED policy and scored:
+  ``forget/probe_accuracy`` is their accuracy (1.0 = nothing forgotten), ``forget/still_mastered_frac`` the fraction
+  still all-correct. Cost: ``forgetting_prompts x forgetting_rollouts`` extra samples per probed step. Off by default.
+- **Ratio statistics** (CPGD, arXiv 2505.12504: ratio-based losses show unstable ratio dynamics): per micro-batch,
+  quantiles of r = exp(logp - logp_old) over response tokens, the fraction of tokens outside the PPO band
+  |r - 1| > 0.2 and the largest |log r|. Always on (a sort of the micro-batch's token ratios, small next to the
+  forward/backward). The trainer's loss metrics average the quantiles over micro-batches weighted by tokens (so they
+  are a token-weighted mean of micro-batch quantiles, not a quantile of the step), and take the max of ``*_max``.
+  With one mini-batch and one epoch the behaviour policy equals the current one and r = 1: ratios only move with
+  ``train.num_mini_batches > 1`` or ``train.ppo_epochs > 1`` (or rollout-side old log-probs).
+
+The math is in plain tensor functions (tested against hand-computed cases); :func:`forgetting_probe` is the trainer
+glue.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+RATIO_QUANTILES = (0.001, 0.01, 0.5, 0.99, 0.999)
+"""Quantiles of the token ratio reported as ``ratio/q{100 q}`` (e.g. ``ratio/q99``, ``ratio/q99.9``)."""
+RATIO_BAND = 0.2
+"""|r - 1| beyond this counts as out of band (the PPO clip range of the GRPO / CPGD presets)."""
+PROBE_ROUND = 1_000_003
+"""Generation round index of probe samples: their seeds never coincide with a training rollout's."""
+
+
+@dataclass
+class DiagnosticsConfig:
+    """Optional run diagnostics (``diagnostics:`` section of the run config)."""
+
+    forgetting_every: int = 0
+    """Run the forgetting probe every this many steps (0 = off)."""
+    forgetting_prompts: int = 16
+    """At most this many of the step's mastered prompts are probed (the first ones in batch order)."""
+    forgetting_rollouts: int = 4
+    """Samples per probed prompt under the updated policy."""
+
+    def __post_init__(self) -> None:
+        for name in ("forgetting_every", "forgetting_prompts", "forgetting_rollouts"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "forgetting_every" else 1):
+                lo = 0 if name == "forgetting_every" else 1
+                raise ValueError(f"diagnostics.{name} must be an integer >= {lo}, got {v!r}")
+
+    def probe_due(self, step: int) -> bool:
+        return self.forgetting_every > 0 and step % self.forgetting_every == 0
+
+
+def _qname(q: float) -> str:
+    s = f"{100 * q:.6g}"
+    return f"ratio/q{s}"
+
+
+def ratio_quantile_metrics(
+    logp_BT: Tensor, old_logp_BT: Tensor, mask_BT: Tensor, quantiles=RATIO_QUANTILES, band: float = RATIO_BAND
+) -> dict[str, float]:
+    """Token-ratio statistics over the response tokens of one micro-batch (python floats).
+
+    r = exp(clamp(logp - logp_old, -20, 20)). Keys: ``ratio/q<100 q>`` (torch.quantile, linear interpolation),
+    ``ratio/out_of_band_frac`` (|r - 1| > band), ``ratio/abs_log_ratio_max`` (max |log r|). An empty mask gives
+    r = 1 statistics."""
+    m = mask_BT.bool()
+    lr = (logp_BT.detach() - old_logp_BT.detach()).double().clamp(-20.0, 20.0)[m]
+    if lr.numel() == 0 or not bool(torch.isfinite(lr).all()):
+        lr = torch.zeros(1, dtype=torch.float64, device=lr.device)
+    r = lr.exp()
+    qs = torch.quantile(r, torch.tensor(quantiles, dtype=torch.float64, device=r.device))  # q on the input's device
+    out = {_qname(q): float(v) for q, v in zip(quantiles, qs)}
+    out["ratio/out_of_band_frac"] = float(((r - 1.0).abs() > band).double().mean())
+    out["ratio/abs_log_ratio_max"] = float(lr.abs().max())
+    return out
+
+
+def forgetting_metrics(correct_P_m: Tensor) -> dict[str, float]:
+    """Accuracy of re-sampled previously mastered prompts: bool [P prompts, m samples] -> metrics.
+
+    ``forget/probe_accuracy`` mean correctness, ``forget/still_mastered_frac`` prompts with every sample correct,
+    ``forget/probe_prompts`` P. P = 0 gives only the count (no accuracy to report)."""
+    c = correct_P_m.bool()
+    if c.dim() != 2:
+        raise ValueError(f"forgetting_metrics expects [P, m] correctness, got shape {tuple(c.shape)}")
+    out = {"forget/probe_prompts": float(c.shape[0])}
+    if c.numel() == 0:
+        return out
+    out["forget/probe_accuracy"] = float(c.double().mean())
+    out["forget/still_mastered_frac"] = float(c.all(dim=1).double().mean())
+    return out
+
+
+def probe_selection(mastered_G: Tensor, max_prompts: int) -> list[int]:
+    """Indices of the first ``max_prompts`` mastered groups (batch order: deterministic on every rank)."""
+    idx = [int(i) for i in torch.nonzero(mastered_G.bool().reshape(-1)).reshape(-1)]
+    return idx[:max_prompts]
+
+
+def forgetting_probe(t, groups, step: int) -> dict[str, float]:
+    """Trainer glue: re-sample this step's mastered prompts with the updated engine weights (every rank calls it with
+    the same ``groups``; generation is split over the engines like the rollout). Returns {} when not due."""
+    cfg = getattr(t.cfg, "diagnostics", None)
+    if cfg is None or not cfg.probe_due(step) or not groups:
+        return {}
+    import time
+
+    from megatron_rlvr.algorithms import mastered_rollouts
+    from megatron_rlvr.trainer.batch import reward_tensors
+    from megatron_rlvr.trainer.distributed import all_gather_objects
+    from megatron_rlvr.trainer.rollout import generate_groups
+    from megatron_rlvr.trainer.train import sampling_params
+
+    t0 = time.perf_counter()
+    shaped, correct, _ = reward_tensors(groups, t.algo)
+    mastered_G = mastered_rollouts(t.algo, shaped, correct_G_n=correct).any(dim=1)
+    chosen = probe_selection(mastered_G, cfg.forgetting_prompts)
+    if not chosen:
+        return {"forget/probe_prompts": 0.0}
+    params = sampling_params(t.cfg)
+    params = type(params)(**{**params.__dict__, "n": cfg.forgetting_rollouts})
+    probed, _ = generate_groups(
+        t.engine,
+        t.reward_manager,
+        t.tokenizer,
+        [groups[i].example for i in chosen],
+        [list(groups[i].prompt_ids) for i in chosen],
+        params,
+        t.engine_info,
+        seed=t.cfg.train.seed,
+        step=step,
+        round_idx=PROBE_ROUND,
+        gather=all_gather_objects,
+    )
+    a = t.algo.advantage
+    thr = 0.5 * (a.reward_correct + a.reward_wrong)
+    c = torch.tensor([[r >= thr for r in g.rewards] for g in probed], dtype=torch.bool)
+    out = forgetting_metrics(c)
+    out["time/forget_probe_s"] = time.perf_counter() - t0
+    return {k: (v if math.isfinite(v) else 0.0) for k, v in out.items()}
