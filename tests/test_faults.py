@@ -535,6 +535,9 @@ def _trainer_faults(root, overrides):
     # item 14b: MCPO with two mini-batches on a batch with mastered prompts: the hinge sees them and is active in
     # the second mini-batch (the policy moved in the first)
     mcpo = ["algorithm.preset=mcpo", "train.mini_batch_prompts=2", "reward.fn=trainer_helpers:mastery_mix_reward"]
+    # a first mini-batch that moves the policy past delta = 0.01 on mastered tokens: a large step, and 8 rollouts so
+    # that the non-mastered groups are mixed (non-zero advantages)
+    mcpo += ["optimizer.lr=1e-2", "rollout.n=8"]
     out["mcpo"] = steps("mcpo", mcpo, 1)[0]
     # item 6: every prompt too long
     out["too_long"] = steps("too_long", ["rollout.max_prompt_len=1"], 1)[0]

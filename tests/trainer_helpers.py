@@ -21,11 +21,12 @@ def zero_reward(response: str, ground_truth: str, **metadata) -> float:
 
 
 def mastery_mix_reward(response: str, ground_truth: str, **metadata) -> float:
-    """Prompts with an even answer are always right (mastered groups); the others are right for one-character
-    responses only (mixed groups: non-zero advantages, so the first mini-batch moves the policy)."""
+    """Prompts with an even answer are always right (mastered groups); the others are right when the response starts
+    with an even digit (about a quarter of a random policy's samples: mixed groups, non-zero advantages, so the first
+    mini-batch moves the policy)."""
     if ground_truth.strip() in ("0", "2", "4", "6", "8"):
         return 1.0
-    return 1.0 if len(response.strip()) == 1 else 0.0
+    return 1.0 if response[:1] in ("0", "2", "4", "6", "8") else 0.0
 
 
 def broken_reward(response: str, ground_truth: str, **metadata) -> float:
