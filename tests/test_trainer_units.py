@@ -288,3 +288,15 @@ def test_every_rank_of_a_rollout_tp_group_calls_generate():
         gather=lambda obj: [obj],
     )
     assert calls == [[0, 1]] and groups == []
+
+
+def test_hinge_kl_with_dynamic_sampling_is_refused():
+    """Dynamic sampling drops every mastered group, so the hinge-KL would silently never act: refused, naming both
+    options (found reading trainer/batch.py: informative)."""
+    with pytest.raises(ValueError) as e:
+        load_run_config(None, ["algorithm.preset=dapo", "algorithm.hinge_kl.enabled=true"])
+    assert "algorithm.dapo.dynamic_sampling=false" in str(e.value) and "hinge_kl" in str(e.value)
+    cfg = load_run_config(
+        None, ["algorithm.preset=dapo", "algorithm.hinge_kl.enabled=true", "algorithm.dapo.dynamic_sampling=false"]
+    )
+    assert cfg.algorithm.hinge_kl.enabled and not cfg.algorithm.dapo.dynamic_sampling

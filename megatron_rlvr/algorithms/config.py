@@ -55,6 +55,14 @@ class AlgorithmConfig:
                     f"AlgorithmConfig.{f.name} must be a {_SECTIONS[f.name].__name__}, got {type(v).__name__} "
                     "(use AlgorithmConfig.from_dict for nested dicts)"
                 )
+        if self.hinge_kl.enabled and self.dapo.dynamic_sampling:
+            # DAPO's dynamic sampling (Sec. 3.2) keeps only groups with mixed rewards, i.e. drops every mastered
+            # prompt: the hinge-KL, which acts on mastered prompts only, would silently never act.
+            raise ValueError(
+                "algorithm.hinge_kl.enabled=true with algorithm.dapo.dynamic_sampling=true: dynamic sampling drops "
+                "every mastered prompt (all rollouts correct), so the hinge-KL would never see one; set "
+                "algorithm.dapo.dynamic_sampling=false (as the mcpo preset does) or algorithm.hinge_kl.enabled=false"
+            )
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], base: AlgorithmConfig | None = None) -> AlgorithmConfig:
