@@ -13,6 +13,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import trainer_helpers
 
 from megatron_rlvr.trainer import run_lock
 from megatron_rlvr.trainer.run_lock import RunDirLocked, acquire, holder_is_stale
@@ -496,18 +497,7 @@ def test_group_relative_preset_with_one_rollout_is_refused():
 
 # ----------------------------------------------------------------------------------------------- trainer level
 
-SMALL = [
-    "schedule.steps=2",
-    "train.prompts_per_step=4",
-    "rollout.n=4",
-    "reward.num_workers=0",
-    "checkpoint.save_every=0",
-    "checkpoint.save_at_end=false",
-    "checkpoint.export_hf=false",
-    "logging.progress=false",
-    "logging.tensorboard=off",
-    "logging.plot_at_end=false",
-]
+SMALL = trainer_helpers.SMALL
 
 
 def _trainer_faults(root, overrides):

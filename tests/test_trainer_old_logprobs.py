@@ -13,19 +13,14 @@ import sys
 
 import pytest
 import torch
+import trainer_helpers
 
 from megatron_rlvr.algorithms import PRESETS
 
 SMALL = [
     "train.prompts_per_step=4",
     "rollout.n=4",
-    "reward.num_workers=0",
-    "checkpoint.save_every=0",
-    "checkpoint.save_at_end=false",
-    "checkpoint.export_hf=false",
-    "logging.progress=false",
-    "logging.tensorboard=off",
-    "logging.plot_at_end=false",
+    *trainer_helpers.QUIET,
     "optimizer.lr=1e-2",
     # reward variance in every batch (the exact-copy reward of a random policy can be 0 for all 16 samples, and then
     # there is no gradient to compare and DAPO's dynamic sampling drops groups)

@@ -8,23 +8,13 @@ import os
 import sys
 
 import pytest
+import trainer_helpers
 
 from megatron_rlvr.algorithms import PRESETS
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
-SMALL = [
-    "schedule.steps=2",
-    "train.prompts_per_step=4",
-    "rollout.n=4",
-    "reward.num_workers=0",
-    "checkpoint.save_every=0",
-    "checkpoint.save_at_end=false",
-    "checkpoint.export_hf=false",
-    "logging.progress=false",
-    "logging.tensorboard=off",
-    "logging.plot_at_end=false",
-]
+SMALL = trainer_helpers.SMALL
 
 
 VARIED_REWARD = "reward.fn=trainer_helpers:even_digit_reward"

@@ -4,6 +4,19 @@ Responses of the tiny model are 1-2 characters over digits, operators and '='.""
 
 import time
 
+QUIET = [
+    "reward.num_workers=0",
+    "checkpoint.save_every=0",
+    "checkpoint.save_at_end=false",
+    "checkpoint.export_hf=false",
+    "logging.progress=false",
+    "logging.tensorboard=off",
+    "logging.plot_at_end=false",
+]
+"""Overrides of the in-process trainer tests: rewards inline, no checkpoints, exports, progress lines or plots."""
+SMALL = ["schedule.steps=2", "train.prompts_per_step=4", "rollout.n=4", *QUIET]
+"""A 2-step, 4-prompt x 4-rollout tiny run with QUIET."""
+
 
 def flaky_reward(response: str, ground_truth: str, **metadata) -> float:
     """Raises when the response contains '1', hangs (far past any test timeout) when it starts with '3', else 1.0
