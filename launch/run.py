@@ -7,7 +7,7 @@
 --executor slurm: a nemo-run SlurmExecutor with one srun task per GPU (cluster.nodes x cluster.gpus_per_node
 from the config unless --nodes / --ntasks-per-node say otherwise). Each task runs a small bash wrapper
 (``task_script``) that enters the repo, activates its .venv, and runs ``megatron-rlvr train CONFIG OVERRIDES``;
-the trainer finds its rank from Slurm's environment (megatron_rlvr/launch_env.py). nemo-run's sbatch template
+the trainer finds its rank from Slurm's environment (megatron_rlvr/slurm_env.py). nemo-run's sbatch template
 already runs srun with --kill-on-bad-exit=1 --wait=60 (fail fast). Preemption follows the same contract as
 slurm/common.sh: SIGUSR1 180 s before the time limit (--signal=USR1@180), the trainer checkpoints and exits 75
 on every rank, and rank 0's wrapper then calls ``scontrol requeue`` (nemo-run's own retry-on-any-failure is
@@ -44,22 +44,12 @@ def import_nemo_run():
     return nemo_run
 
 
-def load_raw_config(path: str | Path, overrides: Sequence[str]) -> dict:
-    """The run config as a dict with key=value overrides applied (YAML-typed values)."""
-    import yaml
+def load_config(path: str | Path, overrides: Sequence[str]):
+    """The run config, loaded and validated by the trainer's own loader (megatron_rlvr.config) before anything is
+    submitted. Files it names need not exist on the submitting machine (they are on the cluster's file system)."""
+    from megatron_rlvr.config import load_run_config
 
-    from megatron_rlvr.planner import apply_overrides
-
-    p = Path(path)
-    try:
-        raw = yaml.safe_load(p.read_text()) or {}
-    except FileNotFoundError:
-        raise ValueError(f"--config {p}: file not found") from None
-    except yaml.YAMLError as e:
-        raise ValueError(f"--config {p}: invalid YAML ({e})") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"--config {p}: top level must be a mapping")
-    return apply_overrides(raw, overrides)
+    return load_run_config(str(path), list(overrides), check_files=False)
 
 
 def trainer_command(config: str, overrides: Sequence[str]) -> list[str]:
@@ -91,34 +81,33 @@ exit $rc
 """
 
 
-def plan_check(raw: dict, config: str) -> tuple[bool, str]:
-    """(ok, message) from the layout planner; ok when the planner cannot read the model (nothing to check)."""
-    from megatron_rlvr.planner import estimate_memory, plan_config_from_dict
+def plan_check(cfg) -> tuple[bool, str]:
+    """(ok, message) from the layout planner; ok when the planner cannot size the model (nothing to check)."""
+    from megatron_rlvr.config import ConfigError
+    from megatron_rlvr.planner import estimate_memory, plan_config_from_run
 
-    if not isinstance(raw.get("model"), (dict, str)):
-        return True, "plan: no model section the planner can read; layout not checked"
-    try:
-        cfg = plan_config_from_dict(raw, config, Path(config).parent)
-    except ValueError as e:
-        return True, f"plan: layout not checked ({e})"
     if cfg.cluster.nodes is None:
         return True, "plan: cluster.nodes not set; layout not checked"
-    plan = estimate_memory(cfg)
+    try:
+        plan_cfg = plan_config_from_run(cfg)
+    except (ConfigError, ValueError) as e:
+        return True, f"plan: layout not checked ({e})"
+    plan = estimate_memory(plan_cfg)
     verdict = "fits" if plan.fits else "DOES NOT FIT"
     reasons = plan.errors + plan.reasons
-    msg = f"plan: {cfg.model.name} TP={cfg.parallel.tp} PP={cfg.parallel.pp} rollout TP={cfg.parallel.rollout_tp} "
-    msg += f"on {cfg.cluster.nodes}x{cfg.cluster.gpus_per_node} GPUs: peak {plan.peak / 2**30:.1f} GiB/GPU, {verdict}"
+    par, cl = plan_cfg.parallel, plan_cfg.cluster
+    msg = f"plan: {plan_cfg.model.name} TP={par.tp} PP={par.pp} rollout TP={par.rollout_tp} "
+    msg += f"on {cl.nodes}x{cl.gpus_per_node} GPUs: peak {plan.peak / 2**30:.1f} GiB/GPU, {verdict}"
     msg += "".join(f"\n  - {r}" for r in reasons)
     return plan.fits, msg
 
 
-def build_executor(args: argparse.Namespace, raw: dict):
+def build_executor(args: argparse.Namespace, cfg):
     run = import_nemo_run()
     if args.executor == "local":
         return run.LocalExecutor(ntasks_per_node=1)
-    cluster = raw.get("cluster") or {}
-    nodes = args.nodes or cluster.get("nodes") or 1
-    tasks = args.ntasks_per_node or cluster.get("gpus_per_node") or 8
+    nodes = args.nodes or cfg.cluster.nodes or 1
+    tasks = args.ntasks_per_node or cfg.cluster.gpus_per_node
     gpus = tasks if args.gpus_per_node is None else args.gpus_per_node
     base = Path(args.base_dir).resolve()
     return run.SlurmExecutor(
@@ -180,12 +169,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"error: override {o!r} is not key=value", file=sys.stderr)
             return 2
     try:
-        raw = load_raw_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.executor == "slurm" and args.gpus_per_node != 0:  # the planner sizes GPU memory; CPU jobs skip it
-        ok, msg = plan_check(raw, args.config)
+        ok, msg = plan_check(cfg)
         print(msg)
         if not ok and not args.skip_plan:
             print("refusing to launch a layout that does not fit (--skip-plan to override)", file=sys.stderr)
@@ -197,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     name = args.name or Path(args.config).stem.replace("_", "-")
     script = run.Script(inline=task_script(REPO, args.config, args.overrides, args.max_requeues))
-    executor = build_executor(args, raw)
+    executor = build_executor(args, cfg)
     with run.Experiment(name, executor=executor, base_dir=str(Path(args.base_dir).resolve())) as exp:
         exp.add(script, executor=executor, name=name)
         if args.dryrun:

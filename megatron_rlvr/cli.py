@@ -48,8 +48,8 @@ def prepare_run(config: str | None, overrides: list[str], world_size: int | None
     run directory, lock it (megatron_rlvr/trainer/run_lock.py), check a resume against the run's config.yaml
     (megatron_rlvr/trainer/resume.py), write the resolved config there. Returns (cfg, run_dir, config_path,
     world_size); the lock stays held by this process (``run_lock.release(run_dir)`` frees it)."""
+    from megatron_rlvr.config import check_layout, default_world_size, dump_yaml, load_run_config
     from megatron_rlvr.trainer import run_lock
-    from megatron_rlvr.trainer.config import check_layout, default_world_size, dump_yaml, load_run_config
     from megatron_rlvr.trainer.resume import check_resume_changes
     from megatron_rlvr.trainer.train import resolve_run_dir
 
@@ -81,7 +81,7 @@ def prepare_run(config: str | None, overrides: list[str], world_size: int | None
 
 def one_off_overrides(cfg) -> list[str]:
     """The one-off options of this invocation (not in config.yaml) as overrides for the ranks' command line."""
-    from megatron_rlvr.trainer.config import ONE_OFF_OPTIONS
+    from megatron_rlvr.config import ONE_OFF_OPTIONS
 
     out = []
     for (section, key), default in ONE_OFF_OPTIONS.items():
@@ -109,7 +109,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
 
         _quiet()
         return train(cfg, run_dir)
-    from megatron_rlvr.trainer.launch import launch_local
+    from megatron_rlvr.trainer.spawn import launch_local
 
     threads = cfg.launch.threads_per_rank or max(1, (os.cpu_count() or 1) // world)
     print(f"megatron-rlvr: launching {world} ranks ({cfg.launch.backend} backend), run dir {run_dir}", flush=True)
@@ -127,8 +127,8 @@ def cmd_train(ns: argparse.Namespace) -> int:
 
 def _train_as_rank(config: str | None, overrides: list[str], joined: dict) -> int:
     """This process is one rank of a launched job (our launcher, torchrun or srun)."""
-    from megatron_rlvr.trainer.config import check_layout, load_run_config
-    from megatron_rlvr.trainer.launch import start_parent_watchdog
+    from megatron_rlvr.config import check_layout, load_run_config
+    from megatron_rlvr.trainer.spawn import start_parent_watchdog
     from megatron_rlvr.trainer.train import train
 
     _quiet()

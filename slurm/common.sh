@@ -2,7 +2,7 @@
 # Shared body of the sbatch scripts in slurm/ (sourced by them; not a job script itself).
 #
 # One srun task per GPU (per CPU slot for tiny_cpu.sh) runs the same SPMD program; no Ray, no launcher daemon.
-# Every task finds its rank from Slurm's environment (megatron_rlvr/launch_env.py: SLURM_PROCID, SLURM_NTASKS,
+# Every task finds its rank from Slurm's environment (megatron_rlvr/slurm_env.py: SLURM_PROCID, SLURM_NTASKS,
 # SLURM_LOCALID) and meets the others at MASTER_ADDR:MASTER_PORT, computed here once and exported to all tasks:
 #   MASTER_ADDR = first host of SLURM_JOB_NODELIST (`scontrol show hostnames`), where task 0 runs
 #                 (srun --distribution=block puts tasks 0..n-1 on the first node)
@@ -70,7 +70,7 @@ rlvr_first_host() {
     first=$(scontrol show hostnames "$1" 2>/dev/null | head -n 1 || true)
   fi
   if [ -z "$first" ]; then
-    first=$(PYTHONPATH="$RLVR_HOME${PYTHONPATH:+:$PYTHONPATH}" python3 -m megatron_rlvr.launch_env --first-host "$1")
+    first=$(PYTHONPATH="$RLVR_HOME${PYTHONPATH:+:$PYTHONPATH}" python3 -m megatron_rlvr.slurm_env --first-host "$1")
   fi
   echo "$first"
 }

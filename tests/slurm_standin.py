@@ -1,7 +1,7 @@
 """Stand-in SPMD program for testing the slurm/ scripts' mechanics without the trainer.
 
 Run by every srun task (RLVR_CMD="python tests/slurm_standin.py MODE"); ranks come from Slurm's environment
-through megatron_rlvr.launch_env, exactly as the trainer will get them.
+through megatron_rlvr.slurm_env, exactly as the trainer will get them.
 
   allreduce  torch.distributed gloo init at MASTER_ADDR:MASTER_PORT, all_reduce(rank + 1) == W (W + 1) / 2
   fail       rank 1 exits 1 after a second; every other rank sleeps 300 s (the job must still end quickly)
@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_rlvr.launch_env import dist_env_from_slurm  # noqa: E402
+from megatron_rlvr.slurm_env import dist_env_from_slurm  # noqa: E402
 
 REQUEUE_EXIT_CODE = 75
 

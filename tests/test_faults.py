@@ -211,7 +211,7 @@ def test_resume_of_a_run_dir_written_before_an_option_existed(tmp_path, capsys):
 def test_an_unreadable_config_yaml_on_resume_is_refused_on_every_rank(tmp_path):
     """Under torchrun / srun rank 0 reads the run's config.yaml: a YAML error there must reach every rank as a
     ResumeError naming the file (raised on rank 0 alone, the others would wait in the broadcast forever)."""
-    from megatron_rlvr.trainer.config import load_run_config
+    from megatron_rlvr.config import load_run_config
     from megatron_rlvr.trainer.resume import ResumeError, prepare_run_dir_on_ranks
 
     run = tmp_path / "run"
@@ -229,7 +229,7 @@ def test_preset_override_on_a_resolved_config_takes_effect(tmp_path):
     """Item 3: algorithm.preset=X on a resolved config (expanded fields, no preset key) used to keep the old
     algorithm; now it is the new preset, refined by algorithm.* overrides given with it (in any order)."""
     from megatron_rlvr.algorithms import preset
-    from megatron_rlvr.trainer.config import dump_yaml, load_run_config
+    from megatron_rlvr.config import dump_yaml, load_run_config
 
     path = str(tmp_path / "resolved.yaml")
     dump_yaml(load_run_config(None, []), path)
@@ -263,7 +263,7 @@ def test_after_a_fallback_the_damaged_step_is_saved_again(tmp_path, monkeypatch)
     that never happened and every later resume fell back to step 1). Re-saving the step that was resumed from stays
     a no-op."""
     from megatron_rlvr.models import checkpointing
-    from megatron_rlvr.trainer import checkpoint as ckpt
+    from megatron_rlvr.trainer import checkpointer as ckpt
 
     run = str(tmp_path / "run")
     _fake_checkpoint(run, 1)
@@ -344,7 +344,7 @@ def test_a_hanging_function_is_reported_at_its_first_timeout():
 
 def test_too_many_failed_rewards_fail_the_step_and_counts_show_on_the_progress_line():
     from megatron_rlvr.rewards.manager import RewardFailure, check_failure_fraction
-    from megatron_rlvr.trainer.metrics import RunLogger
+    from megatron_rlvr.trainer.step_metrics import RunLogger
 
     check_failure_fraction({"reward/n_items": 10, "reward/n_error": 5}, 0.5, "f")  # exactly the limit: fine
     with pytest.raises(RewardFailure, match=r"6 of 10 rewards.*errors 3, timeouts 2, non-finite 1.*max_error_frac"):
@@ -401,7 +401,7 @@ def test_unexpected_errors_keep_their_traceback_in_a_file_and_debug_shows_it(mon
 
 def test_launcher_names_the_dead_rank_and_its_signal(monkeypatch, capsys):
     """Item 10: a rank killed by SIGKILL is named with its pid and signal; the survivor is stopped (fail fast)."""
-    from megatron_rlvr.trainer import launch
+    from megatron_rlvr.trainer import spawn as launch
 
     monkeypatch.setattr(launch, "FAIL_FAST_GRACE_S", 0.5)
     dead = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
@@ -415,7 +415,7 @@ def test_launcher_names_the_dead_rank_and_its_signal(monkeypatch, capsys):
 def test_ranks_import_the_launchers_installation_not_a_checkout_in_the_cwd(tmp_path):
     """Item 13: a `megatron_rlvr` folder in the cwd shadowed the installation under `python -m`; the rank command
     imports the launcher's package (and the cwd still serves user modules)."""
-    from megatron_rlvr.trainer.launch import rank_command
+    from megatron_rlvr.trainer.spawn import rank_command
 
     shadow = tmp_path / "megatron_rlvr"
     shadow.mkdir()
@@ -489,7 +489,7 @@ def test_non_utf8_row_names_file_and_line_and_can_be_skipped(tmp_path):
 
 def test_group_relative_preset_with_one_rollout_is_refused():
     """Item 11: rollout.n=1 gives every sample advantage 0 under every (group-relative) estimator."""
-    from megatron_rlvr.trainer.config import ConfigError, load_run_config
+    from megatron_rlvr.config import ConfigError, load_run_config
 
     with pytest.raises(ConfigError, match=r"rollout\.n=1: .*group-relative.*rollout\.n >= 2"):
         load_run_config(None, ["rollout.n=1"])
@@ -504,9 +504,9 @@ def _trainer_faults(root, overrides):
     """Rank function: the trainer-level fault cases in one pool call (each returns what the test asserts on)."""
     import torch
 
+    from megatron_rlvr.config import load_run_config
     from megatron_rlvr.models.convert import to_hf_on_rank
     from megatron_rlvr.rewards.manager import RewardFailure
-    from megatron_rlvr.trainer.config import load_run_config
     from megatron_rlvr.trainer.resume import ResumeError
     from megatron_rlvr.trainer.train import rl_step, setup, teardown, train
 

@@ -43,7 +43,7 @@ def test_decision_table():
 def test_all_fusions_off_on_cpu():
     """On CPU the built TransformerConfig has every fusion off, whatever ``fusions`` asks."""
     from megatron_rlvr.models.hf_config import megatron_model_args
-    from megatron_rlvr.trainer.tiny import tiny_hf_config
+    from megatron_rlvr.models.tiny import tiny_hf_config
 
     assert detect() == FusionSupport(cuda=False, transformer_engine=None, apex=False)
     assert fusion_flags() == {k: False for k in FUSION_FLAGS}
@@ -57,10 +57,10 @@ def _gpu_child() -> dict:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     from megatron_rlvr.models.build import unwrap
+    from megatron_rlvr.models.tiny import tiny_hf_config
     from megatron_rlvr.ops import vocab_parallel_token_stats
     from megatron_rlvr.trainer.distributed import init_distributed
     from megatron_rlvr.trainer.model import ModelSource, build_model, wrap_ddp
-    from megatron_rlvr.trainer.tiny import tiny_hf_config
 
     d = init_distributed(1, 1, 0)
     cfg = tiny_hf_config()

@@ -61,7 +61,7 @@ def test_minirl_quick_all_comparisons(tmp_path):
 
 
 def test_scale_config_parses_with_diagnostics():
-    from megatron_rlvr.trainer.config import load_run_config
+    from megatron_rlvr.config import load_run_config
 
     cfg = load_run_config(
         os.path.join(REPO, "configs", "repro", "scale.yaml"),

@@ -2,7 +2,7 @@
 
 1. Rendering: slurm/mcpo_14b.sh run in dry-run mode under a simulated 4-node allocation (the SLURM_* variables
    sbatch would set for its own #SBATCH lines); then the environment srun gives each of the 32 tasks goes
-   through megatron_rlvr.launch_env.dist_env_from_slurm: ranks 0..31, world 32, local ranks 0..7 per node, one
+   through megatron_rlvr.slurm_env.dist_env_from_slurm: ranks 0..31, world 32, local ranks 0..7 per node, one
    rendezvous address (the node of rank 0) and port, identical in the shell and the Python derivation.
 2. Real Slurm (tools/slurm_local.sh): slurm/tiny_cpu.sh submitted with sbatch runs a stand-in SPMD program
    (tests/slurm_standin.py) under srun: a gloo all-reduce completes; a rank that exits 1 makes the job FAILED
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rlvr.launch_env import dist_env_from_slurm, expand_hostlist, master_port_for_job
+from megatron_rlvr.slurm_env import dist_env_from_slurm, expand_hostlist, master_port_for_job
 
 REPO = Path(__file__).resolve().parents[1]
 REQUIRE_SLURM = os.environ.get("MEGATRON_RLVR_REQUIRE_SLURM") == "1"

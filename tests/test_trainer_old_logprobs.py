@@ -66,7 +66,7 @@ def _spy_recompute(record):
 def _per_preset(run_root, presets, overrides):
     """Per preset: step 1 twice on one trainer (reference path, then fused) with the optimizer step replaced by a
     recorder of the gradients, so both steps see the same weights, prompts and rollouts."""
-    from megatron_rlvr.trainer.config import load_run_config
+    from megatron_rlvr.config import load_run_config
     from megatron_rlvr.trainer.train import rl_step, setup, teardown
 
     sys.path.insert(0, TESTS_DIR)  # reward.fn=trainer_helpers:...
@@ -104,7 +104,7 @@ def _per_preset(run_root, presets, overrides):
 def _real_updates(run_root, runs, overrides):
     """Per run: one real step (optimizer included) on a fresh trainer each for the reference path and the fused one:
     (metrics, ids recomputed, checksum of the updated weights)."""
-    from megatron_rlvr.trainer.config import load_run_config
+    from megatron_rlvr.config import load_run_config
     from megatron_rlvr.trainer.model import params_checksum
     from megatron_rlvr.trainer.train import rl_step, setup, teardown
 

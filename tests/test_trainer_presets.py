@@ -30,7 +30,7 @@ def _records(run_dir):
 
 def _train_presets(run_root, runs, overrides):
     """``runs``: {run name: extra overrides}."""
-    from megatron_rlvr.trainer.config import load_run_config
+    from megatron_rlvr.config import load_run_config
     from megatron_rlvr.trainer.train import train
 
     codes = {}
@@ -46,7 +46,7 @@ def _engine_checksum(t):
 
 def _one_step(run_dir, overrides):
     """Step 1 at this layout: (its metrics, a checksum of the updated weights as the engine received them)."""
-    from megatron_rlvr.trainer.config import load_run_config
+    from megatron_rlvr.config import load_run_config
     from megatron_rlvr.trainer.train import rl_step, setup, teardown
 
     sys.path.insert(0, TESTS_DIR)  # reward.fn=trainer_helpers:...
@@ -61,8 +61,8 @@ def _one_step(run_dir, overrides):
 
 def _bad_inputs(run_root, overrides):
     """NaN logits, an all-truncated batch and an empty (all filtered) batch, driven through rl_step directly."""
-    from megatron_rlvr.trainer import loss as loss_mod
-    from megatron_rlvr.trainer.config import load_run_config
+    from megatron_rlvr.config import load_run_config
+    from megatron_rlvr.trainer import token_loss as loss_mod
     from megatron_rlvr.trainer.model import params_checksum
     from megatron_rlvr.trainer.train import rl_step, setup, teardown
 
@@ -112,7 +112,7 @@ def _bad_inputs(run_root, overrides):
 
 
 def _flaky_rewards(run_dir, overrides):
-    from megatron_rlvr.trainer.config import load_run_config
+    from megatron_rlvr.config import load_run_config
     from megatron_rlvr.trainer.train import train
 
     sys.path.insert(0, TESTS_DIR)  # the reward workers import trainer_helpers by dotted path

@@ -9,7 +9,7 @@ import signal
 import pytest
 import torch
 
-from megatron_rlvr.trainer.config import (
+from megatron_rlvr.config import (
     ConfigError,
     build_run_config,
     check_layout,
@@ -17,9 +17,9 @@ from megatron_rlvr.trainer.config import (
     resolved_dict,
 )
 from megatron_rlvr.trainer.evaluation import format_table, pass_at_k, summarize
-from megatron_rlvr.trainer.metrics import LossMetrics
 from megatron_rlvr.trainer.microbatch import Sequence, build_microbatch, pack, response_values
 from megatron_rlvr.trainer.signals import exit_code_for
+from megatron_rlvr.trainer.step_metrics import LossMetrics
 
 # ------------------------------------------------------------------------------------------------ config
 
@@ -203,7 +203,7 @@ def test_summary_table():
 def test_tiny_tokenizer_is_character_level_and_round_trips(tmp_path):
     from transformers import AutoTokenizer
 
-    from megatron_rlvr.trainer.tiny import save_tiny_tokenizer, tiny_hf_config, tiny_tokenizer
+    from megatron_rlvr.models.tiny import save_tiny_tokenizer, tiny_hf_config, tiny_tokenizer
 
     tok = tiny_tokenizer()
     ids = tok("12+3=", add_special_tokens=False)["input_ids"]
@@ -224,7 +224,7 @@ CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_shipped_configs_validate(name):
     """Every key of the GPU / real-model presets is known and valid. The model, engine, lengths and files are
     swapped for the tiny model's (no GPU, no weights, no data on a CI machine); everything else is built as written."""
-    from megatron_rlvr.trainer.config import expand_env, read_yaml
+    from megatron_rlvr.config import expand_env, read_yaml
 
     raw = expand_env(read_yaml(os.path.join(CONFIGS, f"{name}.yaml")))
     raw["model"] = {"name": "tiny"}
@@ -245,7 +245,7 @@ def test_shipped_configs_validate(name):
 
 
 def test_env_references_expand_with_defaults(monkeypatch):
-    from megatron_rlvr.trainer.config import expand_env
+    from megatron_rlvr.config import expand_env
 
     monkeypatch.setenv("RLVR_TEST_DIR", "/x")
     monkeypatch.delenv("RLVR_UNSET_VAR", raising=False)
@@ -259,7 +259,7 @@ def test_every_rank_of_a_rollout_tp_group_calls_generate():
     """vLLM with rollout TP > 1 is SPMD: a non-leader rank must enter generate with its leader (or the leader hangs),
     but it neither scores nor contributes the outputs (the leader does, once)."""
     from megatron_rlvr.rollout.engine import SamplingParams
-    from megatron_rlvr.trainer.rollout import engine_info, generate_groups
+    from megatron_rlvr.trainer.generation import engine_info, generate_groups
 
     calls = []
 

@@ -62,7 +62,7 @@ def prepare(workdir: str) -> None:
     """config.json + tokenizer folder + prompts.jsonl (the procedural single-digit addition task) in ``workdir``."""
     sys.path.insert(0, REPO)
     from megatron_rlvr.data.procedural import ProceduralConfig, generate_examples
-    from megatron_rlvr.trainer.tiny import save_tiny_tokenizer, tiny_tokenizer
+    from megatron_rlvr.models.tiny import save_tiny_tokenizer, tiny_tokenizer
 
     tok = tiny_tokenizer()
     save_tiny_tokenizer(os.path.join(workdir, "tok"))

@@ -27,7 +27,7 @@ def main() -> int:
     import bench_step
     import torch
 
-    from megatron_rlvr.trainer.config import load_run_config
+    from megatron_rlvr.config import load_run_config
     from megatron_rlvr.trainer.train import rl_step, setup, teardown
 
     work = a.out or tempfile.mkdtemp(prefix="profile_step-")

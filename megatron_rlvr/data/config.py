@@ -63,8 +63,6 @@ class DataConfig:
                         f"data.{name}[{i}] = {path!r}: unsupported file type {ext!r}; "
                         f"use {' or '.join(SUPPORTED_EXTENSIONS)}"
                     )
-                if not os.path.isfile(path):
-                    raise ValueError(f"data.{name}[{i}]: file not found: {path}")
         if self.schema != "auto" and self.schema not in SCHEMAS:
             raise ValueError(f"data.schema must be 'auto' or one of {sorted(SCHEMAS)}, got {self.schema!r}")
         if self.template not in TEMPLATES:
@@ -73,6 +71,13 @@ class DataConfig:
             raise ValueError(f"data.prompt_template must contain '{{problem}}', got {self.prompt_template!r}")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"data.seed must be an int >= 0, got {self.seed!r}")
+
+    def check_files(self) -> None:
+        """The data files exist (run by the config loader; ``plan`` may skip it for a cluster's paths)."""
+        for name in ("train_files", "eval_files"):
+            for i, path in enumerate(getattr(self, name)):
+                if not os.path.isfile(path):
+                    raise ValueError(f"data.{name}[{i}]: file not found: {path}")
 
 
 def build_train_dataset(cfg: DataConfig) -> PromptDataset:

@@ -53,15 +53,15 @@ def to_hf_on_rank(
         model, args, out_dir, source_dir=source_hf, dtype=dtype, max_shard_bytes=max_shard_bytes, overwrite=overwrite
     )
     if source_hf is None and torch.distributed.get_rank() == 0 and is_tiny_config(meta.get("hf_config", {})):
-        from megatron_rlvr.trainer.tiny import save_tiny_tokenizer
+        from megatron_rlvr.models.tiny import save_tiny_tokenizer
 
         save_tiny_tokenizer(out)  # the built-in tiny tokenizer has no source folder to copy from
     return out
 
 
 def is_tiny_config(hf_config: dict) -> bool:
-    """The checkpoint is of the built-in ``tiny`` model (megatron_rlvr/trainer/tiny.py)."""
-    from megatron_rlvr.trainer.tiny import tiny_hf_config
+    """The checkpoint is of the built-in ``tiny`` model (megatron_rlvr/models/tiny.py)."""
+    from megatron_rlvr.models.tiny import tiny_hf_config
 
     ref = tiny_hf_config()
     keys = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")

@@ -15,31 +15,8 @@ from typing import Any
 
 import torch
 
+from megatron_rlvr.config.specs import FAMILIES, padded_vocab
 from megatron_rlvr.models.mapping import ModelDims
-
-
-@dataclass(frozen=True)
-class Family:
-    """What distinguishes one HF decoder family in megatron terms."""
-
-    qkv_bias: bool
-    """q/k/v projections have a bias (Qwen2)."""
-    qk_layernorm: bool
-    """Per-head RMSNorm on q and k (Qwen3)."""
-    bias_fields: tuple[str, ...] = ()
-    """HF config fields that must be False (bias variants megatron's dense GPT does not map 1:1)."""
-    sliding_window_field: str | None = None
-    """HF config field that must be False (sliding-window attention is not implemented)."""
-
-
-FAMILIES: dict[str, Family] = {
-    "LlamaForCausalLM": Family(qkv_bias=False, qk_layernorm=False, bias_fields=("attention_bias", "mlp_bias")),
-    "Qwen2ForCausalLM": Family(qkv_bias=True, qk_layernorm=False, sliding_window_field="use_sliding_window"),
-    "Qwen3ForCausalLM": Family(
-        qkv_bias=False, qk_layernorm=True, bias_fields=("attention_bias",), sliding_window_field="use_sliding_window"
-    ),
-}
-"""Registry of supported ``architectures[0]`` values."""
 
 
 @dataclass(frozen=True)
@@ -129,15 +106,6 @@ def _rope_spec(cfg: dict) -> RopeSpec:
             original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
         )
     raise ValueError(f"HF config: rope type {kind!r} is not supported (supported: default, linear, llama3)")
-
-
-def padded_vocab(vocab_size: int, tp_size: int, multiple: int = 128) -> int:
-    """Megatron's rule: round vocab up to a multiple of ``multiple * tp_size`` (so each TP shard is a multiple of
-    ``multiple`` rows, friendly to GEMM tiling)."""
-    if multiple <= 0:
-        raise ValueError(f"vocab padding multiple must be positive, got {multiple}")
-    step = multiple * tp_size
-    return -(-vocab_size // step) * step
 
 
 def megatron_model_args(

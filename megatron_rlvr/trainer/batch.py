@@ -17,8 +17,8 @@ from megatron_rlvr.algorithms import (
     mastered_rollouts,
     shape_rewards,
 )
+from megatron_rlvr.trainer.generation import Group
 from megatron_rlvr.trainer.microbatch import Sequence
-from megatron_rlvr.trainer.rollout import Group
 
 
 def reward_tensors(groups: list[Group], algo: AlgorithmConfig):

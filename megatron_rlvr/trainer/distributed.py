@@ -75,7 +75,7 @@ def env_rank_info(environ=None) -> dict | None:
             "master_port": int(env.get("MASTER_PORT", 29500)),
         }
     if "SLURM_PROCID" in env and ("SLURM_NTASKS" in env or "SLURM_STEP_NUM_TASKS" in env):
-        from megatron_rlvr.launch_env import dist_env_from_slurm
+        from megatron_rlvr.slurm_env import dist_env_from_slurm
 
         return dist_env_from_slurm(env)
     return None
@@ -112,13 +112,13 @@ def init_distributed(tp: int, pp: int, seed: int, backend: str = "auto", timeout
     if not dist.is_initialized():
         info = env_rank_info()
         if info is not None and "RANK" not in os.environ:  # an srun task: give everything the torchrun variables
-            from megatron_rlvr.launch_env import export_torch_env
+            from megatron_rlvr.slurm_env import export_torch_env
 
             export_torch_env(info)
         if info is None:
             info = {"rank": 0, "world_size": 1, "local_rank": 0, "master_addr": "127.0.0.1", "master_port": 0}
             if info["master_port"] == 0:
-                from megatron_rlvr.trainer.launch import free_port
+                from megatron_rlvr.trainer.spawn import free_port
 
                 info["master_port"] = free_port()
         backend = resolve_backend(backend)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from megatron_rlvr.trainer.config import ModelConfig, OptimizerConfig, ParallelConfig, ScheduleConfig, TrainConfig
+from megatron_rlvr.config import ModelConfig, OptimizerConfig, ParallelConfig, ScheduleConfig, TrainConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -33,7 +33,7 @@ def resolve_model_source(cfg: ModelConfig) -> ModelSource:
     from megatron_rlvr.models.hf_config import load_hf_config
 
     if cfg.is_tiny:
-        from megatron_rlvr.trainer.tiny import tiny_hf_config
+        from megatron_rlvr.models.tiny import tiny_hf_config
 
         return ModelSource(tiny_hf_config(), None, cfg.tokenizer, True)
     if cfg.gguf:
@@ -49,7 +49,7 @@ def resolve_model_source(cfg: ModelConfig) -> ModelSource:
 
 def load_tokenizer(source: ModelSource):
     if source.tokenizer_dir is None:
-        from megatron_rlvr.trainer.tiny import tiny_tokenizer
+        from megatron_rlvr.models.tiny import tiny_tokenizer
 
         return tiny_tokenizer()
     from transformers import AutoTokenizer
@@ -69,7 +69,7 @@ def model_args_for(source: ModelSource, model_cfg: ModelConfig, par: ParallelCon
         tp_size=par.tp,
         pp_size=par.pp,
         dtype=_DTYPES[model_cfg.dtype],
-        sequence_parallel=bool(par.sequence_parallel),
+        sequence_parallel=par.sequence_parallel_on(torch.cuda.is_available()),
         **overrides,
     )
 
@@ -81,7 +81,7 @@ def random_hf_state_dict(hf_config: dict, seed: int) -> dict[str, torch.Tensor]:
     model on each rank: meant for small from-scratch models such as ``tiny``."""
     from transformers import AutoModelForCausalLM
 
-    from megatron_rlvr.trainer.engine import hf_config_object
+    from megatron_rlvr.trainer.engine_setup import hf_config_object
 
     state = torch.random.get_rng_state()
     try:

@@ -61,7 +61,8 @@ def field_default(dotted: str):
     import dataclasses
     import typing
 
-    from megatron_rlvr.trainer.config import RunConfig, _plain
+    from megatron_rlvr.config import RunConfig
+    from megatron_rlvr.config.loading import _plain
 
     cls, parts = RunConfig, dotted.split(".")
     for i, name in enumerate(parts):
@@ -91,7 +92,7 @@ def _not_a_change(key: str, old, new) -> bool:
 
 def will_resume(cfg, run_dir: str) -> bool:
     from megatron_rlvr.models.checkpointing import list_checkpoints
-    from megatron_rlvr.trainer.checkpoint import checkpoint_dir
+    from megatron_rlvr.trainer.checkpointer import checkpoint_dir
 
     how = cfg.checkpoint.resume
     return how != "never" and (how != "auto" or bool(list_checkpoints(checkpoint_dir(run_dir))))
@@ -102,7 +103,7 @@ def check_resume_changes(cfg, run_dir: str) -> list[str]:
     ResumeError listing the refused ones."""
     import yaml
 
-    from megatron_rlvr.trainer.config import ONE_OFF_OPTIONS, persisted_dict
+    from megatron_rlvr.config import ONE_OFF_OPTIONS, persisted_dict
 
     path = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(path) or not will_resume(cfg, run_dir):
@@ -128,7 +129,7 @@ def prepare_run_dir_on_ranks(cfg, run_dir: str, rank: int, broadcast) -> None:
     """In every rank (torchrun / srun / in-process): rank 0 locks ``run_dir``; if it took the lock now (no launcher
     of ours did), it also checks a resume's changed options and writes config.yaml, as ``prepare_run`` does for a
     launched run. Errors are raised on every rank."""
-    from megatron_rlvr.trainer.config import dump_yaml
+    from megatron_rlvr.config import dump_yaml
     from megatron_rlvr.trainer.run_lock import hold_collective, release
 
     if not hold_collective(run_dir, rank, broadcast):

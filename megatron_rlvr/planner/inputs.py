@@ -1,0 +1,88 @@
+"""What the planner plans: a run config (the same file ``train`` reads, loaded by the same code) plus the model's
+shapes. Files the run names need not exist here (``plan`` often runs on a laptop or login node for a cluster's
+paths): they are reported as warnings; the model's shapes then come from its built-in spec."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from megatron_rlvr.config import (
+    ConfigError,
+    RunConfig,
+    apply_overrides,
+    build_run_config,
+    check_run_files,
+    load_run_config,
+    model_hf_config,
+)
+from megatron_rlvr.config.specs import BUILTIN_SPECS, ModelSpec, get_model_spec, model_spec_from_hf_config
+from megatron_rlvr.planner.memory import PlanConfig
+
+
+def model_spec_for(run: RunConfig) -> ModelSpec:
+    """The shapes of the run's model: its HF config when readable here (tiny, hf_path, hf_config, gguf), else the
+    built-in spec of ``model.name``."""
+    m = run.model
+    try:
+        hf = model_hf_config(m)
+    except ConfigError as e:
+        if m.name and m.name != "tiny":
+            try:
+                return get_model_spec(m.name)
+            except ValueError:
+                pass
+        raise ConfigError(
+            f"{e}; and model.name={m.name!r} is not a built-in spec ({', '.join(sorted(BUILTIN_SPECS))}), so the "
+            "planner cannot size the model"
+        ) from None
+    return model_spec_from_hf_config(hf, name=m.name if m.name != "tiny" or m.is_tiny else None)
+
+
+def plan_config_from_run(run: RunConfig, spec: ModelSpec | None = None) -> PlanConfig:
+    """The planner's view of a run config: its own sections, the model's spec, the reference model resolved."""
+    return PlanConfig(
+        model=spec or model_spec_for(run),
+        parallel=run.parallel,
+        rollout=run.rollout,
+        train=run.train,
+        cluster=run.cluster,
+        ref_model=run.keeps_ref_model,
+    )
+
+
+def load_plan_config(source: str | Path, overrides: Sequence[str] = (), warn=None) -> PlanConfig:
+    """PlanConfig from a run-config YAML (validated exactly as ``train`` validates it, except that missing files are
+    warnings), or from a built-in model name / HF config.json (file or folder) with the default run sections."""
+    warn = warn or (lambda msg: print(f"warning: {msg}", file=sys.stderr))
+    p = Path(source).expanduser()
+    if p.suffix in (".yaml", ".yml") or p.name == "config.yaml" and p.is_file():
+        run = load_run_config(str(p), list(overrides), check_files=False)
+        try:
+            check_run_files(run)
+        except ConfigError as e:
+            warn(f"{e} (not needed for the plan; `train` refuses to start without it)")
+        return plan_config_from_run(run)
+    raw = apply_overrides({}, list(overrides))
+    if "model" in raw:
+        raise ConfigError("model.* overrides need a run-config YAML; give the model as the CONFIG argument")
+    raw["model"] = {"name": str(source)}
+    run = build_run_config(raw, check_files=False)
+    if p.suffix == ".json" or p.is_dir():
+        try:
+            spec = model_spec_from_hf_config(p)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    else:
+        try:
+            spec = get_model_spec(str(source))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    return plan_config_from_run(run, spec)
+
+
+def run_dir_config(path: str) -> str:
+    """A run directory stands for its config.yaml (as with ``train``)."""
+    return os.path.join(path, "config.yaml") if os.path.isdir(path) and os.path.isfile(f"{path}/config.yaml") else path

@@ -1,0 +1,300 @@
+"""The layout planner's memory model: layout validation and per-GPU memory of every pipeline stage (see the
+package docstring for the formulas' sources). Pure Python."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_rlvr.config.sections import ClusterConfig, ParallelConfig, RolloutConfig, TrainConfig
+from megatron_rlvr.config.specs import ModelSpec
+
+GIB = 1024**3
+
+
+class LayoutError(ValueError):
+    """The requested parallel layout cannot run (a size does not divide, an axis is too large)."""
+
+
+@dataclass
+class PlanConfig:
+    """What the memory model reads: a model's shapes plus the run config's own sections (no copies of them)."""
+
+    model: ModelSpec
+    """The model to plan for."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Parallel layout (sequence_parallel None: on when tp > 1, as on GPUs)."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Rollout lengths and the vLLM engine's memory share."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Micro-batch tokens, recompute, logits chunk."""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Allocation and memory assumptions."""
+    ref_model: bool | None = None
+    """Whether a reference model is kept; None: train.ref_model (the run config resolves it from the algorithm)."""
+
+    @property
+    def micro_batch_tokens(self) -> int:
+        return self.train.micro_batch_tokens or self.max_model_len
+
+    @property
+    def max_model_len(self) -> int:
+        return self.rollout.max_prompt_len + self.rollout.max_response_len
+
+    @property
+    def keeps_ref_model(self) -> bool:
+        return bool(self.train.ref_model if self.ref_model is None else self.ref_model)
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.parallel.sequence_parallel_on(cuda=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Layout validation
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def validate_layout(model: ModelSpec, par: ParallelConfig, world_size: int, gpus_per_node: int = 8):
+    """(errors, warnings) for this layout; an empty error list means Megatron and vLLM can both build it.
+
+    Megatron-Core (TransformerConfig.__post_init__, core 0.16): num_attention_heads % tp == 0, and
+    num_query_groups must be a multiple OR a divisor of tp; when kv_heads < tp each KV head is replicated on
+    tp / kv_heads ranks (the fused QKV output is all-gathered and sliced, attention.py). vLLM's
+    QKVParallelLinear applies the same rule to the rollout TP (replicas = rollout_tp / kv_heads).
+    """
+    errors: list[str] = []
+    warnings: list[str] = []
+    for axis, t in (("tp", par.tp), ("rollout_tp", par.rollout_tp)):
+        if model.heads % t:
+            errors.append(f"parallel.{axis}={t} does not divide the {model.heads} attention heads")
+        if model.kv_heads % t and t % model.kv_heads:
+            errors.append(
+                f"parallel.{axis}={t} and the {model.kv_heads} KV heads: one must divide the other "
+                f"(KV heads are split when kv_heads % tp == 0, replicated when tp % kv_heads == 0)"
+            )
+        if model.ffn % t:
+            errors.append(f"parallel.{axis}={t} does not divide ffn={model.ffn} (column-parallel MLP)")
+        if t > gpus_per_node:
+            warnings.append(f"parallel.{axis}={t} spans nodes ({gpus_per_node} GPUs/node): TP traffic leaves NVLink")
+    if model.layers % par.pp:
+        errors.append(f"parallel.pp={par.pp} does not divide the {model.layers} layers")
+    mp = par.tp * par.pp
+    if world_size % mp:
+        errors.append(f"world size {world_size} is not divisible by tp x pp = {par.tp} x {par.pp} = {mp}")
+    if world_size % par.rollout_tp:
+        errors.append(f"world size {world_size} is not divisible by rollout_tp={par.rollout_tp}")
+    if world_size < mp:
+        errors.append(f"world size {world_size} is smaller than tp x pp = {mp}")
+    return errors, warnings
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Memory estimate
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def stage_params(model: ModelSpec, par: ParallelConfig) -> list[int]:
+    """Parameters held by ONE GPU of each pipeline stage (TP-sharded matrices, replicated norms, padded vocab).
+
+    Stage 0 holds the input embedding, the last stage the final norm and the LM head (with tied embeddings and
+    pp > 1 Megatron keeps a copy of the embedding on the last stage for the output layer).
+    """
+    lp = model.layer_params()
+    per_layer = (lp["qkv_w"] + lp["qkv_b"] + lp["out_w"] + lp["mlp_w"]) // par.tp + lp["norms"]
+    emb = model.padded_vocab(par.tp) * model.hidden // par.tp
+    n_local = model.layers // par.pp
+    out = []
+    for s in range(par.pp):
+        n = n_local * per_layer
+        if s == 0:
+            n += emb
+        if s == par.pp - 1:
+            n += model.hidden  # final norm
+            if not model.tied_embeddings or par.pp > 1:
+                n += emb
+        out.append(n)
+    return out
+
+
+def activation_bytes_per_layer(model: ModelSpec, tokens: int, tp: int, sequence_parallel: bool) -> int:
+    """Bytes of bf16 activations one transformer layer saves for backward, for `tokens` tokens of one micro-batch.
+
+    Korthikanti et al. 2022 (Sec. 4.1) count 34 s*b*h + 5 a s^2 b per layer for GPT (GeLU, MHA, dropout,
+    materialised softmax). Re-derived here for Llama/Qwen layers trained with flash attention and no dropout
+    (per token, 2 bytes per element):
+        RMSNorm inputs            2h + 2h
+        QKV input, MLP input      2h + 2h
+        Q; K and V (GQA)          2 q_dim; 4 kv_dim       (flash attention keeps q, k, v; no s^2 term)
+        attention output          2 q_dim                 (input of the output projection)
+        SwiGLU                    4f (fc1 output, gate|up) + 2f (input of fc2)
+    = 8h + 4 q_dim + 4 kv_dim + 6f. With sequence parallelism every term is sharded over TP (Sec. 4.2.2);
+    without it the 8h norm/linear-input terms are replicated and only the rest is divided by TP.
+    Check against the paper: a GPT layer (MHA so q_dim = kv_dim = h, f = 4h, GeLU MLP storing 2f + 2f bytes)
+    gives 8h + 4h + 4h + 16h = 32h, the paper's 34 s*b*h minus its two s*b*h dropout masks.
+    """
+    h, f = model.hidden, model.ffn
+    replicated = 8 * h
+    sharded = 4 * model.q_dim + 4 * model.kv_dim + (6 * f if model.gated_mlp else 4 * f)
+    if sequence_parallel:
+        return tokens * (replicated + sharded) // tp
+    return tokens * (replicated + sharded // tp)
+
+
+_TRAIN_PHASE_TERMS = ("weights", "grads", "optimizer", "ref_model", "activations", "logits", "logits_chunk")
+_TRAIN_PHASE_TERMS += ("train_overhead", "vllm_sleeping")
+
+LOGITS_CHUNK_FACTOR = 4
+"""fp32 [chunk, V/tp] buffers alive at once in the vocab-parallel ops: upcast logits, exp/softmax, grad, a temp."""
+
+
+@dataclass
+class MemoryPlan:
+    """The planner's verdict for one config on one allocation."""
+
+    config: PlanConfig
+    """The config that was planned."""
+    world_size: int
+    """nodes x GPUs per node."""
+    dp: int
+    """Data-parallel size world / (tp x pp): the distributed optimizer's sharding factor."""
+    errors: list[str]
+    """Layout errors (the layout cannot be built); memory is not estimated when non-empty."""
+    warnings: list[str]
+    """Legal but slow choices (TP across nodes)."""
+    reasons: list[str] = field(default_factory=list)
+    """Why the layout does not fit in memory (empty when it fits)."""
+    components: dict[str, float] = field(default_factory=dict)
+    """Bytes per GPU of each term, for the worst pipeline stage (keys: see ``estimate_memory``)."""
+    worst_stage: int = 0
+    """The pipeline stage with the largest peak (reported in the table)."""
+    stage_param_counts: list[int] = field(default_factory=list)
+    """Parameters held by one GPU of each pipeline stage."""
+    train_peak: float = 0.0
+    """Bytes per GPU while training (vLLM asleep), worst stage."""
+    rollout_peak: float = 0.0
+    """Bytes per GPU while vLLM generates (training state resident unless offloaded), worst stage."""
+    kv_tokens: int = 0
+    """KV-cache capacity of one vLLM engine in tokens (all layers)."""
+
+    @property
+    def peak(self) -> float:
+        return max(self.train_peak, self.rollout_peak)
+
+    @property
+    def limit(self) -> float:
+        c = self.config.cluster
+        return c.gpu_mem_gb * c.usable_fraction * GIB
+
+    @property
+    def fits(self) -> bool:
+        return not self.errors and not self.reasons
+
+
+def _vllm_weight_params(model: ModelSpec, rtp: int) -> int:
+    """Parameters per GPU of a vLLM engine at TP=rtp; KV heads are replicated when rtp > kv_heads."""
+    h, d = model.hidden, model.head_dim
+    kv_local = max(1, model.kv_heads // rtp)
+    q_local = model.heads // rtp
+    qkv_w = h * d * (q_local + 2 * kv_local)
+    qkv_b = d * (q_local + 2 * kv_local) if model.qkv_bias else 0
+    lp = model.layer_params()
+    per_layer = qkv_w + qkv_b + (lp["out_w"] + lp["mlp_w"]) // rtp + lp["norms"]
+    vocab_shard = -(-model.vocab // rtp)  # vLLM pads the vocab shard; the difference is negligible here
+    emb = vocab_shard * h * (1 if model.tied_embeddings else 2)
+    return model.layers * per_layer + emb + h
+
+
+def estimate_memory(cfg: PlanConfig) -> MemoryPlan:
+    """Validate the layout and estimate per-GPU memory of every pipeline stage; keeps the worst stage.
+
+    ``components`` keys (bytes, worst stage): weights, grads, optimizer, ref_model, act_none, act_full, activations
+    (the configured recompute mode), logits, logits_chunk, train_overhead, vllm_sleeping, train_state_in_rollout,
+    vllm_engine, vllm_weights, vllm_overhead, kv_cache, host_ram_per_node (sleep level 1 weight backup).
+    """
+    m, par, ro, tr, cl = cfg.model, cfg.parallel, cfg.rollout, cfg.train, cfg.cluster
+    world = cl.world_size
+    errors, warnings = validate_layout(m, par, world, cl.gpus_per_node)
+    dp = max(1, world // (par.tp * par.pp))
+    plan = MemoryPlan(config=cfg, world_size=world, dp=dp, errors=errors, warnings=warnings)
+    T = cfg.micro_batch_tokens
+    if T < cfg.max_model_len:
+        errors.append(
+            f"train.micro_batch_tokens={T} is smaller than one max-length sequence "
+            f"(rollout.max_prompt_len + max_response_len = {cfg.max_model_len}); a sequence cannot be split"
+        )
+    if errors:
+        return plan
+
+    G = cl.gpu_mem_gb * GIB
+    params = stage_params(m, par)
+    plan.stage_param_counts = params
+    a_layer = activation_bytes_per_layer(m, T, par.tp, cfg.sequence_parallel)
+    n_local = m.layers // par.pp
+    vocab_shard = m.padded_vocab(par.tp) // par.tp
+    vllm_w = 2 * _vllm_weight_params(m, par.rollout_tp)
+    vllm_engine = ro.gpu_memory_utilization * G
+    kv_cache = vllm_engine - vllm_w - cl.vllm_overhead_gb * GIB
+    # K and V for every layer; vLLM keeps max(1, kv_heads / rollout_tp) heads per GPU, bf16.
+    kv_per_token = 2 * m.layers * max(1, m.kv_heads // par.rollout_tp) * m.head_dim * 2
+    plan.kv_tokens = max(0, int(kv_cache // kv_per_token))
+
+    best = None
+    for s, p in enumerate(params):
+        in_flight = par.pp - s  # 1F1B: stage s holds pp - s micro-batches of activations (Korthikanti Sec. 4.2.3)
+        c: dict[str, float] = {}
+        c["weights"] = 2 * p
+        c["grads"] = 4 * p
+        c["optimizer"] = 12 * p / (dp if par.distributed_optimizer else 1)
+        c["ref_model"] = 2 * p if cfg.keeps_ref_model else 0
+        c["act_none"] = in_flight * n_local * a_layer
+        # Full recompute stores only each layer's input ([T, h] bf16, sharded by SP) and rebuilds one layer.
+        layer_input = 2 * T * m.hidden // (par.tp if cfg.sequence_parallel else 1)
+        c["act_full"] = in_flight * n_local * layer_input + a_layer
+        c["activations"] = c["act_full"] if tr.recompute == "full" else c["act_none"]
+        last = s == par.pp - 1
+        c["logits"] = T * vocab_shard * (2 + 2) if last else 0  # bf16 logits + their grad
+        c["logits_chunk"] = min(tr.logits_chunk, T) * vocab_shard * 4 * LOGITS_CHUNK_FACTOR if last else 0
+        c["train_overhead"] = cl.train_overhead_gb * GIB
+        c["vllm_sleeping"] = cl.vllm_sleep_residual_gb * GIB
+        train_peak = sum(c[k] for k in _TRAIN_PHASE_TERMS)
+        state = c["weights"] + c["grads"] + c["optimizer"] + c["ref_model"]
+        c["train_state_in_rollout"] = 0 if cl.offload_during_rollout else state
+        c["vllm_engine"] = vllm_engine
+        c["vllm_weights"] = vllm_w
+        c["vllm_overhead"] = cl.vllm_overhead_gb * GIB
+        c["kv_cache"] = kv_cache
+        rollout_peak = c["train_state_in_rollout"] + vllm_engine + c["train_overhead"]
+        if best is None or max(train_peak, rollout_peak) > max(best[1], best[2]):
+            best = (s, train_peak, rollout_peak, c)
+    s, plan.train_peak, plan.rollout_peak, plan.components = best
+    plan.worst_stage = s
+    plan.components["host_ram_per_node"] = vllm_w * cl.gpus_per_node if ro.sleep_level == 1 else 0
+
+    limit = plan.limit
+    lim_txt = f"{limit / GIB:.1f} GiB usable ({cl.gpu_mem_gb:g} x {cl.usable_fraction:g})"
+    if kv_cache <= 0:
+        plan.reasons.append(
+            f"vLLM: rollout.gpu_memory_utilization={ro.gpu_memory_utilization:g} gives "
+            f"{vllm_engine / GIB:.1f} GiB, less than its weights ({vllm_w / GIB:.1f} GiB at rollout_tp="
+            f"{par.rollout_tp}) + overhead ({cl.vllm_overhead_gb:g} GiB): no room for a KV cache; raise "
+            "gpu_memory_utilization or rollout_tp"
+        )
+    elif plan.kv_tokens < cfg.max_model_len:
+        plan.reasons.append(
+            f"vLLM: KV cache holds {plan.kv_tokens} tokens, less than one sequence of max_model_len="
+            f"{cfg.max_model_len} (vLLM refuses to start); raise gpu_memory_utilization or rollout_tp"
+        )
+    if plan.train_peak > limit:
+        hint = "set train.recompute=full, " if tr.recompute != "full" else ""
+        plan.reasons.append(
+            f"training phase needs {plan.train_peak / GIB:.1f} GiB on pipeline stage {s}, over {lim_txt}; "
+            f"{hint}lower train.micro_batch_tokens, raise tp/pp, or add nodes (shards the optimizer further)"
+        )
+    if plan.rollout_peak > limit:
+        plan.reasons.append(
+            f"rollout phase needs {plan.rollout_peak / GIB:.1f} GiB (training state "
+            f"{plan.components['train_state_in_rollout'] / GIB:.1f} + vLLM {vllm_engine / GIB:.1f} + overhead), "
+            f"over {lim_txt}; lower rollout.gpu_memory_utilization, set cluster.offload_during_rollout=true, "
+            "or raise tp"
+        )
+    return plan

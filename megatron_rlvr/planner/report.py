@@ -1,0 +1,209 @@
+"""The planner's output (the per-GPU memory table, the layout search) and ``megatron-rlvr plan``'s command line."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Sequence
+
+from megatron_rlvr.config.specs import MEGATRON_VOCAB_DIVISIBLE_BY
+from megatron_rlvr.planner.inputs import load_plan_config, run_dir_config
+from megatron_rlvr.planner.memory import GIB, LOGITS_CHUNK_FACTOR, MemoryPlan, PlanConfig, estimate_memory
+
+# ----------------------------------------------------------------------------------------------------------------
+# Output
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _g(x: float) -> str:
+    return f"{x / GIB:8.2f}"
+
+
+def format_plan(plan: MemoryPlan) -> str:
+    """Human-readable table (GiB per GPU) with the verdict and reasons."""
+    cfg = plan.config
+    m, par, ro, tr, cl = cfg.model, cfg.parallel, cfg.rollout, cfg.train, cfg.cluster
+    lines = [
+        f"model   {m.name}: {m.param_count() / 1e9:.2f} B params, L={m.layers} h={m.hidden} f={m.ffn} "
+        f"heads={m.heads} kv_heads={m.kv_heads} d={m.head_dim} V={m.vocab}",
+        f"cluster {cl.nodes} node(s) x {cl.gpus_per_node} GPUs x {cl.gpu_mem_gb:g} GiB = world {plan.world_size}",
+        f"layout  TP={par.tp} PP={par.pp} DP={plan.dp} SP={'on' if cfg.sequence_parallel else 'off'} | rollout "
+        f"TP={par.rollout_tp} ({plan.world_size // par.rollout_tp} vLLM engines)",
+    ]
+    for w in plan.warnings:
+        lines.append(f"warning: {w}")
+    if plan.errors:
+        lines.append("INVALID LAYOUT:")
+        lines += [f"  - {e}" for e in plan.errors]
+        return "\n".join(lines)
+    c = plan.components
+    T = cfg.micro_batch_tokens
+    vp = m.padded_vocab(par.tp)
+    p = plan.stage_param_counts[plan.worst_stage]
+    dp_div = plan.dp if par.distributed_optimizer else 1
+    lines.append(
+        f"sizes   micro-batch {T} tokens (max seq {cfg.max_model_len}), vocab {m.vocab} -> padded {vp} "
+        f"(multiple of {MEGATRON_VOCAB_DIVISIBLE_BY} x TP), recompute={tr.recompute}"
+    )
+    lines.append("")
+    lines.append(f"{'GiB per GPU':<58}{'':>8}")
+    lines.append(f"-- training phase (pipeline stage {plan.worst_stage} of {par.pp}, the largest) " + "-" * 12)
+    rows = [
+        (f"weights bf16 ({p / 1e9:.3f} B params on this GPU)", c["weights"]),
+        ("main grads fp32 (4 B/param)", c["grads"]),
+        (f"fp32 master + Adam m,v (12 B/param / DP={dp_div})", c["optimizer"]),
+    ]
+    if cfg.keeps_ref_model:
+        rows.append(("reference model bf16", c["ref_model"]))
+    mark_n = " <-" if tr.recompute == "none" else ""
+    mark_f = " <-" if tr.recompute == "full" else ""
+    rows += [
+        (f"activations, no recompute{mark_n}", c["act_none"]),
+        (f"activations, full recompute{mark_f}", c["act_full"]),
+        (f"logits [{T} x {vp // par.tp}] bf16 + grad", c["logits"]),
+        (
+            f"logits chunk work [{min(tr.logits_chunk, T)} x {vp // par.tp}] fp32 x{LOGITS_CHUNK_FACTOR}",
+            c["logits_chunk"],
+        ),
+        ("framework (CUDA context, NCCL, fragmentation)", c["train_overhead"]),
+        (f"vLLM asleep (level {ro.sleep_level}, residual)", c["vllm_sleeping"]),
+    ]
+    lines += [f"  {label:<56}{_g(v)}" for label, v in rows]
+    lines.append(f"  {'= training peak':<56}{_g(plan.train_peak)}")
+    lines.append(
+        f"-- rollout phase (vLLM TP={par.rollout_tp}, gpu_memory_utilization={ro.gpu_memory_utilization:g}) " + "-" * 8
+    )
+    kv_seqs = plan.kv_tokens / cfg.max_model_len
+    off = " (offloaded)" if cfg.cluster.offload_during_rollout else ""
+    rows = [
+        (f"training state kept on GPU{off}", c["train_state_in_rollout"]),
+        ("vLLM engine = util x GPU, of which:", c["vllm_engine"]),
+        ("    weights bf16 (KV heads replicated if rtp > kv_heads)", c["vllm_weights"]),
+        ("    activations, CUDA graphs, sampler (assumed)", c["vllm_overhead"]),
+        (f"    KV cache: {plan.kv_tokens} tokens = {kv_seqs:.1f} seqs of {cfg.max_model_len}", c["kv_cache"]),
+        ("framework (CUDA context, NCCL, fragmentation)", c["train_overhead"]),
+    ]
+    lines += [f"  {label:<56}{_g(v)}" for label, v in rows]
+    lines.append(f"  {'= rollout peak':<56}{_g(plan.rollout_peak)}")
+    lines.append("")
+    if ro.sleep_level == 1:
+        lines.append(f"host RAM per node for vLLM sleep level 1 weight backup: {c['host_ram_per_node'] / GIB:.1f} GiB")
+    verdict = "FITS" if plan.fits else "DOES NOT FIT"
+    lines.append(
+        f"peak {plan.peak / GIB:.1f} GiB per GPU of {plan.limit / GIB:.1f} usable "
+        f"({cl.gpu_mem_gb:g} GiB x {cl.usable_fraction:g}): {verdict}"
+    )
+    lines += [f"  - {r}" for r in plan.reasons]
+    return "\n".join(lines)
+
+
+def _with_nodes(cfg: PlanConfig, nodes: int) -> PlanConfig:
+    return dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, nodes=nodes))
+
+
+def smallest_fitting_nodes(cfg: PlanConfig, max_nodes: int = 128) -> MemoryPlan | None:
+    """Plan at the smallest node count (1..max_nodes) where the layout is valid and fits; None if none does."""
+    for n in range(1, max_nodes + 1):
+        plan = estimate_memory(_with_nodes(cfg, n))
+        if plan.fits:
+            return plan
+    return None
+
+
+def search_layouts(cfg: PlanConfig) -> list[MemoryPlan]:
+    """Every valid (tp, pp, rollout_tp) with tp, rollout_tp <= GPUs per node, sorted: fitting first, then the
+    smaller model-parallel size tp x pp (less communication, more DP), then less PP (smaller pipeline bubble),
+    then smaller rollout TP (more independent engines)."""
+    gpn = cfg.cluster.gpus_per_node
+    sizes = [t for t in (1, 2, 4, 8, 16) if t <= gpn]
+    plans = []
+    for tp in sizes:
+        for pp in (1, 2, 4, 8):
+            for rtp in sizes:
+                try:
+                    par = dataclasses.replace(cfg.parallel, tp=tp, pp=pp, rollout_tp=rtp, sequence_parallel=None)
+                except ValueError:
+                    continue
+                plan = estimate_memory(dataclasses.replace(cfg, parallel=par))
+                if not plan.errors:
+                    plans.append(plan)
+
+    def rank(p: MemoryPlan):
+        par = p.config.parallel
+        return (not p.fits, par.tp * par.pp, par.pp, par.rollout_tp, p.peak)
+
+    plans.sort(key=rank)
+    return plans
+
+
+def format_search(plans: list[MemoryPlan]) -> str:
+    head = f"{'tp':>3} {'pp':>3} {'rtp':>4} {'dp':>4} {'train':>7} {'rollout':>8} {'peak':>7} {'kv seqs':>8}  verdict"
+    lines = [head + "   (GiB per GPU)"]
+    for p in plans:
+        par = p.config.parallel
+        seqs = p.kv_tokens / p.config.max_model_len
+        why = "fits" if p.fits else "no: " + p.reasons[0].split(";")[0]
+        lines.append(
+            f"{par.tp:>3} {par.pp:>3} {par.rollout_tp:>4} {p.dp:>4} {p.train_peak / GIB:7.1f} "
+            f"{p.rollout_peak / GIB:8.1f} {p.peak / GIB:7.1f} {seqs:8.1f}  {why}"
+        )
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# CLI
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="megatron-rlvr plan",
+        description="Validate a parallel layout and estimate per-GPU memory (training + colocated vLLM).",
+    )
+    ap.add_argument("config", help="run-config YAML, HF config.json / folder, or a built-in model name")
+    ap.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. parallel.tp=8")
+    ap.add_argument(
+        "--gpus-per-node", type=int, default=None, help="GPUs per node (default: cluster.gpus_per_node or 8)"
+    )
+    ap.add_argument("--gpu-mem-gb", type=float, default=None, help="GiB per GPU (default: cluster.gpu_mem_gb or 80)")
+    ap.add_argument(
+        "--nodes", type=int, default=None, help="node count (default: cluster.nodes, else the smallest that fits)"
+    )
+    ap.add_argument("--usable-fraction", type=float, default=None, help="share of GPU memory a plan may fill (0.92)")
+    ap.add_argument("--search", action="store_true", help="list every valid (tp, pp, rollout_tp) for this allocation")
+    return ap
+
+
+def plan_main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``megatron-rlvr plan``; returns the exit status (0 fits, 1 refused, 2 bad input)."""
+    args = _parser().parse_intermixed_args(list(sys.argv[1:] if argv is None else argv))
+    cli = {
+        k: v
+        for k, v in (
+            ("cluster.nodes", args.nodes),
+            ("cluster.gpus_per_node", args.gpus_per_node),
+            ("cluster.gpu_mem_gb", args.gpu_mem_gb),
+            ("cluster.usable_fraction", args.usable_fraction),
+        )
+        if v is not None
+    }
+    try:
+        cfg = load_plan_config(run_dir_config(args.config), list(args.overrides) + [f"{k}={v}" for k, v in cli.items()])
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if cfg.cluster.nodes is None:
+        plan = smallest_fitting_nodes(cfg)
+        if plan is None:
+            print(format_plan(estimate_memory(_with_nodes(cfg, 1))))
+            print("no node count up to 128 fits this layout", file=sys.stderr)
+            return 1
+        print(f"(--nodes not given: the smallest node count that fits is {plan.config.cluster.nodes})")
+    else:
+        plan = estimate_memory(cfg)
+    if args.search:
+        print(format_search(search_layouts(plan.config)))
+        print()
+    print(format_plan(plan))
+    return 0 if plan.fits else 1
