@@ -172,19 +172,9 @@ def cmd_plan(argv: list[str]) -> int:
 
 
 def cmd_convert(argv: list[str]) -> int:
-    import importlib.util
+    from megatron_rlvr.models.convert import convert_main  # in the installed package (tools/ is a thin wrapper)
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    path = os.path.join(root, "tools", "convert_checkpoint.py")
-    if not os.path.isfile(path):
-        print(
-            "megatron-rlvr convert: tools/convert_checkpoint.py is not available in this installation", file=sys.stderr
-        )
-        return 2
-    spec = importlib.util.spec_from_file_location("rlvr_convert_checkpoint", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return int(mod.convert_main(argv) or 0)
+    return int(convert_main(argv) or 0)
 
 
 def build_parser() -> argparse.ArgumentParser:

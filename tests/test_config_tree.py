@@ -106,3 +106,22 @@ def test_shell_and_omegaconf_env_references(monkeypatch):
     assert cfg.logging.run_dir == "/x/r2"
     with pytest.raises(ConfigError, match="logging.run_dir: environment variable RLVR_T_UNSET is not set"):
         load_run_config(None, ["logging.run_dir=${RLVR_T_UNSET}/run"], check_files=False)
+
+
+def test_config_tree_and_planner_do_not_import_torch():
+    """``plan`` runs on a login node: loading and validating a full run file (algorithm, data, reward sections
+    included) and planning it must not import torch or megatron."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from megatron_rlvr.planner import plan_main\n"
+        f"rc = plan_main([{str(REPO / 'configs' / 'mcpo_14b.yaml')!r}])\n"
+        "bad = [m for m in ('torch', 'megatron') if m in sys.modules]\n"
+        "print('imported:', bad)\n"
+        "sys.exit(rc or (3 if bad else 0))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "imported: []" in r.stdout

@@ -197,15 +197,15 @@ def test_resume_of_a_run_dir_written_before_an_option_existed(tmp_path, capsys):
     _fake_checkpoint(str(run), 10)
     with open(path) as f:
         old = yaml.safe_load(f)
-    assert old["train"].pop("offload_during_rollout") is False and old["reward"].pop("max_error_frac") == 0.5
+    assert old["train"].pop("old_logprobs_from_update") is True and old["reward"].pop("max_error_frac") == 0.5
     with open(path, "w") as f:
         yaml.safe_dump(old, f, sort_keys=False)
-    with pytest.raises(ResumeError, match=r"train\.offload_during_rollout: '<unset>' -> True"):
-        _prepare(None, [f"logging.run_dir={run}", "train.offload_during_rollout=true"])
+    with pytest.raises(ResumeError, match=r"train\.old_logprobs_from_update: '<unset>' -> False"):
+        _prepare(None, [f"logging.run_dir={run}", "train.old_logprobs_from_update=false"])
     with open(path, "w") as f:
         yaml.safe_dump(old, f, sort_keys=False)
     _prepare(None, [f"logging.run_dir={run}"])
-    assert "train.offload_during_rollout: '<unset>' -> False" in capsys.readouterr().out
+    assert "train.old_logprobs_from_update: '<unset>' -> True" in capsys.readouterr().out
 
 
 def test_an_unreadable_config_yaml_on_resume_is_refused_on_every_rank(tmp_path):

@@ -11,17 +11,45 @@ Trainer entry points:
 - :func:`shape_rewards`, :func:`mask_truncated`, :func:`dynamic_sampling_keep` (DAPO)
 """
 
-from .advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig, compute_advantages, group_stats, mastered_rollouts
-from .aggregation import AGGREGATIONS, AggregationConfig, LossNormalizers, aggregate, local_normalizer_counts
-from .config import AlgorithmConfig
-from .cpgd import PolicyDriftConfig
-from .dapo import DapoConfig, dynamic_sampling_keep, mask_truncated, overlong_penalty, shape_rewards
-from .loss import PolicyLossInputs, compute_policy_loss
-from .margin_credit import MarginCreditConfig, margin_credit_weights
-from .mcpo import HingeKLConfig, hinge_kl_loss, implied_query_weight, mcpo_query_scale
-from .policy_losses import POLICY_LOSSES, PolicyLossConfig
-from .presets import PRESETS, preset
-from .regularizers import KL_ESTIMATORS, EntropyConfig, RefKLConfig
+import importlib
+
+_EXPORTS = {
+    "ADVANTAGE_ESTIMATORS": "advantages",
+    "AGGREGATIONS": "aggregation",
+    "AdvantageConfig": "config",
+    "AggregationConfig": "config",
+    "AlgorithmConfig": "config",
+    "DapoConfig": "config",
+    "EntropyConfig": "config",
+    "HingeKLConfig": "config",
+    "KL_ESTIMATORS": "regularizers",
+    "LossNormalizers": "aggregation",
+    "MarginCreditConfig": "config",
+    "POLICY_LOSSES": "policy_losses",
+    "PRESETS": "presets",
+    "PolicyDriftConfig": "config",
+    "PolicyLossConfig": "config",
+    "PolicyLossInputs": "loss",
+    "RefKLConfig": "config",
+    "aggregate": "aggregation",
+    "compute_advantages": "advantages",
+    "compute_policy_loss": "loss",
+    "dynamic_sampling_keep": "dapo",
+    "group_stats": "advantages",
+    "hinge_kl_loss": "mcpo",
+    "implied_query_weight": "mcpo",
+    "local_normalizer_counts": "aggregation",
+    "margin_credit_weights": "margin_credit",
+    "mask_truncated": "dapo",
+    "mastered_rollouts": "advantages",
+    "mcpo_query_scale": "mcpo",
+    "overlong_penalty": "dapo",
+    "preset": "presets",
+    "shape_rewards": "dapo",
+}
+"""Public name -> submodule. Loaded on first use (PEP 562), so the torch-free configs (``.config``, ``.presets``)
+import without torch."""
+
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -57,3 +85,15 @@ __all__ = [
     "preset",
     "shape_rewards",
 ]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_EXPORTS))

@@ -41,64 +41,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from .cpgd import CPGD_WEIGHTS, cpgd_weighted_advantages
+from .config import ADVANTAGE_ESTIMATOR_NAMES, AdvantageConfig, HingeKLConfig, check_registry
+from .cpgd import cpgd_weighted_advantages
 from .focal import focal_weight
-from .mcpo import HingeKLConfig, implied_query_weight, mastered_groups, mcpo_query_scale
+from .mcpo import implied_query_weight, mastered_groups, mcpo_query_scale
 
 if TYPE_CHECKING:
     from .config import AlgorithmConfig
-
-STD_KINDS = ("population", "unbiased")
-
-
-@dataclass
-class AdvantageConfig:
-    """Group advantage estimator and the scalings composed on top of it."""
-
-    estimator: str = "grpo"
-    """One of ``grpo``, ``dr_grpo``, ``rloo``, ``reinforce_pp``, ``cpgd``."""
-    std: str = "population"
-    """Std used by ``grpo``, ``reinforce_pp`` whitening and ``cpgd`` std weights: ``population`` or ``unbiased``."""
-    eps: float = 1e-6
-    """eps in (r - mean) / (std + eps) for ``grpo`` and the ``reinforce_pp`` whitening."""
-    cpgd_weight: str = "std"
-    """CPGD advantage weight: ``equal``, ``std`` or ``clip_filter_like`` (MM-EUREKA default ``std``)."""
-    cpgd_std_eps: float = 1e-9
-    """eps of the CPGD ``std`` weight (CPGD uses 1e-9)."""
-    cpgd_weight_max: float = 3.0
-    """Cap of the CPGD clip-filter-like weight (CPGD uses 3.0)."""
-    focal_gamma: float = 0.0
-    """F-GRPO exponent gamma; 0 reproduces the base estimator exactly (F-GRPO presets use 0.5)."""
-    reward_correct: float = 1.0
-    """R_correct: reward of a correct rollout (F-GRPO mu_pos; default correctness threshold)."""
-    reward_wrong: float = 0.0
-    """R_wrong: reward of a wrong rollout."""
-    mcpo_query_weight: bool = False
-    """Divide advantages by MCPO's scale(p) (p = rollout accuracy of the prompt)."""
-
-    def __post_init__(self) -> None:
-        if self.estimator not in ADVANTAGE_ESTIMATORS:
-            raise ValueError(
-                f"AdvantageConfig.estimator must be one of {sorted(ADVANTAGE_ESTIMATORS)}, got {self.estimator!r}"
-            )
-        if self.std not in STD_KINDS:
-            raise ValueError(f"AdvantageConfig.std must be one of {STD_KINDS}, got {self.std!r}")
-        if self.cpgd_weight not in CPGD_WEIGHTS:
-            raise ValueError(f"AdvantageConfig.cpgd_weight must be one of {CPGD_WEIGHTS}, got {self.cpgd_weight!r}")
-        for name in ("eps", "cpgd_std_eps", "focal_gamma"):
-            v = getattr(self, name)
-            if not (v >= 0 and math.isfinite(v)):
-                raise ValueError(f"AdvantageConfig.{name} must be a finite number >= 0, got {v}")
-        if not (self.cpgd_weight_max >= 1 and math.isfinite(self.cpgd_weight_max)):
-            raise ValueError(
-                f"AdvantageConfig.cpgd_weight_max must be a finite number >= 1, got {self.cpgd_weight_max}"
-            )
-        if not (math.isfinite(self.reward_correct) and math.isfinite(self.reward_wrong)):
-            raise ValueError("AdvantageConfig.reward_correct and reward_wrong must be finite")
-        if not self.reward_correct > self.reward_wrong:
-            raise ValueError(
-                f"AdvantageConfig.reward_correct ({self.reward_correct}) must exceed reward_wrong ({self.reward_wrong})"
-            )
 
 
 @dataclass
@@ -178,6 +127,7 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable[[AdvantageConfig, GroupStats, Tensor], 
     "reinforce_pp": reinforce_pp_advantages,
     "cpgd": cpgd_advantages,
 }
+check_registry(ADVANTAGE_ESTIMATORS, ADVANTAGE_ESTIMATOR_NAMES, "advantage.estimator")
 
 
 def _check_inputs(

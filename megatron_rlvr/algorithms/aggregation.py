@@ -30,26 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-
-@dataclass
-class AggregationConfig:
-    """How per-token loss terms are reduced to the micro-batch loss."""
-
-    mode: str = "token-mean"
-    """One of ``token-mean``, ``seq-mean-token-mean``, ``seq-mean-token-sum``, ``seq-mean-token-sum-norm``."""
-    token_sum_norm: float | None = None
-    """The constant C of ``seq-mean-token-sum-norm`` (Dr.GRPO uses the maximum response length); required by that
-    mode and ignored by the others."""
-
-    def __post_init__(self) -> None:
-        if self.mode not in AGGREGATIONS:
-            raise ValueError(f"AggregationConfig.mode must be one of {sorted(AGGREGATIONS)}, got {self.mode!r}")
-        if self.mode == "seq-mean-token-sum-norm":
-            if self.token_sum_norm is None or not (self.token_sum_norm > 0):
-                raise ValueError(
-                    "AggregationConfig.token_sum_norm must be a positive number (e.g. the maximum response length) "
-                    f"when mode='seq-mean-token-sum-norm', got {self.token_sum_norm!r}"
-                )
+from .config import AGGREGATION_NAMES, AggregationConfig, check_registry
 
 
 @dataclass
@@ -142,6 +123,7 @@ AGGREGATIONS: dict[str, Callable[[Tensor, Tensor, LossNormalizers, AggregationCo
     "seq-mean-token-sum": _seq_mean_token_sum,
     "seq-mean-token-sum-norm": _seq_mean_token_sum_norm,
 }
+check_registry(AGGREGATIONS, AGGREGATION_NAMES, "aggregation.mode")
 
 
 def aggregate(values_BT: Tensor, mask_BT: Tensor, cfg: AggregationConfig, norms: LossNormalizers) -> Tensor:

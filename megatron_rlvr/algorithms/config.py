@@ -1,21 +1,296 @@
-"""The full algorithm configuration: one typed dataclass composing the per-component configs, each defined next to
-the code it configures. Build one from a preset (:mod:`.presets`) or a nested dict (``AlgorithmConfig.from_dict``,
-e.g. a YAML section); unknown keys are errors that name the key and list the valid ones."""
+"""The full algorithm configuration: one typed dataclass composing the per-component configs. They are all here, in
+one torch-free module, so ``plan`` and the launchers validate a run file without importing torch; each component's
+math (advantages.py, policy_losses.py, ...) imports its config from here. Build one from a preset (:mod:`.presets`)
+or a nested dict (``AlgorithmConfig.from_dict``, e.g. a YAML section); unknown keys are errors that name the key and
+list the valid ones."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .advantages import AdvantageConfig
-from .aggregation import AggregationConfig
-from .cpgd import PolicyDriftConfig
-from .dapo import DapoConfig
-from .margin_credit import MarginCreditConfig
-from .mcpo import HingeKLConfig
-from .policy_losses import PolicyLossConfig
-from .regularizers import EntropyConfig, RefKLConfig
+STD_KINDS = ("population", "unbiased")
+"""Group standard deviation: population (divide by n) or unbiased (n - 1)."""
+CPGD_WEIGHTS = ("equal", "std", "clip_filter_like")
+"""CPGD advantage weights (cpgd.py)."""
+
+# The names each registry of functions must hold (the registries live with their torch code and check themselves
+# against these names at import; the config validates names without importing torch).
+ADVANTAGE_ESTIMATOR_NAMES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "cpgd")
+AGGREGATION_NAMES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+POLICY_LOSS_NAMES = ("ppo", "dual_clip", "cispo", "gspo", "pg", "cpgd")
+KL_ESTIMATOR_NAMES = ("k1", "k2", "k3")
+
+
+def check_registry(registry: dict, names: tuple[str, ...], what: str) -> None:
+    """A registry of functions holds exactly the names the config accepts (run at the registry's import)."""
+    if tuple(registry) != names:
+        raise RuntimeError(f"{what}: the registry {tuple(registry)} and the config's names {names} differ")
+
+
+# advantages.py
+
+
+@dataclass
+class AdvantageConfig:
+    """Group advantage estimator and the scalings composed on top of it."""
+
+    estimator: str = "grpo"
+    """One of ``grpo``, ``dr_grpo``, ``rloo``, ``reinforce_pp``, ``cpgd``."""
+    std: str = "population"
+    """Std used by ``grpo``, ``reinforce_pp`` whitening and ``cpgd`` std weights: ``population`` or ``unbiased``."""
+    eps: float = 1e-6
+    """eps in (r - mean) / (std + eps) for ``grpo`` and the ``reinforce_pp`` whitening."""
+    cpgd_weight: str = "std"
+    """CPGD advantage weight: ``equal``, ``std`` or ``clip_filter_like`` (MM-EUREKA default ``std``)."""
+    cpgd_std_eps: float = 1e-9
+    """eps of the CPGD ``std`` weight (CPGD uses 1e-9)."""
+    cpgd_weight_max: float = 3.0
+    """Cap of the CPGD clip-filter-like weight (CPGD uses 3.0)."""
+    focal_gamma: float = 0.0
+    """F-GRPO exponent gamma; 0 reproduces the base estimator exactly (F-GRPO presets use 0.5)."""
+    reward_correct: float = 1.0
+    """R_correct: reward of a correct rollout (F-GRPO mu_pos; default correctness threshold)."""
+    reward_wrong: float = 0.0
+    """R_wrong: reward of a wrong rollout."""
+    mcpo_query_weight: bool = False
+    """Divide advantages by MCPO's scale(p) (p = rollout accuracy of the prompt)."""
+
+    def __post_init__(self) -> None:
+        if self.estimator not in ADVANTAGE_ESTIMATOR_NAMES:
+            raise ValueError(
+                f"AdvantageConfig.estimator must be one of {sorted(ADVANTAGE_ESTIMATOR_NAMES)}, got {self.estimator!r}"
+            )
+        if self.std not in STD_KINDS:
+            raise ValueError(f"AdvantageConfig.std must be one of {STD_KINDS}, got {self.std!r}")
+        if self.cpgd_weight not in CPGD_WEIGHTS:
+            raise ValueError(f"AdvantageConfig.cpgd_weight must be one of {CPGD_WEIGHTS}, got {self.cpgd_weight!r}")
+        for name in ("eps", "cpgd_std_eps", "focal_gamma"):
+            v = getattr(self, name)
+            if not (v >= 0 and math.isfinite(v)):
+                raise ValueError(f"AdvantageConfig.{name} must be a finite number >= 0, got {v}")
+        if not (self.cpgd_weight_max >= 1 and math.isfinite(self.cpgd_weight_max)):
+            raise ValueError(
+                f"AdvantageConfig.cpgd_weight_max must be a finite number >= 1, got {self.cpgd_weight_max}"
+            )
+        if not (math.isfinite(self.reward_correct) and math.isfinite(self.reward_wrong)):
+            raise ValueError("AdvantageConfig.reward_correct and reward_wrong must be finite")
+        if not self.reward_correct > self.reward_wrong:
+            raise ValueError(
+                f"AdvantageConfig.reward_correct ({self.reward_correct}) must exceed reward_wrong ({self.reward_wrong})"
+            )
+
+
+# aggregation.py
+
+
+@dataclass
+class AggregationConfig:
+    """How per-token loss terms are reduced to the micro-batch loss."""
+
+    mode: str = "token-mean"
+    """One of ``token-mean``, ``seq-mean-token-mean``, ``seq-mean-token-sum``, ``seq-mean-token-sum-norm``."""
+    token_sum_norm: float | None = None
+    """The constant C of ``seq-mean-token-sum-norm`` (Dr.GRPO uses the maximum response length); required by that
+    mode and ignored by the others."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in AGGREGATION_NAMES:
+            raise ValueError(f"AggregationConfig.mode must be one of {sorted(AGGREGATION_NAMES)}, got {self.mode!r}")
+        if self.mode == "seq-mean-token-sum-norm":
+            if self.token_sum_norm is None or not (self.token_sum_norm > 0):
+                raise ValueError(
+                    "AggregationConfig.token_sum_norm must be a positive number (e.g. the maximum response length) "
+                    f"when mode='seq-mean-token-sum-norm', got {self.token_sum_norm!r}"
+                )
+
+
+# policy_losses.py
+
+
+@dataclass
+class PolicyLossConfig:
+    """Which per-token policy loss, and its clip ranges."""
+
+    name: str = "ppo"
+    """One of ``ppo``, ``dual_clip``, ``cispo``, ``gspo``, ``pg``, ``cpgd``."""
+    eps_low: float | None = 0.2
+    """Lower clip range (ratio >= 1 - eps_low; CPGD: log-ratio >= ln(1 - eps_low)). ``None`` only for ``cispo``
+    (no lower bound on the IS weight, as in MiniMax-M1)."""
+    eps_high: float = 0.2
+    """Upper clip range (ratio <= 1 + eps_high). DAPO clip-higher: 0.28; GSPO: 4e-4; CISPO: 0.28 (ours)."""
+    dual_clip_c: float = 3.0
+    """Dual-clip constant c > 1 for ``dual_clip``: a negative-advantage token's loss is capped at -c A."""
+    log_ratio_clamp: float = 20.0
+    """|logp - logp_old| is clamped to this before exp, for numerical safety only."""
+
+    def __post_init__(self) -> None:
+        if self.name not in POLICY_LOSS_NAMES:
+            raise ValueError(f"PolicyLossConfig.name must be one of {sorted(POLICY_LOSS_NAMES)}, got {self.name!r}")
+        if self.eps_low is None:
+            if self.name != "cispo":
+                raise ValueError(
+                    f"PolicyLossConfig.eps_low=None (no lower clip) is only valid for 'cispo', not {self.name!r}"
+                )
+        elif not (0.0 <= self.eps_low < 1.0):
+            raise ValueError(f"PolicyLossConfig.eps_low must be in [0, 1), got {self.eps_low}")
+        if not (self.eps_high >= 0 and math.isfinite(self.eps_high)):
+            raise ValueError(f"PolicyLossConfig.eps_high must be a finite number >= 0, got {self.eps_high}")
+        if not (self.dual_clip_c > 1 and math.isfinite(self.dual_clip_c)):
+            raise ValueError(f"PolicyLossConfig.dual_clip_c must be a finite number > 1, got {self.dual_clip_c}")
+        if not self.log_ratio_clamp > 0:
+            raise ValueError(f"PolicyLossConfig.log_ratio_clamp must be > 0, got {self.log_ratio_clamp}")
+
+
+# regularizers.py
+
+
+@dataclass
+class RefKLConfig:
+    """KL penalty to a frozen reference policy."""
+
+    coef: float = 0.0
+    """Coefficient; 0 disables the term (then no reference log-probs are needed)."""
+    estimator: str = "k3"
+    """``k1``, ``k2``, ``k3`` (from per-token log-probs) or ``exact`` (full-vocabulary KL from the ops)."""
+    k3_clamp: float = 10.0
+    """Upper clamp of the k3 value (verl uses 10)."""
+
+    def __post_init__(self) -> None:
+        if not (self.coef >= 0 and math.isfinite(self.coef)):
+            raise ValueError(f"RefKLConfig.coef must be a finite number >= 0, got {self.coef}")
+        if self.estimator not in (*KL_ESTIMATOR_NAMES, "exact"):
+            raise ValueError(
+                f"RefKLConfig.estimator must be one of {[*KL_ESTIMATOR_NAMES, 'exact']}, got {self.estimator!r}"
+            )
+        if not self.k3_clamp > 0:
+            raise ValueError(f"RefKLConfig.k3_clamp must be > 0, got {self.k3_clamp}")
+
+
+# regularizers.py
+
+
+@dataclass
+class EntropyConfig:
+    """Entropy bonus."""
+
+    coef: float = 0.0
+    """Coefficient of the bonus (loss -= coef * aggregated entropy); 0 disables it."""
+
+    def __post_init__(self) -> None:
+        if not (self.coef >= 0 and math.isfinite(self.coef)):
+            raise ValueError(f"EntropyConfig.coef must be a finite number >= 0, got {self.coef}")
+
+
+# mcpo.py
+
+
+@dataclass
+class HingeKLConfig:
+    """MCPO hinge-KL regulariser on mastered prompts."""
+
+    enabled: bool = False
+    """Add the hinge-KL term to the loss (needs ``mastered_B`` in the loss inputs)."""
+    beta: float = 1.0
+    """Coefficient of the term (MCPO default 1.0)."""
+    delta: float = 0.01
+    """Half-width of the dead band on d = logp_new - logp_old (MCPO default 0.01)."""
+    mastered_threshold: float = 1.0
+    """A prompt is mastered when its rollout accuracy is >= this (1.0 = all rollouts correct)."""
+    min_group_size: int = 2
+    """...and it has at least this many valid rollouts (one lucky rollout is not mastery). Ours: 2."""
+
+    def __post_init__(self) -> None:
+        if not (self.beta >= 0 and math.isfinite(self.beta)):
+            raise ValueError(f"HingeKLConfig.beta must be a finite number >= 0, got {self.beta}")
+        if not (self.delta >= 0 and math.isfinite(self.delta)):
+            raise ValueError(f"HingeKLConfig.delta must be a finite number >= 0, got {self.delta}")
+        if not (0.0 < self.mastered_threshold <= 1.0):
+            raise ValueError(f"HingeKLConfig.mastered_threshold must be in (0, 1], got {self.mastered_threshold}")
+        if int(self.min_group_size) != self.min_group_size or self.min_group_size < 1:
+            raise ValueError(f"HingeKLConfig.min_group_size must be an integer >= 1, got {self.min_group_size}")
+
+
+# cpgd.py
+
+
+@dataclass
+class PolicyDriftConfig:
+    """CPGD policy-drift regulariser."""
+
+    coef: float = 0.0
+    """Coefficient of the drift term; 0 disables it (the CPGD preset uses 0.01)."""
+    clip: float = 2.0
+    """c: the drift gradient weight r - 1 is capped at c (CPGD default 2.0)."""
+
+    def __post_init__(self) -> None:
+        if not (self.coef >= 0 and math.isfinite(self.coef)):
+            raise ValueError(f"PolicyDriftConfig.coef must be a finite number >= 0, got {self.coef}")
+        if not (self.clip > 0 and math.isfinite(self.clip)):
+            raise ValueError(f"PolicyDriftConfig.clip must be a finite number > 0, got {self.clip}")
+
+
+# margin_credit.py
+
+
+@dataclass
+class MarginCreditConfig:
+    """Token credit from the top-2 margin (MCPO). Thresholds are ours (paper values not public)."""
+
+    enabled: bool = False
+    """Reweight per-token advantages by margin credit (needs ``margin_BT`` in the loss inputs)."""
+    tau_lo: float = 0.3
+    """Margins at or below this get full credit 1 (ours)."""
+    tau_hi: float = 0.9
+    """Margins at or above this get the floor credit (ours)."""
+    floor: float = 0.5
+    """Credit of confident tokens, in [0, 1] (ours)."""
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.tau_lo < self.tau_hi <= 1.0):
+            raise ValueError(
+                f"MarginCreditConfig needs 0 <= tau_lo < tau_hi <= 1, got tau_lo={self.tau_lo}, tau_hi={self.tau_hi}"
+            )
+        if not (0.0 <= self.floor <= 1.0):
+            raise ValueError(f"MarginCreditConfig.floor must be in [0, 1], got {self.floor}")
+
+
+# dapo.py
+
+
+@dataclass
+class DapoConfig:
+    """DAPO reward shaping and sample filtering switches."""
+
+    overlong_shaping: bool = False
+    """Add the soft overlong penalty to rewards (DAPO preset: on)."""
+    max_response_len: int = 20480
+    """L_max in tokens (DAPO: 20480)."""
+    overlong_buffer_len: int = 4096
+    """L_buf in tokens (DAPO: 4096): the penalty ramps from 0 to -factor over the last L_buf tokens."""
+    overlong_penalty_factor: float = 1.0
+    """Scale of the overlong penalty (DAPO: 1.0)."""
+    mask_truncated: bool = False
+    """Zero the loss mask of truncated responses (overlong filtering; DAPO's alternative to shaping)."""
+    dynamic_sampling: bool = False
+    """Drop groups whose rewards are all equal (DAPO preset: on)."""
+
+    def __post_init__(self) -> None:
+        if int(self.max_response_len) != self.max_response_len or self.max_response_len < 1:
+            raise ValueError(f"DapoConfig.max_response_len must be a positive integer, got {self.max_response_len}")
+        if int(self.overlong_buffer_len) != self.overlong_buffer_len or not (
+            1 <= self.overlong_buffer_len <= self.max_response_len
+        ):
+            raise ValueError(
+                f"DapoConfig.overlong_buffer_len must be an integer in [1, max_response_len={self.max_response_len}], "
+                f"got {self.overlong_buffer_len}"
+            )
+        if not (self.overlong_penalty_factor >= 0 and math.isfinite(self.overlong_penalty_factor)):
+            raise ValueError(
+                f"DapoConfig.overlong_penalty_factor must be a finite number >= 0, got {self.overlong_penalty_factor}"
+            )
 
 
 @dataclass

@@ -21,28 +21,11 @@ Three pieces:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-CPGD_WEIGHTS = ("equal", "std", "clip_filter_like")
-
-
-@dataclass
-class PolicyDriftConfig:
-    """CPGD policy-drift regulariser."""
-
-    coef: float = 0.0
-    """Coefficient of the drift term; 0 disables it (the CPGD preset uses 0.01)."""
-    clip: float = 2.0
-    """c: the drift gradient weight r - 1 is capped at c (CPGD default 2.0)."""
-
-    def __post_init__(self) -> None:
-        if not (self.coef >= 0 and math.isfinite(self.coef)):
-            raise ValueError(f"PolicyDriftConfig.coef must be a finite number >= 0, got {self.coef}")
-        if not (self.clip > 0 and math.isfinite(self.clip)):
-            raise ValueError(f"PolicyDriftConfig.clip must be a finite number > 0, got {self.clip}")
+from .config import CPGD_WEIGHTS
 
 
 def cpgd_weighted_advantages(

@@ -17,43 +17,11 @@ The clip-higher and token-mean parts of DAPO are :class:`PolicyLossConfig` (eps_
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-
-@dataclass
-class DapoConfig:
-    """DAPO reward shaping and sample filtering switches."""
-
-    overlong_shaping: bool = False
-    """Add the soft overlong penalty to rewards (DAPO preset: on)."""
-    max_response_len: int = 20480
-    """L_max in tokens (DAPO: 20480)."""
-    overlong_buffer_len: int = 4096
-    """L_buf in tokens (DAPO: 4096): the penalty ramps from 0 to -factor over the last L_buf tokens."""
-    overlong_penalty_factor: float = 1.0
-    """Scale of the overlong penalty (DAPO: 1.0)."""
-    mask_truncated: bool = False
-    """Zero the loss mask of truncated responses (overlong filtering; DAPO's alternative to shaping)."""
-    dynamic_sampling: bool = False
-    """Drop groups whose rewards are all equal (DAPO preset: on)."""
-
-    def __post_init__(self) -> None:
-        if int(self.max_response_len) != self.max_response_len or self.max_response_len < 1:
-            raise ValueError(f"DapoConfig.max_response_len must be a positive integer, got {self.max_response_len}")
-        if int(self.overlong_buffer_len) != self.overlong_buffer_len or not (
-            1 <= self.overlong_buffer_len <= self.max_response_len
-        ):
-            raise ValueError(
-                f"DapoConfig.overlong_buffer_len must be an integer in [1, max_response_len={self.max_response_len}], "
-                f"got {self.overlong_buffer_len}"
-            )
-        if not (self.overlong_penalty_factor >= 0 and math.isfinite(self.overlong_penalty_factor)):
-            raise ValueError(
-                f"DapoConfig.overlong_penalty_factor must be a finite number >= 0, got {self.overlong_penalty_factor}"
-            )
+from .config import DapoConfig
 
 
 def overlong_penalty(cfg: DapoConfig, lengths: Tensor) -> Tensor:

@@ -20,34 +20,11 @@ to starve the confident bulk of the sequence of credit.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
+from .config import MarginCreditConfig
 from .metrics import masked_max, masked_mean
-
-
-@dataclass
-class MarginCreditConfig:
-    """Token credit from the top-2 margin (MCPO). Thresholds are ours (paper values not public)."""
-
-    enabled: bool = False
-    """Reweight per-token advantages by margin credit (needs ``margin_BT`` in the loss inputs)."""
-    tau_lo: float = 0.3
-    """Margins at or below this get full credit 1 (ours)."""
-    tau_hi: float = 0.9
-    """Margins at or above this get the floor credit (ours)."""
-    floor: float = 0.5
-    """Credit of confident tokens, in [0, 1] (ours)."""
-
-    def __post_init__(self) -> None:
-        if not (0.0 <= self.tau_lo < self.tau_hi <= 1.0):
-            raise ValueError(
-                f"MarginCreditConfig needs 0 <= tau_lo < tau_hi <= 1, got tau_lo={self.tau_lo}, tau_hi={self.tau_hi}"
-            )
-        if not (0.0 <= self.floor <= 1.0):
-            raise ValueError(f"MarginCreditConfig.floor must be in [0, 1], got {self.floor}")
 
 
 def margin_score(cfg: MarginCreditConfig, margin_BT: Tensor) -> Tensor:

@@ -27,39 +27,11 @@ Two pieces, both specified in issue 3 (the paper's equations as the issue states
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
 from .aggregation import LossNormalizers
-
-
-@dataclass
-class HingeKLConfig:
-    """MCPO hinge-KL regulariser on mastered prompts."""
-
-    enabled: bool = False
-    """Add the hinge-KL term to the loss (needs ``mastered_B`` in the loss inputs)."""
-    beta: float = 1.0
-    """Coefficient of the term (MCPO default 1.0)."""
-    delta: float = 0.01
-    """Half-width of the dead band on d = logp_new - logp_old (MCPO default 0.01)."""
-    mastered_threshold: float = 1.0
-    """A prompt is mastered when its rollout accuracy is >= this (1.0 = all rollouts correct)."""
-    min_group_size: int = 2
-    """...and it has at least this many valid rollouts (one lucky rollout is not mastery). Ours: 2."""
-
-    def __post_init__(self) -> None:
-        if not (self.beta >= 0 and math.isfinite(self.beta)):
-            raise ValueError(f"HingeKLConfig.beta must be a finite number >= 0, got {self.beta}")
-        if not (self.delta >= 0 and math.isfinite(self.delta)):
-            raise ValueError(f"HingeKLConfig.delta must be a finite number >= 0, got {self.delta}")
-        if not (0.0 < self.mastered_threshold <= 1.0):
-            raise ValueError(f"HingeKLConfig.mastered_threshold must be in (0, 1], got {self.mastered_threshold}")
-        if int(self.min_group_size) != self.min_group_size or self.min_group_size < 1:
-            raise ValueError(f"HingeKLConfig.min_group_size must be an integer >= 1, got {self.min_group_size}")
+from .config import HingeKLConfig
 
 
 def mcpo_query_scale(accuracy_G: Tensor) -> Tensor:

@@ -23,49 +23,14 @@ Registry :data:`POLICY_LOSSES`:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from .config import POLICY_LOSS_NAMES, PolicyLossConfig, check_registry
 from .cpgd import cpgd_clipped_pg_per_token
 from .metrics import masked_mean
-
-
-@dataclass
-class PolicyLossConfig:
-    """Which per-token policy loss, and its clip ranges."""
-
-    name: str = "ppo"
-    """One of ``ppo``, ``dual_clip``, ``cispo``, ``gspo``, ``pg``, ``cpgd``."""
-    eps_low: float | None = 0.2
-    """Lower clip range (ratio >= 1 - eps_low; CPGD: log-ratio >= ln(1 - eps_low)). ``None`` only for ``cispo``
-    (no lower bound on the IS weight, as in MiniMax-M1)."""
-    eps_high: float = 0.2
-    """Upper clip range (ratio <= 1 + eps_high). DAPO clip-higher: 0.28; GSPO: 4e-4; CISPO: 0.28 (ours)."""
-    dual_clip_c: float = 3.0
-    """Dual-clip constant c > 1 for ``dual_clip``: a negative-advantage token's loss is capped at -c A."""
-    log_ratio_clamp: float = 20.0
-    """|logp - logp_old| is clamped to this before exp, for numerical safety only."""
-
-    def __post_init__(self) -> None:
-        if self.name not in POLICY_LOSSES:
-            raise ValueError(f"PolicyLossConfig.name must be one of {sorted(POLICY_LOSSES)}, got {self.name!r}")
-        if self.eps_low is None:
-            if self.name != "cispo":
-                raise ValueError(
-                    f"PolicyLossConfig.eps_low=None (no lower clip) is only valid for 'cispo', not {self.name!r}"
-                )
-        elif not (0.0 <= self.eps_low < 1.0):
-            raise ValueError(f"PolicyLossConfig.eps_low must be in [0, 1), got {self.eps_low}")
-        if not (self.eps_high >= 0 and math.isfinite(self.eps_high)):
-            raise ValueError(f"PolicyLossConfig.eps_high must be a finite number >= 0, got {self.eps_high}")
-        if not (self.dual_clip_c > 1 and math.isfinite(self.dual_clip_c)):
-            raise ValueError(f"PolicyLossConfig.dual_clip_c must be a finite number > 1, got {self.dual_clip_c}")
-        if not self.log_ratio_clamp > 0:
-            raise ValueError(f"PolicyLossConfig.log_ratio_clamp must be > 0, got {self.log_ratio_clamp}")
 
 
 def log_ratio(cfg: PolicyLossConfig, logp_BT: Tensor, old_logp_BT: Tensor) -> Tensor:
@@ -146,3 +111,4 @@ POLICY_LOSSES: dict[str, PolicyLossFn] = {
     "pg": pg_loss,
     "cpgd": cpgd_loss,
 }
+check_registry(POLICY_LOSSES, POLICY_LOSS_NAMES, "policy_loss.name")

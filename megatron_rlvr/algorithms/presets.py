@@ -9,14 +9,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .advantages import AdvantageConfig
-from .aggregation import AggregationConfig
-from .config import AlgorithmConfig
-from .cpgd import PolicyDriftConfig
-from .dapo import DapoConfig
-from .mcpo import HingeKLConfig
-from .policy_losses import PolicyLossConfig
-from .regularizers import RefKLConfig
+from .config import (
+    AdvantageConfig,
+    AggregationConfig,
+    AlgorithmConfig,
+    DapoConfig,
+    HingeKLConfig,
+    PolicyDriftConfig,
+    PolicyLossConfig,
+    RefKLConfig,
+)
 
 #: F-GRPO default focal exponent (issue 3; F-GRPO arXiv 2602.06717).
 F_GRPO_GAMMA = 0.5

@@ -20,51 +20,17 @@ from the ops, with gradient).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from torch import Tensor
 
 from megatron_rlvr.ops.kl import kl_estimator
 
+from .config import KL_ESTIMATOR_NAMES, RefKLConfig, check_registry
+
 # The estimators are the ops' (megatron_rlvr.ops.kl, pure torch); log(ref/pi) is clamped to +-20 before them (as
 # verl's low_var_kl), and the k3 value additionally to <= k3_clamp.
 _LOG_RATIO_CLAMP = 20.0
-
-
-@dataclass
-class RefKLConfig:
-    """KL penalty to a frozen reference policy."""
-
-    coef: float = 0.0
-    """Coefficient; 0 disables the term (then no reference log-probs are needed)."""
-    estimator: str = "k3"
-    """``k1``, ``k2``, ``k3`` (from per-token log-probs) or ``exact`` (full-vocabulary KL from the ops)."""
-    k3_clamp: float = 10.0
-    """Upper clamp of the k3 value (verl uses 10)."""
-
-    def __post_init__(self) -> None:
-        if not (self.coef >= 0 and math.isfinite(self.coef)):
-            raise ValueError(f"RefKLConfig.coef must be a finite number >= 0, got {self.coef}")
-        if self.estimator not in (*KL_ESTIMATORS, "exact"):
-            raise ValueError(
-                f"RefKLConfig.estimator must be one of {[*KL_ESTIMATORS, 'exact']}, got {self.estimator!r}"
-            )
-        if not self.k3_clamp > 0:
-            raise ValueError(f"RefKLConfig.k3_clamp must be > 0, got {self.k3_clamp}")
-
-
-@dataclass
-class EntropyConfig:
-    """Entropy bonus."""
-
-    coef: float = 0.0
-    """Coefficient of the bonus (loss -= coef * aggregated entropy); 0 disables it."""
-
-    def __post_init__(self) -> None:
-        if not (self.coef >= 0 and math.isfinite(self.coef)):
-            raise ValueError(f"EntropyConfig.coef must be a finite number >= 0, got {self.coef}")
 
 
 def kl_k1(logp_BT: Tensor, ref_logp_BT: Tensor, cfg: RefKLConfig | None = None) -> Tensor:
@@ -85,6 +51,7 @@ KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor, RefKLConfig | None], Tensor]]
     "k2": kl_k2,
     "k3": kl_k3,
 }
+check_registry(KL_ESTIMATORS, KL_ESTIMATOR_NAMES, "ref_kl.estimator")
 
 
 def ref_kl_per_token(cfg: RefKLConfig, logp_BT: Tensor, ref_logp_BT: Tensor | None, ref_kl_BT: Tensor | None) -> Tensor:

@@ -37,6 +37,7 @@ from megatron_rlvr.algorithms import preset as algorithm_preset
 from megatron_rlvr.config.sections import (
     CheckpointConfig,
     ClusterConfig,
+    DiagnosticsConfig,
     EvalConfig,
     LaunchConfig,
     LoggingConfig,
@@ -49,7 +50,6 @@ from megatron_rlvr.config.sections import (
 )
 from megatron_rlvr.data.config import DataConfig
 from megatron_rlvr.rewards.config import RewardConfig
-from megatron_rlvr.trainer.diagnostics import DiagnosticsConfig
 
 
 class ConfigError(ValueError):

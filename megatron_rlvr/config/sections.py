@@ -449,3 +449,25 @@ class ClusterConfig:
         if self.nodes is None:
             raise ValueError("cluster.nodes is not set")
         return self.nodes * self.gpus_per_node
+
+
+@dataclass
+class DiagnosticsConfig:
+    """Optional run diagnostics (``diagnostics:`` section; the probes are megatron_rlvr/trainer/diagnostics.py)."""
+
+    forgetting_every: int = 0
+    """Run the forgetting probe every this many steps (0 = off)."""
+    forgetting_prompts: int = 16
+    """At most this many of the step's mastered prompts are probed (the first ones in batch order)."""
+    forgetting_rollouts: int = 4
+    """Samples per probed prompt under the updated policy."""
+
+    def __post_init__(self) -> None:
+        for name in ("forgetting_every", "forgetting_prompts", "forgetting_rollouts"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "forgetting_every" else 1):
+                lo = 0 if name == "forgetting_every" else 1
+                raise ValueError(f"diagnostics.{name} must be an integer >= {lo}, got {v!r}")
+
+    def probe_due(self, step: int) -> bool:
+        return self.forgetting_every > 0 and step % self.forgetting_every == 0

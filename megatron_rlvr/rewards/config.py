@@ -44,6 +44,11 @@ class RewardConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.fn, str) or not self.fn.strip():
             raise ValueError(f"reward.fn must be a built-in {sorted(REWARD_FNS)} or a dotted path, got {self.fn!r}")
+        if self.fn not in REWARD_FNS:
+            # Fail before any rank starts: import the user's module now (clear error naming the path).
+            from megatron_rlvr.rewards.loading import load_reward_fn
+
+            load_reward_fn(self.fn)
         if self.extraction not in EXTRACTION_MODES:
             raise ValueError(f"reward.extraction must be one of {EXTRACTION_MODES}, got {self.extraction!r}")
         if not isinstance(self.num_workers, int) or self.num_workers < 0:
@@ -54,11 +59,3 @@ class RewardConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"reward.{name} must be a number > 0, got {value!r}")
-
-    def check_files(self) -> None:
-        """A user reward function imports (run by the config loader before any rank starts: a clear error naming the
-        path; ``plan`` may skip it)."""
-        if self.fn not in REWARD_FNS:
-            from megatron_rlvr.rewards.loading import load_reward_fn
-
-            load_reward_fn(self.fn)

@@ -21,7 +21,6 @@ glue.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -32,28 +31,6 @@ RATIO_BAND = 0.2
 """|r - 1| beyond this counts as out of band (the PPO clip range of the GRPO / CPGD presets)."""
 PROBE_ROUND = 1_000_003
 """Generation round index of probe samples: their seeds never coincide with a training rollout's."""
-
-
-@dataclass
-class DiagnosticsConfig:
-    """Optional run diagnostics (``diagnostics:`` section of the run config)."""
-
-    forgetting_every: int = 0
-    """Run the forgetting probe every this many steps (0 = off)."""
-    forgetting_prompts: int = 16
-    """At most this many of the step's mastered prompts are probed (the first ones in batch order)."""
-    forgetting_rollouts: int = 4
-    """Samples per probed prompt under the updated policy."""
-
-    def __post_init__(self) -> None:
-        for name in ("forgetting_every", "forgetting_prompts", "forgetting_rollouts"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "forgetting_every" else 1):
-                lo = 0 if name == "forgetting_every" else 1
-                raise ValueError(f"diagnostics.{name} must be an integer >= {lo}, got {v!r}")
-
-    def probe_due(self, step: int) -> bool:
-        return self.forgetting_every > 0 and step % self.forgetting_every == 0
 
 
 def _qname(q: float) -> str:
