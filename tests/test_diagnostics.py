@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
+from megatron_rlvr.config.sections import DiagnosticsConfig
 from megatron_rlvr.trainer.diagnostics import (
-    DiagnosticsConfig,
     forgetting_metrics,
     probe_selection,
     ratio_quantile_metrics,

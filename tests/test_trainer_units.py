@@ -135,6 +135,8 @@ def test_truncated_importance_weights_are_capped_ratios():
 
 
 def test_loss_metrics_sum_shares_and_weight_means_by_tokens():
+    import megatron_rlvr.algorithms.loss  # noqa: F401  the producer of these keys declares their reductions
+
     rank0, rank1 = LossMetrics(), LossMetrics()
     # one mini-batch update split into three micro-batches over two ranks
     rank0.add({"loss/total": 0.2, "loss/num_tokens": 10, "loss/clip_frac_high": 0.1, "loss/ratio_max": 1.2})
@@ -147,6 +149,29 @@ def test_loss_metrics_sum_shares_and_weight_means_by_tokens():
     assert out["loss/ratio_max"] == 1.2 and out["loss/ratio_min"] == 0.7
     two_updates = LossMetrics.merge([rank0.state(), rank1.state()], num_updates=2)
     assert two_updates["loss/total"] == pytest.approx(0.3)  # mean over updates
+
+
+def test_a_metric_is_reduced_as_its_producer_declares():
+    """No central list: a new regulariser declares its term's reduction next to its code, and LossMetrics follows;
+    a key declared with two different kinds is refused."""
+    import megatron_rlvr.algorithms.loss  # noqa: F401  (producers declare their keys when imported)
+    import megatron_rlvr.rollout.mismatch  # noqa: F401
+    from megatron_rlvr.algorithms.reductions import declare, declared, reduction_of
+
+    declare("share", "test_reg/loss")
+    declare("max", "test_reg/peak")
+    a, b = LossMetrics(), LossMetrics()
+    a.add({"test_reg/loss": 0.25, "test_reg/peak": 3.0, "test_reg/frac": 1.0, "loss/num_tokens": 10})
+    b.add({"test_reg/loss": 0.5, "test_reg/peak": 2.0, "test_reg/frac": 0.0, "loss/num_tokens": 30})
+    out = LossMetrics.merge([a.state(), b.state()], num_updates=1)
+    assert out["test_reg/loss"] == pytest.approx(0.75) and out["test_reg/peak"] == 3.0
+    assert out["test_reg/frac"] == pytest.approx(10 / 40)  # undeclared: token-weighted mean
+    with pytest.raises(ValueError, match="declared as 'share' and as 'max'"):
+        declare("max", "test_reg/loss")
+    # the shipped producers declare their extremes and loss shares
+    kinds = declared()
+    assert reduction_of("loss/ratio_max") == "max" and reduction_of("mismatch/ratio_min") == "min"
+    assert all(kinds[k] == "share" for k in ("loss/policy", "loss/total", "mcpo/hinge_kl", "drift/kl"))
 
 
 # ------------------------------------------------------------------------------------------------ signals

@@ -25,6 +25,9 @@ from torch import Tensor
 
 from .config import MarginCreditConfig
 from .metrics import masked_max, masked_mean
+from .reductions import declare
+
+declare("max", "credit/weight_max")
 
 
 def margin_score(cfg: MarginCreditConfig, margin_BT: Tensor) -> Tensor:

@@ -20,7 +20,6 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import socket
 import threading
 import time
 import traceback
@@ -28,6 +27,8 @@ import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
+
+from megatron_rlvr.trainer.spawn import free_port
 
 
 class DistributedError(RuntimeError):
@@ -55,12 +56,6 @@ def _context():
     return ctx
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _watch_parent(parent_pid: int) -> None:
     # Ranks are children of the forkserver, not of the caller, so watch the caller's pid directly.
     while True:
@@ -85,26 +80,14 @@ def _destroy_groups(keep: frozenset = frozenset()) -> None:
 
 
 def init_megatron_parallel(tp: int, pp: int, seed: int = 1234) -> frozenset:
-    """(Re-)initialise megatron's model-parallel groups for (tp, pp) on an initialised default process group, and
-    seed every RNG (including megatron's model-parallel RNG tracker) deterministically. Returns the process groups
-    that exist afterwards (the layout's own), so groups a task creates beyond them can be destroyed after it."""
-    import torch
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    """(Re-)initialise megatron's model-parallel groups for (tp, pp) and seed every RNG, as the trainer does
+    (trainer.distributed.init_model_parallel), destroying a previous layout's extra groups. Returns the process
+    groups that exist afterwards (the layout's own), so groups a task creates beyond them can be destroyed after it."""
     from torch.distributed import distributed_c10d as c10d
 
-    if parallel_state.model_parallel_is_initialized():
-        same = (
-            parallel_state.get_tensor_model_parallel_world_size() == tp
-            and parallel_state.get_pipeline_model_parallel_world_size() == pp
-        )
-        if not same:
-            parallel_state.destroy_model_parallel()
-            _destroy_groups()
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    torch.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    from megatron_rlvr.trainer.distributed import init_model_parallel
+
+    init_model_parallel(tp, pp, seed, on_rebuild=_destroy_groups)
     return frozenset(c10d._world.pg_map)
 
 
@@ -170,7 +153,7 @@ class DistributedPool:
     # -- lifecycle -------------------------------------------------------------------------------------------------
     def _start(self) -> None:
         ctx = _context()
-        port = _free_port()
+        port = free_port()
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._procs = [

@@ -131,24 +131,12 @@ def init_distributed(tp: int, pp: int, seed: int, backend: str = "auto", timeout
             world_size=info["world_size"],
             timeout=timedelta(seconds=timeout_s),
         )
-    from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     world = dist.get_world_size()
     if world % (tp * pp):
         raise ValueError(f"parallel.tp x parallel.pp = {tp * pp} does not divide the world size {world}")
-    if parallel_state.model_parallel_is_initialized():
-        same = (
-            parallel_state.get_tensor_model_parallel_world_size() == tp
-            and parallel_state.get_pipeline_model_parallel_world_size() == pp
-        )
-        if not same:
-            parallel_state.destroy_model_parallel()
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    torch.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    init_model_parallel(tp, pp, seed)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     return DistInfo(
         rank=dist.get_rank(),
@@ -158,6 +146,28 @@ def init_distributed(tp: int, pp: int, seed: int, backend: str = "auto", timeout
         pg=ProcessGroupCollection.use_mpu_process_groups(),
         device=device,
     )
+
+
+def init_model_parallel(tp: int, pp: int, seed: int, on_rebuild=None) -> None:
+    """(Re-)initialise megatron's model-parallel groups for (tp, pp) on an initialised default process group (kept
+    when the layout is unchanged; ``on_rebuild()`` runs after the old ones are destroyed), then seed torch and
+    megatron's model-parallel RNG tracker. The trainer and the test harness (megatron_rlvr.testing) both use it."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if parallel_state.model_parallel_is_initialized():
+        same = (
+            parallel_state.get_tensor_model_parallel_world_size() == tp
+            and parallel_state.get_pipeline_model_parallel_world_size() == pp
+        )
+        if not same:
+            parallel_state.destroy_model_parallel()
+            if on_rebuild is not None:
+                on_rebuild()
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
 
 def broadcast_object(obj, src: int = 0, group=None):

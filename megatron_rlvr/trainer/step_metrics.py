@@ -9,63 +9,64 @@ import os
 import sys
 import time
 
-SHARE_KEYS = ("loss/policy", "loss/total", "loss/ref_kl", "loss/entropy_bonus", "drift/kl", "mcpo/hinge_kl")
-"""Metrics that are a micro-batch's share of the global mini-batch loss (global normalisers): they SUM."""
-SUM_KEYS = ("loss/num_tokens",)
+from megatron_rlvr.algorithms.reductions import reduction_of
 
 
 class LossMetrics:
     """Accumulates the info dicts of training micro-batches on one rank; ``merge`` combines ranks.
 
-    Shares of the global loss are summed within a mini-batch (over micro-batches and data-parallel ranks) and
-    averaged over mini-batch updates; ``*_max`` / ``*_min`` take the extreme; everything else is a mean weighted by
-    the micro-batch's valid tokens.
+    Each key is reduced as the module producing it declared (megatron_rlvr.algorithms.reductions): shares of the
+    global loss are summed within a mini-batch (over micro-batches and data-parallel ranks) and averaged over
+    updates, max / min take the extreme, everything else is a mean weighted by the micro-batch's valid tokens.
     """
 
     def __init__(self):
         self.sums: dict[str, float] = {}
         self.weights: dict[str, float] = {}
         self.shares: dict[str, float] = {}
-        self.extremes: dict[str, float] = {}
+        self.maxima: dict[str, float] = {}
+        self.minima: dict[str, float] = {}
 
     def add(self, info: dict[str, float]) -> None:
         w = float(info.get("loss/num_tokens", 0.0))
         for k, v in info.items():
             v = float(v)
-            if k in SHARE_KEYS or k in SUM_KEYS:
+            kind = reduction_of(k)
+            if kind == "share":
                 self.shares[k] = self.shares.get(k, 0.0) + v
-            elif k.endswith("_max") or k == "train/nonfinite":
-                self.extremes[k] = max(self.extremes.get(k, -math.inf), v)
-            elif k.endswith("_min"):
-                self.extremes[k] = min(self.extremes.get(k, math.inf), v)
+            elif kind == "max":
+                self.maxima[k] = max(self.maxima.get(k, -math.inf), v)
+            elif kind == "min":
+                self.minima[k] = min(self.minima.get(k, math.inf), v)
             elif w > 0:
                 self.sums[k] = self.sums.get(k, 0.0) + v * w
                 self.weights[k] = self.weights.get(k, 0.0) + w
 
     def state(self) -> dict:
-        return {"sums": self.sums, "weights": self.weights, "shares": self.shares, "extremes": self.extremes}
+        return {
+            "sums": self.sums,
+            "weights": self.weights,
+            "shares": self.shares,
+            "maxima": self.maxima,
+            "minima": self.minima,
+        }
 
     @staticmethod
     def merge(states: list[dict], num_updates: int) -> dict[str, float]:
-        sums: dict[str, float] = {}
-        weights: dict[str, float] = {}
-        shares: dict[str, float] = {}
-        extremes: dict[str, float] = {}
+        total = LossMetrics()
         for st in states:
-            for k, v in st["sums"].items():
-                sums[k] = sums.get(k, 0.0) + v
-            for k, v in st["weights"].items():
-                weights[k] = weights.get(k, 0.0) + v
-            for k, v in st["shares"].items():
-                shares[k] = shares.get(k, 0.0) + v
-            for k, v in st["extremes"].items():
-                if k.endswith("_min"):
-                    extremes[k] = min(extremes.get(k, math.inf), v)
-                else:
-                    extremes[k] = max(extremes.get(k, -math.inf), v)
-        out = {k: sums[k] / weights[k] for k in sums if weights.get(k, 0) > 0}
-        out.update({k: v / max(num_updates, 1) for k, v in shares.items()})
-        out.update(extremes)
+            for name in ("sums", "weights", "shares"):
+                acc = getattr(total, name)
+                for k, v in st[name].items():
+                    acc[k] = acc.get(k, 0.0) + v
+            for k, v in st["maxima"].items():
+                total.maxima[k] = max(total.maxima.get(k, -math.inf), v)
+            for k, v in st["minima"].items():
+                total.minima[k] = min(total.minima.get(k, math.inf), v)
+        out = {k: total.sums[k] / total.weights[k] for k in total.sums if total.weights.get(k, 0) > 0}
+        out.update({k: v / max(num_updates, 1) for k, v in total.shares.items()})
+        out.update(total.maxima)
+        out.update(total.minima)
         return out
 
 

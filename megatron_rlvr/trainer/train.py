@@ -7,12 +7,62 @@ optimizer step with clipping) -> weight sync to the engine -> metrics -> periodi
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
+import torch
+
+from megatron_rlvr.algorithms.reductions import reduction_of
 from megatron_rlvr.config import RunConfig
+from megatron_rlvr.data import PromptLoader, build_train_dataset, build_train_loader, load_dataset
+from megatron_rlvr.models.fusions import detect
+from megatron_rlvr.models.hf_config import MegatronModelArgs
+from megatron_rlvr.rewards import RewardManager
+from megatron_rlvr.rollout.engine import RolloutEngine, SamplingParams
+from megatron_rlvr.rollout.mismatch import mismatch_metrics as token_mismatch
+from megatron_rlvr.trainer import checkpointer as ckpt
+from megatron_rlvr.trainer.batch import batch_metrics, build_sequences, informative, warn_all_too_long
+from megatron_rlvr.trainer.checkpointer import export_hf_folder, maybe_save, save
+from megatron_rlvr.trainer.diagnostics import forgetting_probe
+from megatron_rlvr.trainer.distributed import (
+    DistInfo,
+    all_gather_objects,
+    all_reduce_max,
+    broadcast_object,
+    init_distributed,
+    local_world_size,
+)
+from megatron_rlvr.trainer.engine_setup import build_engine, engine_sleeps, sleep_engine, wake_all, wake_weights
+from megatron_rlvr.trainer.evaluation import bench_name, evaluate_examples, summarize
+from megatron_rlvr.trainer.generation import EngineInfo, engine_info, generate_groups, tokenize_prompts
+from megatron_rlvr.trainer.model import (
+    ModelSource,
+    build_model,
+    build_optimizer,
+    load_tokenizer,
+    model_args_for,
+    resolve_model_source,
+    wrap_ddp,
+)
+from megatron_rlvr.trainer.model import current_lr as optimizer_lr
+from megatron_rlvr.trainer.plot import plot_runs
+from megatron_rlvr.trainer.resume import prepare_run_dir_on_ranks
+from megatron_rlvr.trainer.run_lock import release
+from megatron_rlvr.trainer.signals import StopSignals, exit_code_for
+from megatron_rlvr.trainer.step_metrics import RunLogger
+from megatron_rlvr.trainer.token_loss import StatsSpec
+from megatron_rlvr.trainer.update import UpdateContext, compute_logprobs, my_sequence_ids, policy_update, recompute_ids
+from megatron_rlvr.trainer.weights import sync_weights
+
+if TYPE_CHECKING:  # heavy or optional packages, for annotations only
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass
@@ -20,26 +70,45 @@ class Trainer:
     """Everything a running step touches, built once by :func:`setup`."""
 
     cfg: RunConfig
+    """The validated run config."""
     run_dir: str
-    dist: Any
-    source: Any
-    tokenizer: Any
-    args: Any
-    model: Any
-    """megatron DDP-wrapped policy."""
-    optimizer: Any
-    scheduler: Any
-    engine: Any
-    engine_info: Any
-    reward_manager: Any
-    loader: Any
-    logger: Any
-    signals: Any
-    update_ctx: Any
-    ref_model: Any = None
-    eval_sets: list = field(default_factory=list)
+    """Run directory (config.yaml, metrics.jsonl, checkpoints, export)."""
+    dist: DistInfo
+    """This rank's place in the world and its Megatron process groups."""
+    source: ModelSource
+    """Where the policy's weights, HF config and tokenizer come from."""
+    tokenizer: PreTrainedTokenizerBase
+    """The policy's tokenizer (prompts in, responses out)."""
+    args: MegatronModelArgs
+    """The Megatron model arguments at this layout (shapes, mapping dims)."""
+    model: DistributedDataParallel
+    """Megatron DDP-wrapped policy."""
+    optimizer: MegatronOptimizer
+    """Megatron optimizer (distributed or not), with gradient clipping."""
+    scheduler: OptimizerParamScheduler
+    """Learning-rate schedule."""
+    engine: RolloutEngine
+    """This rank's rollout engine (transformers or vLLM)."""
+    engine_info: EngineInfo
+    """Which engine this rank belongs to and whether it leads it."""
+    reward_manager: RewardManager | None
+    """Reward workers (engine leaders only)."""
+    loader: PromptLoader
+    """Resumable prompt loader."""
+    logger: RunLogger
+    """metrics.jsonl / TensorBoard / progress line (rank 0 writes)."""
+    signals: StopSignals
+    """SIGTERM / SIGUSR1 handling (checkpoint, then exit)."""
+    update_ctx: UpdateContext
+    """Everything the mini-batch updates need besides the model."""
+    ref_model: GPTModel | None = None
+    """Frozen reference policy (reference-KL algorithms)."""
+    eval_sets: list[tuple[str, list]] = field(default_factory=list)
+    """(file, examples) of each evaluation benchmark."""
     step: int = 0
+    """The step being run."""
     start_step: int = 0
+    """The step resumed from (0 for a fresh run)."""
 
     @property
     def algo(self):
@@ -53,10 +122,6 @@ class Trainer:
 
 def rl_step(t: Trainer, step: int) -> dict[str, float]:
     """One RL step on every rank; returns the step's metrics (identical on every rank)."""
-    from megatron_rlvr.trainer.batch import batch_metrics, build_sequences
-    from megatron_rlvr.trainer.diagnostics import forgetting_probe
-    from megatron_rlvr.trainer.engine_setup import sleep_engine
-    from megatron_rlvr.trainer.update import policy_update
 
     t0 = time.perf_counter()
     all_groups, kept, m = collect_groups(t, step)  # sample prompts -> rollout -> rewards (+ dynamic-sampling refill)
@@ -68,8 +133,6 @@ def rl_step(t: Trainer, step: int) -> dict[str, float]:
         m.update(refresh_engine(t, updated=False))
         m.update({"train/skipped": 1.0, "train/skipped_empty": 1.0, "time/step_s": time.perf_counter() - t0})
         if not all_groups and m.get("data/prompts_too_long", 0) > 0:
-            from megatron_rlvr.trainer.batch import warn_all_too_long
-
             m["train/skipped_all_too_long"] = 1.0
             warn_all_too_long(t, step, m)
         return m
@@ -100,8 +163,6 @@ def rl_step(t: Trainer, step: int) -> dict[str, float]:
 def refresh_engine(t: Trainer, updated: bool) -> dict[str, float]:
     """Wake the engine's weights, stream the policy into it when it changed (or when sleep dropped the engine's
     copy), then wake the KV cache: weights and KV cache are never both allocated during the sync."""
-    from megatron_rlvr.trainer.engine_setup import engine_sleeps, wake_all, wake_weights
-    from megatron_rlvr.trainer.weights import sync_weights
 
     dropped = engine_sleeps(t.engine) and t.cfg.rollout.sleep_level == 2
     wake_weights(t.engine)
@@ -113,9 +174,6 @@ def refresh_engine(t: Trainer, updated: bool) -> dict[str, float]:
 def collect_groups(t: Trainer, step: int):
     """Sample prompts, roll out, score; with dynamic sampling keep informative groups and refill from more prompts
     (at most train.dynamic_sampling_max_rounds rounds). Returns (all groups generated, kept groups, metrics)."""
-    from megatron_rlvr.trainer.batch import informative
-    from megatron_rlvr.trainer.distributed import all_gather_objects
-    from megatron_rlvr.trainer.generation import generate_groups, tokenize_prompts
 
     cfg, need = t.cfg, t.cfg.train.prompts_per_step
     params = sampling_params(cfg)
@@ -158,9 +216,6 @@ def collect_groups(t: Trainer, step: int):
 def behaviour_and_reference_logprobs(t: Trainer, seqs):
     """Old log-probs (recomputed with the current weights, or the engine's) and reference log-probs (when a KL
     term is on), for this data-parallel rank's sequences; plus train/inference mismatch metrics."""
-    import torch
-
-    from megatron_rlvr.trainer.update import compute_logprobs, my_sequence_ids, recompute_ids
 
     ctx = t.update_ctx
     ids = my_sequence_ids(ctx, len(seqs))
@@ -192,10 +247,6 @@ def old_logprobs_from_update(t: Trainer) -> bool:
 def mismatch_metrics(t: Trainer, seqs, old) -> dict[str, float]:
     """Train/inference mismatch of the behaviour policy (megatron_rlvr.rollout.mismatch definitions) over this
     data-parallel rank's response tokens, combined over ranks (means weighted by tokens)."""
-    import torch
-
-    from megatron_rlvr.rollout.mismatch import mismatch_metrics as token_mismatch
-    from megatron_rlvr.trainer.distributed import all_gather_objects
 
     pairs = [(lp, torch.tensor(seqs[i].rollout_logprobs, dtype=torch.float32)) for i, lp in old.items()]
     pairs = [(a, b) for a, b in pairs if a.numel() == b.numel() and a.numel() > 0]
@@ -211,9 +262,10 @@ def mismatch_metrics(t: Trainer, seqs, old) -> dict[str, float]:
     n = sum(p["mismatch/tokens"] for p in parts)
     out = {"mismatch/tokens": n}
     for key in parts[0]:
-        if key.endswith("_max"):
+        kind = reduction_of(key)  # as megatron_rlvr.rollout.mismatch declares it
+        if kind == "max":
             out[key] = max(p[key] for p in parts)
-        elif key.endswith("_min"):
+        elif kind == "min":
             out[key] = min(p[key] for p in parts)
         elif key != "mismatch/tokens":
             out[key] = sum(p[key] * p["mismatch/tokens"] for p in parts) / max(n, 1)
@@ -222,7 +274,6 @@ def mismatch_metrics(t: Trainer, seqs, old) -> dict[str, float]:
 
 def ref_logits_fn(t: Trainer):
     """For the exact reference KL: the reference model's logits shard of a micro-batch (PP = 1)."""
-    import torch
 
     if t.ref_model is None or t.algo.ref_kl.estimator != "exact":
         return None
@@ -236,7 +287,6 @@ def ref_logits_fn(t: Trainer):
 
 
 def sampling_params(cfg: RunConfig):
-    from megatron_rlvr.rollout.engine import SamplingParams
 
     r = cfg.rollout
     return SamplingParams(
@@ -250,9 +300,8 @@ def sampling_params(cfg: RunConfig):
 
 
 def current_lr(t: Trainer) -> float:
-    from megatron_rlvr.trainer.model import current_lr as lr
 
-    return lr(t.optimizer)
+    return optimizer_lr(t.optimizer)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -262,9 +311,6 @@ def current_lr(t: Trainer) -> float:
 
 def train(cfg: RunConfig, run_dir: str | None = None) -> int:
     """Run (or resume) training on this rank; returns the process exit code (0 done, else a signal's code)."""
-    from megatron_rlvr.trainer.checkpointer import maybe_save, save
-    from megatron_rlvr.trainer.distributed import all_reduce_max
-    from megatron_rlvr.trainer.signals import StopSignals, exit_code_for
 
     t = setup(cfg, run_dir)
     try:
@@ -297,26 +343,6 @@ def train(cfg: RunConfig, run_dir: str | None = None) -> int:
 
 def setup(cfg: RunConfig, run_dir: str | None) -> Trainer:
     """Build every component on this rank and resume from the newest checkpoint when there is one."""
-    import torch
-
-    from megatron_rlvr.data import build_train_dataset, build_train_loader
-    from megatron_rlvr.rewards import RewardManager
-    from megatron_rlvr.trainer import checkpointer as ckpt
-    from megatron_rlvr.trainer.distributed import broadcast_object, init_distributed
-    from megatron_rlvr.trainer.engine_setup import build_engine
-    from megatron_rlvr.trainer.generation import engine_info
-    from megatron_rlvr.trainer.model import (
-        build_model,
-        build_optimizer,
-        load_tokenizer,
-        model_args_for,
-        resolve_model_source,
-        wrap_ddp,
-    )
-    from megatron_rlvr.trainer.signals import StopSignals
-    from megatron_rlvr.trainer.step_metrics import RunLogger
-    from megatron_rlvr.trainer.token_loss import StatsSpec
-    from megatron_rlvr.trainer.update import UpdateContext
 
     signals = StopSignals().install()
     par = cfg.parallel
@@ -324,7 +350,6 @@ def setup(cfg: RunConfig, run_dir: str | None) -> Trainer:
     if not torch.cuda.is_available():
         torch.set_num_threads(cpu_threads(cfg, d.world_size))
     run_dir = broadcast_object(run_dir or resolve_run_dir(cfg) if d.rank == 0 else None)
-    from megatron_rlvr.trainer.resume import prepare_run_dir_on_ranks
 
     # torchrun / srun (no launcher of ours): rank 0 locks the run dir, checks a resume's changed options, writes
     # config.yaml; after `megatron-rlvr train` launched us, the launcher has done all three
@@ -400,7 +425,6 @@ def setup(cfg: RunConfig, run_dir: str | None) -> Trainer:
     except BaseException:  # e.g. a refused resume: stop the engine and reward workers, free the run dir
         teardown(t)
         raise
-    from megatron_rlvr.trainer.weights import sync_weights
 
     sync_weights(t.engine, t.model, t.args, t.dist.pg)  # the engine starts from the (loaded) policy weights
     if d.is_logger:
@@ -417,7 +441,6 @@ def setup(cfg: RunConfig, run_dir: str | None) -> Trainer:
 
 
 def fusions_line() -> str:
-    from megatron_rlvr.models.fusions import detect
 
     return detect().describe()
 
@@ -425,7 +448,6 @@ def fusions_line() -> str:
 def cpu_threads(cfg: RunConfig, world_size: int) -> int:
     """torch intra-op threads of a CPU rank: launch.threads_per_rank, else $OMP_NUM_THREADS, else the node's cores
     split between its ranks (more threads than cores only thrash)."""
-    from megatron_rlvr.trainer.distributed import local_world_size
 
     if cfg.launch.threads_per_rank:
         return cfg.launch.threads_per_rank
@@ -443,7 +465,6 @@ def resolve_run_dir(cfg: RunConfig) -> str:
 
 
 def load_eval_sets(cfg: RunConfig) -> list:
-    from megatron_rlvr.data import load_dataset
 
     out = []
     for path in cfg.eval_files:
@@ -455,8 +476,6 @@ def load_eval_sets(cfg: RunConfig) -> list:
 
 def run_eval(t: Trainer, step: int) -> dict[str, float]:
     """avg@k / pass@k on every eval file with the current engine weights; metrics namespaced eval/<name>/..."""
-    from megatron_rlvr.trainer.distributed import all_gather_objects
-    from megatron_rlvr.trainer.evaluation import bench_name, evaluate_examples, summarize
 
     e = t.cfg.eval
     out: dict[str, float] = {}
@@ -490,7 +509,6 @@ def run_eval(t: Trainer, step: int) -> dict[str, float]:
 
 def finish(t: Trainer) -> None:
     """After the last step: final checkpoint, optional HF export, optional plot, and where everything is."""
-    from megatron_rlvr.trainer.checkpointer import export_hf_folder, save
 
     cfg = t.cfg
     ckpt_path = save(t, t.step) if cfg.checkpoint.save_at_end else None
@@ -500,8 +518,6 @@ def finish(t: Trainer) -> None:
     plot_path = None
     if cfg.logging.plot_at_end:
         try:
-            from megatron_rlvr.trainer.plot import plot_runs
-
             plot_path = plot_runs([t.run_dir])
         except ImportError:  # matplotlib is optional
             pass
@@ -542,7 +558,6 @@ def summary(t: Trainer, ckpt_path, hf_dir, plot_path) -> str:
 
 def read_metrics(path: str) -> list[dict]:
     """The records of a metrics.jsonl (the last record of each step wins: a resumed run repeats steps)."""
-    import json
 
     by_step: dict[int, dict] = {}
     if os.path.isfile(path):
@@ -558,7 +573,6 @@ def read_metrics(path: str) -> list[dict]:
 
 
 def teardown(t: Trainer) -> None:
-    from megatron_rlvr.trainer.run_lock import release
 
     release(t.run_dir)
     if t.reward_manager is not None:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from megatron_rlvr.algorithms import AlgorithmConfig, LossNormalizers, local_normalizer_counts
 from megatron_rlvr.data import shard_range
+from megatron_rlvr.trainer.distributed import all_reduce_max
 from megatron_rlvr.trainer.microbatch import Sequence, build_microbatch, pack, response_values
 from megatron_rlvr.trainer.schedule import run_microbatches
 from megatron_rlvr.trainer.step_metrics import LossMetrics
@@ -123,14 +124,6 @@ def _grads_finite(model) -> bool:
     return bool(torch.isfinite(torch.stack(norms)).all())
 
 
-def _all_max(value: float) -> float:
-    t = torch.tensor([float(value)], dtype=torch.float64)
-    if dist.get_backend() == "nccl":
-        t = t.cuda()
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
 def recompute_ids(ctx: UpdateContext, num_seqs: int, old_from_forward: bool) -> list[int]:
     """This rank's sequences whose behaviour log-probs need a recompute pass before the update: all of them, or,
     with ``old_from_forward``, all but the first mini-batch's (the first update's forward gives those)."""
@@ -195,7 +188,7 @@ def policy_update(
                 acc.add(info)
             local_bad = max([info.get("train/nonfinite", 0.0) for info in infos] + [0.0])
             local_bad = max(local_bad, 0.0 if _grads_finite(ddp_model) else 1.0)
-            if _all_max(local_bad) > 0:
+            if all_reduce_max(local_bad) > 0:
                 if not ctx.skip_nonfinite:
                     raise FloatingPointError("non-finite logits, loss or gradients (train.skip_nonfinite=false)")
                 skipped += 1
