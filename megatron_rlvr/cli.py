@@ -92,8 +92,8 @@ def one_off_overrides(cfg) -> list[str]:
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
+    from megatron_rlvr.megatron.parallel import env_rank_info
     from megatron_rlvr.trainer import run_lock
-    from megatron_rlvr.trainer.distributed import env_rank_info
 
     config, overrides = _split_config_and_overrides(ns.args)
     joined = env_rank_info()

@@ -1,4 +1,5 @@
-"""megatron-core on CPU/gloo through `megatron_rlvr.cpu_shims`: every parallel layout computes the same function.
+"""megatron-core on CPU/gloo through `megatron_rlvr.megatron.cpu_shims`: every parallel layout computes the same
+function.
 
 A tiny GPTModel gets weights that depend only on each parameter's GLOBAL name and full shape (never on the layout or
 on RNG order), so TP=1/PP=1 is the reference for every other layout:
@@ -197,7 +198,7 @@ def reference(dist_pool):
 
 
 def test_shims_apply_only_without_cuda():
-    from megatron_rlvr import cpu_shims
+    from megatron_rlvr.megatron import cpu_shims
 
     assert cpu_shims.apply_cpu_shims() is (not torch.cuda.is_available())
 

@@ -476,7 +476,7 @@ def test_convert_accepts_a_run_dir_and_names_the_overwrite_flag(tmp_path):
 
 def test_non_utf8_row_names_file_and_line_and_can_be_skipped(tmp_path):
     """Item 9."""
-    from megatron_rlvr.data.loading import load_examples
+    from megatron_rlvr.data.files import load_examples
     from megatron_rlvr.data.records import MalformedRowError
 
     p = tmp_path / "d.jsonl"

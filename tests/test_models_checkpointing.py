@@ -49,7 +49,7 @@ def _setup(args, distributed_optimizer, seed=7, hf_folder=None):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from megatron_rlvr.models.build import build_gpt_model
-    from megatron_rlvr.models.loading import load_hf_weights
+    from megatron_rlvr.models.hf_loading import load_hf_weights
 
     torch.manual_seed(seed)
     model = build_gpt_model(args)

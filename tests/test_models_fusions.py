@@ -56,11 +56,11 @@ def _gpu_child() -> dict:
     """One training step of the tiny model twice, fusions off then on (same start weights, same batch)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+    from megatron_rlvr.megatron.parallel import init_distributed
+    from megatron_rlvr.megatron.policy import ModelSource, build_model, wrap_ddp
     from megatron_rlvr.models.build import unwrap
     from megatron_rlvr.models.tiny import tiny_hf_config
     from megatron_rlvr.ops import vocab_parallel_token_stats
-    from megatron_rlvr.trainer.distributed import init_distributed
-    from megatron_rlvr.trainer.model import ModelSource, build_model, wrap_ddp
 
     d = init_distributed(1, 1, 0)
     cfg = tiny_hf_config()

@@ -106,7 +106,7 @@ def _rank_parity(models: dict, export_root: str) -> dict:
     from megatron_rlvr.models.build import build_gpt_model, forward_logits
     from megatron_rlvr.models.export import export_hf
     from megatron_rlvr.models.hf_config import megatron_model_args
-    from megatron_rlvr.models.loading import load_hf_weights
+    from megatron_rlvr.models.hf_loading import load_hf_weights
 
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     out = {}

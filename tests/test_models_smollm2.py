@@ -53,7 +53,7 @@ def _rank_smollm2(folder, ids, export_dir):
     from megatron_rlvr.models.build import build_gpt_model, forward_logits
     from megatron_rlvr.models.export import export_hf
     from megatron_rlvr.models.hf_config import megatron_model_args
-    from megatron_rlvr.models.loading import load_hf_weights
+    from megatron_rlvr.models.hf_loading import load_hf_weights
 
     args = megatron_model_args(folder, tp_size=3, pp_size=1, perform_initialization=False)
     model = build_gpt_model(args)

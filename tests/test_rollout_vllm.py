@@ -346,7 +346,7 @@ def _rank_train_to_vllm(family: str, second_engine: bool):
 
     from megatron_rlvr.models.build import build_gpt_model
     from megatron_rlvr.models.hf_config import megatron_model_args
-    from megatron_rlvr.models.loading import load_hf_weights
+    from megatron_rlvr.models.hf_loading import load_hf_weights
 
     _place_on_device()
     cfg = _configs()[family]

@@ -96,7 +96,7 @@ def _rank_sync_and_logprobs():
 
     from megatron_rlvr.models.build import build_gpt_model
     from megatron_rlvr.models.hf_config import megatron_model_args
-    from megatron_rlvr.models.loading import load_hf_weights
+    from megatron_rlvr.models.hf_loading import load_hf_weights
     from megatron_rlvr.models.mapping import WeightMapping
     from megatron_rlvr.ops.vocab_parallel import vocab_parallel_logprobs
     from megatron_rlvr.rollout.engine import SamplingParams

@@ -105,7 +105,7 @@ def _real_updates(run_root, runs, overrides):
     """Per run: one real step (optimizer included) on a fresh trainer each for the reference path and the fused one:
     (metrics, ids recomputed, checksum of the updated weights)."""
     from megatron_rlvr.config import load_run_config
-    from megatron_rlvr.trainer.model import params_checksum
+    from megatron_rlvr.megatron.policy import params_checksum
     from megatron_rlvr.trainer.train import rl_step, setup, teardown
 
     sys.path.insert(0, TESTS_DIR)  # reward.fn=trainer_helpers:...

@@ -62,8 +62,8 @@ def _one_step(run_dir, overrides):
 def _bad_inputs(run_root, overrides):
     """NaN logits, an all-truncated batch and an empty (all filtered) batch, driven through rl_step directly."""
     from megatron_rlvr.config import load_run_config
+    from megatron_rlvr.megatron.policy import params_checksum
     from megatron_rlvr.trainer import token_loss as loss_mod
-    from megatron_rlvr.trainer.model import params_checksum
     from megatron_rlvr.trainer.train import rl_step, setup, teardown
 
     out = {}

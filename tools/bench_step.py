@@ -166,7 +166,7 @@ def trl_worker(workdir: str, steps: int, warmup: int, out_path: str) -> None:
     cfg.pop("architectures", None)
     cfg.pop("model_type", None)
     cfg.pop("dtype", None)
-    torch.manual_seed(SEED)  # the same init as ours (megatron_rlvr.trainer.model.random_hf_state_dict)
+    torch.manual_seed(SEED)  # the same init as ours (megatron_rlvr.megatron.policy.random_hf_state_dict)
     model = AutoModelForCausalLM.from_config(LlamaConfig(**cfg), dtype=torch.float32)
     tok = PreTrainedTokenizerFast.from_pretrained(os.path.join(workdir, "tok"))
     with open(os.path.join(workdir, "prompts.jsonl")) as f:

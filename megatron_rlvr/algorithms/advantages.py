@@ -41,13 +41,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from .config import ADVANTAGE_ESTIMATOR_NAMES, AdvantageConfig, HingeKLConfig, check_registry
+from .algorithm_config import ADVANTAGE_ESTIMATOR_NAMES, AdvantageConfig, HingeKLConfig, check_registry
 from .cpgd import cpgd_weighted_advantages
 from .focal import focal_weight
 from .mcpo import implied_query_weight, mastered_groups, mcpo_query_scale
 
 if TYPE_CHECKING:
-    from .config import AlgorithmConfig
+    from .algorithm_config import AlgorithmConfig
 
 
 @dataclass

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .config import AGGREGATION_NAMES, AggregationConfig, check_registry
+from .algorithm_config import AGGREGATION_NAMES, AggregationConfig, check_registry
 
 
 @dataclass

@@ -25,7 +25,7 @@ import math
 import torch
 from torch import Tensor
 
-from .config import CPGD_WEIGHTS
+from .algorithm_config import CPGD_WEIGHTS
 
 
 def cpgd_weighted_advantages(

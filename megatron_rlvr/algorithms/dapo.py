@@ -21,7 +21,7 @@ import math
 import torch
 from torch import Tensor
 
-from .config import DapoConfig
+from .algorithm_config import DapoConfig
 
 
 def overlong_penalty(cfg: DapoConfig, lengths: Tensor) -> Tensor:

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from .aggregation import LossNormalizers, aggregate
-from .config import AlgorithmConfig
+from .algorithm_config import AlgorithmConfig
 from .cpgd import policy_drift_per_token
 from .margin_credit import margin_credit_metrics, margin_credit_weights
 from .mcpo import hinge_kl_loss

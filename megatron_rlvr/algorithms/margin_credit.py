@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .config import MarginCreditConfig
+from .algorithm_config import MarginCreditConfig
 from .metrics import masked_max, masked_mean
 from .reductions import declare
 

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from .aggregation import LossNormalizers
-from .config import HingeKLConfig
+from .algorithm_config import HingeKLConfig
 from .reductions import declare
 
 declare("share", "mcpo/hinge_kl")  # normalised by the global count of mastered sequences

@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from .config import POLICY_LOSS_NAMES, PolicyLossConfig, check_registry
+from .algorithm_config import POLICY_LOSS_NAMES, PolicyLossConfig, check_registry
 from .cpgd import cpgd_clipped_pg_per_token
 from .metrics import masked_mean
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .config import (
+from .algorithm_config import (
     AdvantageConfig,
     AggregationConfig,
     AlgorithmConfig,

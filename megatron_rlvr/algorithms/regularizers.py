@@ -26,7 +26,7 @@ from torch import Tensor
 
 from megatron_rlvr.ops.kl import kl_estimator
 
-from .config import KL_ESTIMATOR_NAMES, RefKLConfig, check_registry
+from .algorithm_config import KL_ESTIMATOR_NAMES, RefKLConfig, check_registry
 
 # The estimators are the ops' (megatron_rlvr.ops.kl, pure torch); log(ref/pi) is clamped to +-20 before them (as
 # verl's low_var_kl), and the k3 value additionally to <= k3_clamp.

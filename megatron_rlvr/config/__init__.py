@@ -1,8 +1,8 @@
 """The one run-config tree shared by ``train``, ``plan``, ``eval`` and the launchers (see config/run.py for the
-sections, config/loading.py for how a file becomes a validated ``RunConfig``, config/specs.py for the model
+sections, config/loader.py for how a file becomes a validated ``RunConfig``, config/specs.py for the model
 families and shape specs)."""
 
-from megatron_rlvr.config.loading import (
+from megatron_rlvr.config.loader import (
     DEFAULT_CONFIG,
     MOVED_KEYS,
     ONE_OFF_OPTIONS,

@@ -20,7 +20,7 @@ Sections (each a dataclass; the components' configs are used as they are):
     launch      LaunchConfig                     local rank spawning (ignored under torchrun / srun)
     cluster     ClusterConfig                    the allocation and the planner's memory assumptions
 
-Validation happens once, before any rank starts (config/loading.py): unknown keys are errors naming the key and
+Validation happens once, before any rank starts (config/loader.py): unknown keys are errors naming the key and
 the closest valid one, types are checked, sizes must divide (TP into heads, PP into layers, TP x PP into the world
 size, the mini-batch into the step batch), and every file the run needs must exist.
 """
@@ -48,8 +48,8 @@ from megatron_rlvr.config.sections import (
     ScheduleConfig,
     TrainConfig,
 )
-from megatron_rlvr.data.config import DataConfig
-from megatron_rlvr.rewards.config import RewardConfig
+from megatron_rlvr.data.data_config import DataConfig
+from megatron_rlvr.rewards.reward_config import RewardConfig
 
 
 class ConfigError(ValueError):

@@ -8,8 +8,8 @@ procedural tasks, prompt templates, and a deterministic, DP-sharded, resumable p
     state = loader.state_dict()                       # save with the checkpoint; load_state_dict() to resume
 """
 
-from megatron_rlvr.data.config import DataConfig, build_train_dataset, build_train_loader, render
-from megatron_rlvr.data.loading import SUPPORTED_EXTENSIONS, PromptDataset, iter_rows, load_dataset, load_examples
+from megatron_rlvr.data.data_config import DataConfig, build_train_dataset, build_train_loader, render
+from megatron_rlvr.data.files import SUPPORTED_EXTENSIONS, PromptDataset, iter_rows, load_dataset, load_examples
 from megatron_rlvr.data.procedural import PROCEDURAL_TASKS, ProceduralConfig, generate_examples
 from megatron_rlvr.data.records import Example, MalformedRowError
 from megatron_rlvr.data.sampler import PromptLoader, PromptSampler, shard_range

@@ -91,7 +91,7 @@ def to_megatron_on_rank(hf_dir: str, save_dir: str, step: int = 0, dtype: str | 
     from megatron_rlvr.models.build import build_gpt_model
     from megatron_rlvr.models.checkpointing import CheckpointConfig, save_checkpoint
     from megatron_rlvr.models.hf_config import load_hf_config, megatron_model_args
-    from megatron_rlvr.models.loading import load_hf_weights
+    from megatron_rlvr.models.hf_loading import load_hf_weights
 
     hf_cfg = load_hf_config(hf_dir)
     if not hf_cfg.get("_name_or_path"):

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import torch
 
 from megatron_rlvr.models.hf_config import MegatronModelArgs
-from megatron_rlvr.models.loading import SAFE_INDEX, SAFE_SINGLE
+from megatron_rlvr.models.hf_loading import SAFE_INDEX, SAFE_SINGLE
 from megatron_rlvr.models.mapping import WeightMapping, layer_offset
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9

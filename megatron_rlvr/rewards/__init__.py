@@ -8,11 +8,11 @@ Importing this package is light (no sympy/math-verify); workers import the rewar
 """
 
 from megatron_rlvr.rewards.builtin import REWARD_FNS, MathVerifyReward, NumericReward, ReasoningGymReward
-from megatron_rlvr.rewards.config import RewardConfig
 from megatron_rlvr.rewards.extract import EXTRACTION_MODES, extract_answer, last_boxed, last_number, parse_number
-from megatron_rlvr.rewards.loading import build_scorer, load_reward_fn
 from megatron_rlvr.rewards.manager import RewardManager
 from megatron_rlvr.rewards.pool import ItemResult
+from megatron_rlvr.rewards.reward_config import RewardConfig
+from megatron_rlvr.rewards.scorers import build_scorer, load_reward_fn
 
 __all__ = [
     "EXTRACTION_MODES",

@@ -9,9 +9,9 @@ import time
 from collections.abc import Sequence
 
 from megatron_rlvr.rewards.builtin import REWARD_FNS
-from megatron_rlvr.rewards.config import RewardConfig
 from megatron_rlvr.rewards.extract import extract_answer
 from megatron_rlvr.rewards.pool import ItemResult, ScoringPool, score_inline
+from megatron_rlvr.rewards.reward_config import RewardConfig
 
 __all__ = ["RewardFailure", "RewardManager", "check_failure_fraction"]
 
@@ -73,7 +73,7 @@ class RewardManager:
                 on_failure=self._on_failure,
             )
         else:
-            from megatron_rlvr.rewards.loading import build_scorer
+            from megatron_rlvr.rewards.scorers import build_scorer
 
             self._scorer = build_scorer(cfg.fn, cfg.extraction)
         self._closed = False

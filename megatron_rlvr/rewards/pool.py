@@ -112,7 +112,7 @@ def _short_traceback() -> str:
 
 
 def _failure(e: BaseException) -> ItemResult:
-    from megatron_rlvr.rewards.loading import NonFiniteReward
+    from megatron_rlvr.rewards.scorers import NonFiniteReward
 
     status = "nonfinite" if isinstance(e, NonFiniteReward) else "error"
     return ItemResult(0.0, status, f"{type(e).__name__}: {e}"[:1000], _short_traceback())
@@ -136,7 +136,7 @@ def _worker_main(conn: Connection, fn: str, extraction: str, timeout_s: float, p
     _WORKER_PID = os.getpid()
     os._exit = _exit_raises  # the worker's own exits below use _REAL_EXIT
     try:
-        from megatron_rlvr.rewards.loading import build_scorer
+        from megatron_rlvr.rewards.scorers import build_scorer
 
         scorer = build_scorer(fn, extraction)
         scorer.warmup()

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_rlvr.cpu_shims import native_torch
+from megatron_rlvr.megatron.cpu_shims import native_torch
 from megatron_rlvr.rollout.engine import (
     Completion,
     RolloutEngine,

@@ -338,12 +338,9 @@ def stream_hf_weights(
     stats.meter.track()  # final sample
 
 
-def megatron_weight_stream(model, args, *, config: WeightStreamConfig | None = None, stats=None, pg_collection=None):
-    """``stream_hf_weights`` with megatron's initialised process groups and the model args' dims (trainer glue)."""
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
-    if pg_collection is None:
-        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+def megatron_weight_stream(model, args, *, pg_collection, config: WeightStreamConfig | None = None, stats=None):
+    """``stream_hf_weights`` over the trainer's process groups (a megatron ProcessGroupCollection: its ``tp`` and
+    ``pp`` groups) with the model args' dims (trainer glue)."""
     return stream_hf_weights(
         model,
         WeightMapping(args.dims),

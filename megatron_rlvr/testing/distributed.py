@@ -85,7 +85,7 @@ def init_megatron_parallel(tp: int, pp: int, seed: int = 1234) -> frozenset:
     groups that exist afterwards (the layout's own), so groups a task creates beyond them can be destroyed after it."""
     from torch.distributed import distributed_c10d as c10d
 
-    from megatron_rlvr.trainer.distributed import init_model_parallel
+    from megatron_rlvr.megatron.parallel import init_model_parallel
 
     init_model_parallel(tp, pp, seed, on_rebuild=_destroy_groups)
     return frozenset(c10d._world.pg_map)
@@ -106,7 +106,7 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, parent_pid: i
         import torch
 
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-        from megatron_rlvr.cpu_shims import apply_cpu_shims
+        from megatron_rlvr.megatron.cpu_shims import apply_cpu_shims
 
         apply_cpu_shims()
         torch.distributed.init_process_group(

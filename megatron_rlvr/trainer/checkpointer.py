@@ -82,8 +82,8 @@ def maybe_resume(t) -> int:
     Collective. Rank 0 picks the newest checkpoint whose files are intact; a corrupt or incomplete one is reported
     by path and skipped for the previous complete one (checkpoint.fallback=false: a ResumeError instead). A load
     that fails on any rank is treated the same way."""
+    from megatron_rlvr.megatron.parallel import all_gather_objects, broadcast_object
     from megatron_rlvr.models.checkpointing import load_checkpoint
-    from megatron_rlvr.trainer.distributed import all_gather_objects, broadcast_object
     from megatron_rlvr.trainer.resume import ResumeError, choose_checkpoint
 
     how = t.cfg.checkpoint.resume

@@ -93,8 +93,8 @@ def forgetting_probe(t, groups, step: int) -> dict[str, float]:
     import time
 
     from megatron_rlvr.algorithms import mastered_rollouts
+    from megatron_rlvr.megatron.parallel import all_gather_objects
     from megatron_rlvr.trainer.batch import reward_tensors
-    from megatron_rlvr.trainer.distributed import all_gather_objects
     from megatron_rlvr.trainer.generation import generate_groups
     from megatron_rlvr.trainer.train import sampling_params
 

@@ -3,8 +3,9 @@ colour per run) to compare algorithms. Needs matplotlib."""
 
 from __future__ import annotations
 
-import json
 import os
+
+from megatron_rlvr.trainer.step_metrics import read_metrics
 
 PANELS: list[tuple[str, list[tuple[str, str]]]] = [
     ("training reward", [("reward/mean", "reward"), ("reward/accuracy", "accuracy")]),
@@ -39,21 +40,11 @@ _STYLES = ["-", "--", ":", "-."]
 
 
 def read_run(run_dir: str) -> tuple[str, list[dict]]:
-    """(label, records by step) of a run directory; the last record of a step wins (resumed runs repeat steps)."""
+    """(label, records by step) of a run directory (``read_metrics``: records of a step merged, later keys win)."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         raise ValueError(f"{run_dir}: no metrics.jsonl (is it a megatron-rlvr run directory?)")
-    by_step: dict[int, dict] = {}
-    with open(path) as f:
-        for line in f:
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            step = rec.get("step")
-            if step is None:
-                continue
-            by_step[step] = {**by_step.get(step, {}), **rec}
+    records = read_metrics(path)
     label = os.path.basename(os.path.normpath(run_dir))
     cfg_path = os.path.join(run_dir, "config.yaml")
     if os.path.isfile(cfg_path):
@@ -63,7 +54,7 @@ def read_run(run_dir: str) -> tuple[str, list[dict]]:
             algo = ((yaml.safe_load(f) or {}).get("algorithm") or {}).get("name")
         if algo:
             label = f"{label} ({algo})"
-    return label, [by_step[s] for s in sorted(by_step)]
+    return label, records
 
 
 def _smooth(ys: list[float], w: int) -> list[float]:

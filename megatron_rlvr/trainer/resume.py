@@ -62,7 +62,7 @@ def field_default(dotted: str):
     import typing
 
     from megatron_rlvr.config import RunConfig
-    from megatron_rlvr.config.loading import _plain
+    from megatron_rlvr.config.loader import _plain
 
     cls, parts = RunConfig, dotted.split(".")
     for i, name in enumerate(parts):

@@ -70,6 +70,23 @@ class LossMetrics:
         return out
 
 
+def read_metrics(path: str) -> list[dict]:
+    """The records of a metrics.jsonl, one per step in step order; records of the same step are merged, later keys
+    winning (a resumed run repeats steps; evaluation adds its own record). Lines cut by a crash are skipped."""
+    by_step: dict[int, dict] = {}
+    if os.path.isfile(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                step = rec.get("step")
+                if step is not None:
+                    by_step[step] = {**by_step.get(step, {}), **rec}
+    return [by_step[k] for k in sorted(by_step)]
+
+
 def _fmt(v: float) -> str:
     if v != v:
         return "nan"

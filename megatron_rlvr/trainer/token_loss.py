@@ -10,7 +10,7 @@ import torch
 
 from megatron_rlvr.algorithms import AlgorithmConfig, LossNormalizers, PolicyLossInputs, compute_policy_loss
 from megatron_rlvr.algorithms.reductions import declare
-from megatron_rlvr.cpu_shims import native_torch
+from megatron_rlvr.megatron.cpu_shims import native_torch
 from megatron_rlvr.ops import vocab_parallel_token_stats
 from megatron_rlvr.trainer.diagnostics import ratio_quantile_metrics
 from megatron_rlvr.trainer.microbatch import tis_weights

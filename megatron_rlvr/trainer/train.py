@@ -7,7 +7,6 @@ optimizer step with clipping) -> weight sync to the engine -> metrics -> periodi
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -18,6 +17,24 @@ import torch
 from megatron_rlvr.algorithms.reductions import reduction_of
 from megatron_rlvr.config import RunConfig
 from megatron_rlvr.data import PromptLoader, build_train_dataset, build_train_loader, load_dataset
+from megatron_rlvr.megatron.parallel import (
+    DistInfo,
+    all_gather_objects,
+    all_reduce_max,
+    broadcast_object,
+    init_distributed,
+    local_world_size,
+)
+from megatron_rlvr.megatron.policy import (
+    ModelSource,
+    build_model,
+    build_optimizer,
+    load_tokenizer,
+    model_args_for,
+    resolve_model_source,
+    wrap_ddp,
+)
+from megatron_rlvr.megatron.policy import current_lr as optimizer_lr
 from megatron_rlvr.models.fusions import detect
 from megatron_rlvr.models.hf_config import MegatronModelArgs
 from megatron_rlvr.rewards import RewardManager
@@ -27,32 +44,14 @@ from megatron_rlvr.trainer import checkpointer as ckpt
 from megatron_rlvr.trainer.batch import batch_metrics, build_sequences, informative, warn_all_too_long
 from megatron_rlvr.trainer.checkpointer import export_hf_folder, maybe_save, save
 from megatron_rlvr.trainer.diagnostics import forgetting_probe
-from megatron_rlvr.trainer.distributed import (
-    DistInfo,
-    all_gather_objects,
-    all_reduce_max,
-    broadcast_object,
-    init_distributed,
-    local_world_size,
-)
 from megatron_rlvr.trainer.engine_setup import build_engine, engine_sleeps, sleep_engine, wake_all, wake_weights
 from megatron_rlvr.trainer.evaluation import bench_name, evaluate_examples, summarize
 from megatron_rlvr.trainer.generation import EngineInfo, engine_info, generate_groups, tokenize_prompts
-from megatron_rlvr.trainer.model import (
-    ModelSource,
-    build_model,
-    build_optimizer,
-    load_tokenizer,
-    model_args_for,
-    resolve_model_source,
-    wrap_ddp,
-)
-from megatron_rlvr.trainer.model import current_lr as optimizer_lr
 from megatron_rlvr.trainer.plot import plot_runs
 from megatron_rlvr.trainer.resume import prepare_run_dir_on_ranks
 from megatron_rlvr.trainer.run_lock import release
 from megatron_rlvr.trainer.signals import StopSignals, exit_code_for
-from megatron_rlvr.trainer.step_metrics import RunLogger
+from megatron_rlvr.trainer.step_metrics import RunLogger, read_metrics
 from megatron_rlvr.trainer.token_loss import StatsSpec
 from megatron_rlvr.trainer.update import UpdateContext, compute_logprobs, my_sequence_ids, policy_update, recompute_ids
 from megatron_rlvr.trainer.weights import sync_weights
@@ -554,22 +553,6 @@ def summary(t: Trainer, ckpt_path, hf_dir, plot_path) -> str:
     if plot_path:
         lines.append(f"  curves:      {plot_path}")
     return "\n".join(lines)
-
-
-def read_metrics(path: str) -> list[dict]:
-    """The records of a metrics.jsonl (the last record of each step wins: a resumed run repeats steps)."""
-
-    by_step: dict[int, dict] = {}
-    if os.path.isfile(path):
-        with open(path) as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    continue
-                if "reward/mean" in rec or rec.get("step") not in by_step:
-                    by_step[rec.get("step", 0)] = rec
-    return [by_step[k] for k in sorted(by_step)]
 
 
 def teardown(t: Trainer) -> None:

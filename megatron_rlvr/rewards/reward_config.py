@@ -46,7 +46,7 @@ class RewardConfig:
             raise ValueError(f"reward.fn must be a built-in {sorted(REWARD_FNS)} or a dotted path, got {self.fn!r}")
         if self.fn not in REWARD_FNS:
             # Fail before any rank starts: import the user's module now (clear error naming the path).
-            from megatron_rlvr.rewards.loading import load_reward_fn
+            from megatron_rlvr.rewards.scorers import load_reward_fn
 
             load_reward_fn(self.fn)
         if self.extraction not in EXTRACTION_MODES:

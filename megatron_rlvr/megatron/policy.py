@@ -98,7 +98,7 @@ def build_model(args, source: ModelSource, seed: int, pg, *, trainable: bool = T
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megatron_rlvr.models.build import build_gpt_model, unwrap
-    from megatron_rlvr.models.loading import load_hf_weights
+    from megatron_rlvr.models.hf_loading import load_hf_weights
 
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)

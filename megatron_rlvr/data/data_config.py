@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_rlvr.data.loading import SUPPORTED_EXTENSIONS, PromptDataset, load_dataset
+from megatron_rlvr.data.files import SUPPORTED_EXTENSIONS, PromptDataset, load_dataset
 from megatron_rlvr.data.procedural import ProceduralConfig, generate_examples
 from megatron_rlvr.data.records import Example
 from megatron_rlvr.data.sampler import PromptLoader

@@ -106,7 +106,7 @@ def init_distributed(tp: int, pp: int, seed: int, backend: str = "auto", timeout
     Reuse: inside a process that already initialised torch.distributed (tests, notebooks), its group is kept; the
     megatron groups are rebuilt only when the layout differs.
     """
-    from megatron_rlvr.cpu_shims import apply_cpu_shims
+    from megatron_rlvr.megatron.cpu_shims import apply_cpu_shims
 
     apply_cpu_shims()
     if not dist.is_initialized():
