@@ -64,7 +64,7 @@ exit "$rc"'
 rlvr_log() { echo "[$(date '+%F %T')] [${SLURM_JOB_NAME:-job}-${SLURM_JOB_ID:-?}] $*"; }
 
 rlvr_first_host() {
-  # Slurm's own expansion when scontrol is reachable, else the same logic in Python (launch_env.py).
+  # Slurm's own expansion when scontrol is reachable, else the same logic in Python (megatron_rlvr/slurm_env.py).
   local first=""
   if command -v scontrol >/dev/null 2>&1; then
     first=$(scontrol show hostnames "$1" 2>/dev/null | head -n 1 || true)

@@ -277,23 +277,15 @@ def test_after_a_fallback_the_damaged_step_is_saved_again(tmp_path, monkeypatch)
         return _fake_checkpoint(run, step)
 
     monkeypatch.setattr(checkpointing, "save_checkpoint", fake_save)
-    cfg = SimpleNamespace(checkpoint=SimpleNamespace(keep_last=0, sharding_type="fully_reshardable"))
-    t = SimpleNamespace(
-        run_dir=run,
-        cfg=SimpleNamespace(algorithm=SimpleNamespace(name="grpo"), **vars(cfg)),
-        loader=SimpleNamespace(state_dict=lambda: {}),
-        dist=SimpleNamespace(rank=0, pg=None),
-        model=None,
-        optimizer=None,
-        scheduler=None,
-        args=None,
-        start_step=1,
-    )
-    assert ckpt.save(t, 2) == newest and saved == [2]
+    section = SimpleNamespace(keep_last=0, sharding_type="fully_reshardable", save_every=0)
+    saver = ckpt.Checkpointer(run, section, pg=None, rank=0, algorithm="grpo", last_step=10, resumed_from=1)
+    policy = ckpt.PolicyState(model=None, optimizer=None, scheduler=None, args=None)
+    loader = SimpleNamespace(state_dict=lambda: {})
+    assert saver.save(2, policy, loader) == newest and saved == [2]
     with open(os.path.join(newest, "__0_0.distcp"), "rb") as f:
         assert len(f.read()) == 100  # the damaged shard was replaced
-    t.start_step = 2  # a run resumed from its final checkpoint saves at the end: nothing to write
-    assert ckpt.save(t, 2) == newest and saved == [2]
+    saver.resumed_from = 2  # a run resumed from its final checkpoint saves at the end: nothing to write
+    assert saver.save(2, policy, loader) == newest and saved == [2]
 
 
 # ----------------------------------------------------------------------------------------------- reward failures

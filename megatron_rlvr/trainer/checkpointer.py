@@ -9,149 +9,184 @@ from them, so a resumed run repeats the uninterrupted run's steps exactly.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_rlvr.config import CheckpointConfig
+from megatron_rlvr.data import PromptLoader
+from megatron_rlvr.megatron.parallel import all_gather_objects, broadcast_object
+from megatron_rlvr.models import checkpointing
+from megatron_rlvr.models.build import unwrap
+from megatron_rlvr.models.export import export_hf
+from megatron_rlvr.models.hf_config import MegatronModelArgs
+from megatron_rlvr.trainer.resume import ResumeError, candidates, choose_checkpoint, write_manifest
 
 
 def checkpoint_dir(run_dir: str) -> str:
     return os.path.join(run_dir, "checkpoints")
 
 
-def _ckpt_config(t):
-    from megatron_rlvr.models.checkpointing import CheckpointConfig
+@dataclass
+class PolicyState:
+    """What a checkpoint holds besides the trainer state: the policy and its optimizer (megatron objects)."""
 
-    return CheckpointConfig(
-        save_dir=checkpoint_dir(t.run_dir),
-        keep_last=t.cfg.checkpoint.keep_last,
-        distrib_optim_sharding_type=t.cfg.checkpoint.sharding_type,
-    )
-
-
-def save(t, step: int) -> str:
-    """Save step ``step`` (collective); a no-op returning the path if that step is the checkpoint this run resumed
-    from (e.g. the final save of a run resumed at its last step). Rank 0 then records every file's size
-    (megatron_rlvr/trainer/resume.py: a truncated shard is found on resume)."""
-    from megatron_rlvr.models.checkpointing import latest_checkpoint, save_checkpoint, step_dir_name
-    from megatron_rlvr.trainer.resume import write_manifest
-
-    path = os.path.join(checkpoint_dir(t.run_dir), step_dir_name(step))
-    # Only the resumed-from step is known to hold this state: a newer step_N folder that the resume skipped as
-    # corrupt (checkpoint.fallback) must be replaced when the run reaches that step again, not kept.
-    if step == t.start_step and latest_checkpoint(checkpoint_dir(t.run_dir)) == path:
-        return path
-    state = {"step": step, "data": t.loader.state_dict(), "algorithm": t.cfg.algorithm.name}
-    out = save_checkpoint(
-        _ckpt_config(t),
-        step,
-        model=t.model,
-        optimizer=t.optimizer,
-        scheduler=t.scheduler,
-        trainer_state=state,
-        model_args=t.args,
-        pg_collection=t.dist.pg,
-    )
-    if t.dist.rank == 0:
-        write_manifest(out)
-    return out
+    model: Any
+    """Megatron DDP-wrapped policy."""
+    optimizer: Any
+    """Megatron optimizer."""
+    scheduler: Any
+    """Learning-rate scheduler."""
+    args: MegatronModelArgs
+    """Model arguments (recorded in the checkpoint's metadata: shapes, padded vocab)."""
 
 
-def maybe_save(t, step: int) -> str | None:
-    every = t.cfg.checkpoint.save_every
-    if every and step % every == 0 and step != t.cfg.schedule.steps:  # the last step is saved by finish()
-        return save(t, step)
-    return None
+@dataclass
+class Checkpointer:
+    """Saves and resumes one run's checkpoints (collective: every rank calls every method)."""
 
+    run_dir: str
+    """The run directory; checkpoints go to ``<run_dir>/checkpoints/step_N``."""
+    cfg: CheckpointConfig
+    """The run's ``checkpoint`` section (cadence, keep-last, resume, fallback, sharding type)."""
+    pg: Any
+    """Megatron ProcessGroupCollection of the layout."""
+    rank: int
+    """Global rank (rank 0 chooses the checkpoint and writes the manifest)."""
+    algorithm: str
+    """The algorithm's name, recorded with the trainer state."""
+    last_step: int
+    """schedule.steps: the last step is saved by the end of the run, not by the cadence."""
+    resumed_from: int = 0
+    """The step this run resumed from (0: a fresh run)."""
 
-def _resume_candidates(how: str, run_dir: str) -> list[str]:
-    from megatron_rlvr.models.checkpointing import META_FILE
-    from megatron_rlvr.trainer.resume import candidates
+    @property
+    def save_dir(self) -> str:
+        return checkpoint_dir(self.run_dir)
 
-    if how == "auto":
-        return candidates(checkpoint_dir(run_dir))
-    if os.path.isfile(os.path.join(how, META_FILE)):  # one step_N folder: no silent fallback to another run's
-        return [how]
-    found = candidates(how) or candidates(os.path.join(how, "checkpoints"))  # a checkpoints folder or a run dir
-    if not found:
-        from megatron_rlvr.trainer.resume import ResumeError
-
-        raise ResumeError(f"checkpoint.resume={how}: no complete checkpoint (step_N folder with rlvr_meta.json) there")
-    return found
-
-
-def maybe_resume(t) -> int:
-    """Load the checkpoint named by checkpoint.resume ('auto': the run dir's newest, if any); returns its step.
-
-    Collective. Rank 0 picks the newest checkpoint whose files are intact; a corrupt or incomplete one is reported
-    by path and skipped for the previous complete one (checkpoint.fallback=false: a ResumeError instead). A load
-    that fails on any rank is treated the same way."""
-    from megatron_rlvr.megatron.parallel import all_gather_objects, broadcast_object
-    from megatron_rlvr.models.checkpointing import load_checkpoint
-    from megatron_rlvr.trainer.resume import ResumeError, choose_checkpoint
-
-    how = t.cfg.checkpoint.resume
-    if how == "never":
-        return 0
-    fallback = t.cfg.checkpoint.fallback
-    warn = print if t.dist.rank == 0 else (lambda *_: None)
-    remaining = None
-    if t.dist.rank == 0:
-        try:
-            remaining = _resume_candidates(how, t.run_dir)
-        except ResumeError as e:
-            remaining = e
-    remaining = broadcast_object(remaining)
-    if isinstance(remaining, ResumeError):
-        raise remaining
-    skipped: list[str] = []
-    while remaining:
-        choice, bad = None, []
-        if t.dist.rank == 0:
-            try:
-                choice, bad = choose_checkpoint(remaining, fallback, warn=lambda m: print(m, flush=True))
-            except ResumeError as e:
-                choice = e
-        choice, bad = broadcast_object((choice, bad))
-        skipped += bad
-        if isinstance(choice, ResumeError):
-            raise choice
-        if choice is None:
-            break
-        try:
-            state = load_checkpoint(
-                choice, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler, pg_collection=t.dist.pg
-            )
-            err = None
-        except Exception as e:  # a damaged shard: EOFError, pickle or tensor-size errors from dist_checkpointing
-            err = f"{type(e).__name__}: {e}"[:500]
-        errors = [e for e in all_gather_objects(err) if e]
-        if not errors:
-            if "data" in state:
-                t.loader.load_state_dict(state["data"])
-            if skipped:
-                warn(f"megatron-rlvr: WARNING: resumed from {choice} instead of the newer {', '.join(skipped)}")
-            return int(state.get("step", 0))
-        if not fallback:
-            raise ResumeError(
-                f"checkpoint {choice} cannot be loaded ({errors[0]}); checkpoint.fallback=false, so not resuming from "
-                "an older one. Delete that folder (or set checkpoint.fallback=true) to use the previous one"
-            )
-        warn(f"megatron-rlvr: WARNING: checkpoint {choice} cannot be loaded ({errors[0]}); trying the previous one")
-        skipped.append(choice)
-        remaining = remaining[remaining.index(choice) + 1 :]
-    if skipped:
-        raise ResumeError(
-            f"no checkpoint of {t.run_dir} can be resumed (damaged: {', '.join(skipped)}); use "
-            "checkpoint.resume=never to start the run over"
+    def save(self, step: int, policy: PolicyState, loader: PromptLoader) -> str:
+        """Save step ``step``; a no-op returning the path if that step is the checkpoint this run resumed from (e.g.
+        the final save of a run resumed at its last step). Rank 0 then records every file's size
+        (megatron_rlvr/trainer/resume.py: a truncated shard is found on resume)."""
+        path = os.path.join(self.save_dir, checkpointing.step_dir_name(step))
+        # Only the resumed-from step is known to hold this state: a newer step_N folder that the resume skipped as
+        # corrupt (checkpoint.fallback) must be replaced when the run reaches that step again, not kept.
+        if step == self.resumed_from and checkpointing.latest_checkpoint(self.save_dir) == path:
+            return path
+        config = checkpointing.CheckpointConfig(
+            save_dir=self.save_dir, keep_last=self.cfg.keep_last, distrib_optim_sharding_type=self.cfg.sharding_type
         )
-    return 0
+        out = checkpointing.save_checkpoint(
+            config,
+            step,
+            model=policy.model,
+            optimizer=policy.optimizer,
+            scheduler=policy.scheduler,
+            trainer_state={"step": step, "data": loader.state_dict(), "algorithm": self.algorithm},
+            model_args=policy.args,
+            pg_collection=self.pg,
+        )
+        if self.rank == 0:
+            write_manifest(out)
+        return out
+
+    def maybe_save(self, step: int, policy: PolicyState, loader: PromptLoader) -> str | None:
+        every = self.cfg.save_every
+        if every and step % every == 0 and step != self.last_step:  # the last step is saved by the run's end
+            return self.save(step, policy, loader)
+        return None
+
+    def _candidates(self) -> list[str]:
+        how = self.cfg.resume
+        if how == "auto":
+            return candidates(self.save_dir)
+        if os.path.isfile(os.path.join(how, checkpointing.META_FILE)):  # one step_N folder: no silent fallback
+            return [how]
+        found = candidates(how) or candidates(os.path.join(how, "checkpoints"))  # a checkpoints folder or a run dir
+        if not found:
+            raise ResumeError(
+                f"checkpoint.resume={how}: no complete checkpoint (step_N folder with rlvr_meta.json) there"
+            )
+        return found
+
+    def resume(self, policy: PolicyState, loader: PromptLoader) -> int:
+        """Load the checkpoint named by checkpoint.resume ('auto': the run dir's newest, if any) into ``policy`` and
+        ``loader``; returns (and records) its step.
+
+        Rank 0 picks the newest checkpoint whose files are intact; a corrupt or incomplete one is reported by path
+        and skipped for the previous complete one (checkpoint.fallback=false: a ResumeError instead). A load that
+        fails on any rank is treated the same way."""
+        self.resumed_from = self._resume(policy, loader)
+        return self.resumed_from
+
+    def _resume(self, policy: PolicyState, loader: PromptLoader) -> int:
+        if self.cfg.resume == "never":
+            return 0
+        fallback = self.cfg.fallback
+        warn = print if self.rank == 0 else (lambda *_: None)
+        remaining = None
+        if self.rank == 0:
+            try:
+                remaining = self._candidates()
+            except ResumeError as e:
+                remaining = e
+        remaining = broadcast_object(remaining)
+        if isinstance(remaining, ResumeError):
+            raise remaining
+        skipped: list[str] = []
+        while remaining:
+            choice, bad = None, []
+            if self.rank == 0:
+                try:
+                    choice, bad = choose_checkpoint(remaining, fallback, warn=lambda m: print(m, flush=True))
+                except ResumeError as e:
+                    choice = e
+            choice, bad = broadcast_object((choice, bad))
+            skipped += bad
+            if isinstance(choice, ResumeError):
+                raise choice
+            if choice is None:
+                break
+            try:
+                state = checkpointing.load_checkpoint(
+                    choice,
+                    model=policy.model,
+                    optimizer=policy.optimizer,
+                    scheduler=policy.scheduler,
+                    pg_collection=self.pg,
+                )
+                err = None
+            except Exception as e:  # a damaged shard: EOFError, pickle or tensor-size errors from dist_checkpointing
+                err = f"{type(e).__name__}: {e}"[:500]
+            errors = [e for e in all_gather_objects(err) if e]
+            if not errors:
+                if "data" in state:
+                    loader.load_state_dict(state["data"])
+                if skipped:
+                    warn(f"megatron-rlvr: WARNING: resumed from {choice} instead of the newer {', '.join(skipped)}")
+                return int(state.get("step", 0))
+            if not fallback:
+                raise ResumeError(
+                    f"checkpoint {choice} cannot be loaded ({errors[0]}); checkpoint.fallback=false, so not resuming "
+                    "from an older one. Delete that folder (or set checkpoint.fallback=true) to use the previous one"
+                )
+            warn(f"megatron-rlvr: WARNING: checkpoint {choice} cannot be loaded ({errors[0]}); trying the previous one")
+            skipped.append(choice)
+            remaining = remaining[remaining.index(choice) + 1 :]
+        if skipped:
+            raise ResumeError(
+                f"no checkpoint of {self.run_dir} can be resumed (damaged: {', '.join(skipped)}); use "
+                "checkpoint.resume=never to start the run over"
+            )
+        return 0
 
 
-def export_hf_folder(t) -> str:
-    """``<run_dir>/hf``: an HF folder of the final policy (tokenizer included) that transformers loads unchanged."""
-    from megatron_rlvr.models.build import unwrap
-    from megatron_rlvr.models.export import export_hf
-
-    out = os.path.join(t.run_dir, "hf")
-    source_dir = t.source.weights_dir or t.source.tokenizer_dir
-    export_hf(unwrap(t.model), t.args, out, source_dir=source_dir, pg_collection=t.dist.pg, overwrite=True)
-    if t.dist.is_logger and source_dir is None:  # built-in tokenizer: write its files next to the weights
-        t.tokenizer.save_pretrained(out)
+def export_hf_folder(run_dir: str, policy: PolicyState, source, tokenizer, pg, write_tokenizer: bool) -> str:
+    """``<run_dir>/hf``: an HF folder of the final policy (tokenizer included) that transformers loads unchanged.
+    ``source``: the model source (its weights / tokenizer folder is copied alongside); ``write_tokenizer``: this rank
+    writes the built-in tokenizer's files when the source has none."""
+    out = os.path.join(run_dir, "hf")
+    source_dir = source.weights_dir or source.tokenizer_dir
+    export_hf(unwrap(policy.model), policy.args, out, source_dir=source_dir, pg_collection=pg, overwrite=True)
+    if write_tokenizer and source_dir is None:  # built-in tokenizer: write its files next to the weights
+        tokenizer.save_pretrained(out)
     return out

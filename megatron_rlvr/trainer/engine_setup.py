@@ -60,41 +60,49 @@ def _eos_ids(source, tokenizer) -> list[int]:
     return ids
 
 
+def _hf_engine(cfg, source, tokenizer, dist_info):
+    from megatron_rlvr.rollout.hf_engine import HFEngineConfig, HFRolloutEngine
+
+    return HFRolloutEngine.from_config(
+        hf_config_object(source.hf_config),
+        tokenizer,
+        dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype],
+        config=HFEngineConfig(max_batch_rows=cfg.rollout.max_batch_rows, device=str(dist_info.device)),
+        eos_token_ids=_eos_ids(source, tokenizer),
+    )
+
+
+def _vllm_engine(cfg, source, tokenizer, dist_info):
+    from megatron_rlvr.rollout.vllm_engine import VLLMEngineConfig, VLLMRolloutEngine
+
+    r = cfg.rollout
+    return VLLMRolloutEngine(
+        source.hf_config,
+        tokenizer=source.tokenizer_dir,
+        eos_token_ids=_eos_ids(source, tokenizer),
+        config=VLLMEngineConfig(
+            tensor_parallel_size=cfg.parallel.rollout_tp,
+            gpu_memory_utilization=r.gpu_memory_utilization,
+            kv_cache_bytes=None if r.kv_cache_gb is None else int(r.kv_cache_gb * (1 << 30)),
+            dtype=cfg.model.dtype,
+            max_model_len=r.max_prompt_len + r.max_response_len,
+            max_num_seqs=r.max_batch_rows,
+            seed=cfg.train.seed,
+        ),
+    )
+
+
+ENGINE_BUILDERS = {"hf": _hf_engine, "vllm": _vllm_engine}
+"""``rollout.engine`` -> builder(cfg, model source, tokenizer, dist info) of a rollout.engine.RolloutEngine (the
+engine names the config accepts are config.sections.ENGINES, plus ``auto``)."""
+
+
 def build_engine(cfg, source, tokenizer, dist_info):
     """The rollout engine of this rank (rollout_tp = 1 for the transformers engine)."""
     kind = choose_engine(cfg.rollout.engine)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
-    if kind == "hf":
-        from megatron_rlvr.rollout.hf_engine import HFEngineConfig, HFRolloutEngine
-
-        device = str(dist_info.device)
-        model_cfg = hf_config_object(source.hf_config)
-        return HFRolloutEngine.from_config(
-            model_cfg,
-            tokenizer,
-            dtype=dtype,
-            config=HFEngineConfig(max_batch_rows=cfg.rollout.max_batch_rows, device=device),
-            eos_token_ids=_eos_ids(source, tokenizer),
-        )
-    if kind == "vllm":
-        from megatron_rlvr.rollout.vllm_engine import VLLMEngineConfig, VLLMRolloutEngine
-
-        r = cfg.rollout
-        return VLLMRolloutEngine(
-            source.hf_config,
-            tokenizer=source.tokenizer_dir,
-            eos_token_ids=_eos_ids(source, tokenizer),
-            config=VLLMEngineConfig(
-                tensor_parallel_size=cfg.parallel.rollout_tp,
-                gpu_memory_utilization=r.gpu_memory_utilization,
-                kv_cache_bytes=None if r.kv_cache_gb is None else int(r.kv_cache_gb * (1 << 30)),
-                dtype=cfg.model.dtype,
-                max_model_len=r.max_prompt_len + r.max_response_len,
-                max_num_seqs=r.max_batch_rows,
-                seed=cfg.train.seed,
-            ),
-        )
-    raise ValueError(f"unknown rollout engine {kind!r}")
+    if kind not in ENGINE_BUILDERS:
+        raise ValueError(f"unknown rollout engine {kind!r}; known: {sorted(ENGINE_BUILDERS)}")
+    return ENGINE_BUILDERS[kind](cfg, source, tokenizer, dist_info)
 
 
 def engine_sleeps(engine) -> bool:

@@ -11,9 +11,12 @@ Used during training (every ``eval.every`` steps, on the trainer's rollout engin
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
-from megatron_rlvr.data import shard_range
+from megatron_rlvr.config import EvalConfig, RunConfig
+from megatron_rlvr.data import DataConfig, Example, load_dataset, shard_range
+from megatron_rlvr.megatron.parallel import all_gather_objects
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -141,3 +144,62 @@ def evaluate_examples(
     parts = gather(local) if gather is not None else [local]
     merged = sorted((x for part in parts for x in part), key=lambda x: x[0])
     return [c for _, c, _ in merged], [n for _, _, n in merged]
+
+
+@dataclass
+class PeriodicEval:
+    """The run's evaluation: avg@k / pass@k on every eval file with the engines' current weights (collective)."""
+
+    cfg: EvalConfig
+    """The ``eval`` section (k, sampling, cadence)."""
+    data: DataConfig
+    """Prompt rendering (template, system prompt) and row schema."""
+    max_tokens: int
+    """Generation limit (eval.max_response_len, else rollout.max_response_len)."""
+    max_prompt_len: int
+    """Prompts longer than this are skipped (rollout.max_prompt_len)."""
+    sets: list[tuple[str, list[Example]]] = field(default_factory=list)
+    """(file, examples) of each benchmark, loaded once."""
+
+    @classmethod
+    def from_run_config(cls, cfg: RunConfig) -> PeriodicEval:
+        e = cfg.eval
+        sets = []
+        for path in cfg.eval_files:
+            ds = load_dataset([path], cfg.data.schema, cfg.data.skip_malformed)
+            sets.append((path, list(ds.examples)[: e.max_problems] if e.max_problems else list(ds.examples)))
+        return cls(e, cfg.data, e.max_response_len or cfg.rollout.max_response_len, cfg.rollout.max_prompt_len, sets)
+
+    def due(self, step: int) -> bool:
+        return bool(self.sets) and bool(self.cfg.every) and step % self.cfg.every == 0
+
+    def run(self, engine, reward_manager, tokenizer, engine_info) -> dict[str, float]:
+        """Metrics namespaced ``eval/<benchmark>/...`` (avg@k, pass@j for j <= k, mean length) and ``time/eval_s``."""
+        e = self.cfg
+        out: dict[str, float] = {}
+        t0 = time.perf_counter()
+        for path, examples in self.sets:
+            correct, lengths = evaluate_examples(
+                engine,
+                reward_manager,
+                tokenizer,
+                self.data,
+                examples,
+                k=e.k,
+                temperature=e.temperature,
+                top_p=e.top_p,
+                max_tokens=self.max_tokens,
+                max_prompt_len=self.max_prompt_len,
+                seed=e.seed,
+                engine_index=engine_info.index,
+                engine_count=engine_info.count,
+                leader=engine_info.leader,
+                gather=all_gather_objects,
+            )
+            r = summarize(bench_name(path), correct, lengths)
+            out[f"eval/{r.name}/avg@{r.k}"] = r.avg_at_k
+            for j, v in r.pass_at_k.items():
+                out[f"eval/{r.name}/pass@{j}"] = v
+            out[f"eval/{r.name}/mean_length"] = r.mean_length
+        out["time/eval_s"] = time.perf_counter() - t0
+        return out

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from megatron_rlvr.algorithms import AlgorithmConfig
 from megatron_rlvr.algorithms.reductions import reduction_of
 from megatron_rlvr.config import RunConfig
-from megatron_rlvr.data import PromptLoader, build_train_dataset, build_train_loader, load_dataset
+from megatron_rlvr.data import PromptLoader, build_train_dataset, build_train_loader
 from megatron_rlvr.megatron.parallel import (
     DistInfo,
     all_gather_objects,
@@ -40,12 +41,11 @@ from megatron_rlvr.models.hf_config import MegatronModelArgs
 from megatron_rlvr.rewards import RewardManager
 from megatron_rlvr.rollout.engine import RolloutEngine, SamplingParams
 from megatron_rlvr.rollout.mismatch import mismatch_metrics as token_mismatch
-from megatron_rlvr.trainer import checkpointer as ckpt
 from megatron_rlvr.trainer.batch import batch_metrics, build_sequences, informative, warn_all_too_long
-from megatron_rlvr.trainer.checkpointer import export_hf_folder, maybe_save, save
+from megatron_rlvr.trainer.checkpointer import Checkpointer, PolicyState, export_hf_folder
 from megatron_rlvr.trainer.diagnostics import forgetting_probe
 from megatron_rlvr.trainer.engine_setup import build_engine, engine_sleeps, sleep_engine, wake_all, wake_weights
-from megatron_rlvr.trainer.evaluation import bench_name, evaluate_examples, summarize
+from megatron_rlvr.trainer.evaluation import PeriodicEval
 from megatron_rlvr.trainer.generation import EngineInfo, engine_info, generate_groups, tokenize_prompts
 from megatron_rlvr.trainer.plot import plot_runs
 from megatron_rlvr.trainer.resume import prepare_run_dir_on_ranks
@@ -100,18 +100,25 @@ class Trainer:
     """SIGTERM / SIGUSR1 handling (checkpoint, then exit)."""
     update_ctx: UpdateContext
     """Everything the mini-batch updates need besides the model."""
+    checkpointer: Checkpointer
+    """Saves and resumes this run's checkpoints."""
+    evaluator: PeriodicEval
+    """The run's evaluation benchmarks."""
     ref_model: GPTModel | None = None
     """Frozen reference policy (reference-KL algorithms)."""
-    eval_sets: list[tuple[str, list]] = field(default_factory=list)
-    """(file, examples) of each evaluation benchmark."""
     step: int = 0
     """The step being run."""
     start_step: int = 0
     """The step resumed from (0 for a fresh run)."""
 
     @property
-    def algo(self):
+    def algo(self) -> AlgorithmConfig:
         return self.cfg.algorithm
+
+    @property
+    def policy(self) -> PolicyState:
+        """What a checkpoint holds besides the data position."""
+        return PolicyState(self.model, self.optimizer, self.scheduler, self.args)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -316,12 +323,12 @@ def train(cfg: RunConfig, run_dir: str | None = None) -> int:
         for step in range(t.start_step + 1, cfg.schedule.steps + 1):
             t.step = step
             metrics = rl_step(t, step)
-            if cfg.eval.every and step % cfg.eval.every == 0:
-                metrics.update(run_eval(t, step))
+            if t.evaluator.due(step):
+                metrics.update(run_eval(t))
             t.logger.log(step, metrics)
             stop = int(all_reduce_max(t.signals.code))  # every rank must agree on stopping at this step
             if stop:
-                save(t, step)
+                t.checkpointer.save(step, t.policy, t.loader)
                 code = exit_code_for(stop, cfg.checkpoint.sigterm_exit_code, cfg.checkpoint.sigusr1_exit_code)
                 if t.dist.is_logger:
                     print(
@@ -330,10 +337,10 @@ def train(cfg: RunConfig, run_dir: str | None = None) -> int:
                         flush=True,
                     )
                 return code
-            maybe_save(t, step)
+            t.checkpointer.maybe_save(step, t.policy, t.loader)
         t.step = max(t.start_step, cfg.schedule.steps)
-        if cfg.eval.at_end and t.eval_sets and not (cfg.eval.every and t.step % cfg.eval.every == 0):
-            t.logger.log(t.step, run_eval(t, t.step))
+        if cfg.eval.at_end and t.evaluator.sets and not t.evaluator.due(t.step):
+            t.logger.log(t.step, run_eval(t))
         finish(t)
         return 0
     finally:
@@ -416,11 +423,15 @@ def setup(cfg: RunConfig, run_dir: str | None) -> Trainer:
         logger=logger,
         signals=signals,
         update_ctx=update_ctx,
+        checkpointer=Checkpointer(
+            run_dir, cfg.checkpoint, d.pg, d.rank, cfg.algorithm.name, last_step=cfg.schedule.steps
+        ),
+        evaluator=PeriodicEval(cfg.eval, cfg.data, 0, 0),  # loaded below, inside the clean-up guard
         ref_model=ref_model,
     )
     try:
-        t.eval_sets = load_eval_sets(cfg)
-        t.start_step = ckpt.maybe_resume(t)
+        t.evaluator = PeriodicEval.from_run_config(cfg)
+        t.start_step = t.checkpointer.resume(t.policy, t.loader)
     except BaseException:  # e.g. a refused resume: stop the engine and reward workers, free the run dir
         teardown(t)
         raise
@@ -463,55 +474,19 @@ def resolve_run_dir(cfg: RunConfig) -> str:
     return os.path.join("runs", f"{cfg.logging.name or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
-def load_eval_sets(cfg: RunConfig) -> list:
-
-    out = []
-    for path in cfg.eval_files:
-        ds = load_dataset([path], cfg.data.schema, cfg.data.skip_malformed)
-        examples = list(ds.examples)[: cfg.eval.max_problems] if cfg.eval.max_problems else list(ds.examples)
-        out.append((path, examples))
-    return out
-
-
-def run_eval(t: Trainer, step: int) -> dict[str, float]:
+def run_eval(t: Trainer) -> dict[str, float]:
     """avg@k / pass@k on every eval file with the current engine weights; metrics namespaced eval/<name>/..."""
-
-    e = t.cfg.eval
-    out: dict[str, float] = {}
-    t0 = time.perf_counter()
-    for path, examples in t.eval_sets:
-        correct, lengths = evaluate_examples(
-            t.engine,
-            t.reward_manager,
-            t.tokenizer,
-            t.cfg.data,
-            examples,
-            k=e.k,
-            temperature=e.temperature,
-            top_p=e.top_p,
-            max_tokens=e.max_response_len or t.cfg.rollout.max_response_len,
-            max_prompt_len=t.cfg.rollout.max_prompt_len,
-            seed=e.seed,
-            engine_index=t.engine_info.index,
-            engine_count=t.engine_info.count,
-            leader=t.engine_info.leader,
-            gather=all_gather_objects,
-        )
-        r = summarize(bench_name(path), correct, lengths)
-        out[f"eval/{r.name}/avg@{r.k}"] = r.avg_at_k
-        for j, v in r.pass_at_k.items():
-            out[f"eval/{r.name}/pass@{j}"] = v
-        out[f"eval/{r.name}/mean_length"] = r.mean_length
-    out["time/eval_s"] = time.perf_counter() - t0
-    return out
+    return t.evaluator.run(t.engine, t.reward_manager, t.tokenizer, t.engine_info)
 
 
 def finish(t: Trainer) -> None:
     """After the last step: final checkpoint, optional HF export, optional plot, and where everything is."""
 
     cfg = t.cfg
-    ckpt_path = save(t, t.step) if cfg.checkpoint.save_at_end else None
-    hf_dir = export_hf_folder(t) if cfg.checkpoint.export_hf else None
+    ckpt_path = t.checkpointer.save(t.step, t.policy, t.loader) if cfg.checkpoint.save_at_end else None
+    hf_dir = None
+    if cfg.checkpoint.export_hf:
+        hf_dir = export_hf_folder(t.run_dir, t.policy, t.source, t.tokenizer, t.dist.pg, t.dist.is_logger)
     if not t.dist.is_logger:
         return
     plot_path = None
