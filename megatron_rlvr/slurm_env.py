@@ -21,11 +21,19 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import sys
 from collections.abc import Mapping, MutableMapping
 
 MASTER_PORT_BASE = 20000
 MASTER_PORT_SPAN = 20000
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (rendezvous of a local launch, the test harness)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def master_port_for_job(job_id: int | str) -> int:

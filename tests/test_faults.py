@@ -128,7 +128,7 @@ def test_stale_rules_without_flock_including_slurm_requeue():
 
 def _fake_checkpoint(run_dir, step, files=None):
     """A complete-looking step folder (what list_checkpoints accepts), with a size manifest of ``files``."""
-    from megatron_rlvr.trainer.resume import write_manifest
+    from megatron_rlvr.models.checkpointing import write_manifest
 
     d = os.path.join(run_dir, "checkpoints", f"step_{step:09d}")
     os.makedirs(d, exist_ok=True)

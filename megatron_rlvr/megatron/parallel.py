@@ -118,7 +118,7 @@ def init_distributed(tp: int, pp: int, seed: int, backend: str = "auto", timeout
         if info is None:
             info = {"rank": 0, "world_size": 1, "local_rank": 0, "master_addr": "127.0.0.1", "master_port": 0}
             if info["master_port"] == 0:
-                from megatron_rlvr.trainer.spawn import free_port
+                from megatron_rlvr.slurm_env import free_port
 
                 info["master_port"] = free_port()
         backend = resolve_backend(backend)

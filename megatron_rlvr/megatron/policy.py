@@ -81,7 +81,7 @@ def random_hf_state_dict(hf_config: dict, seed: int) -> dict[str, torch.Tensor]:
     model on each rank: meant for small from-scratch models such as ``tiny``."""
     from transformers import AutoModelForCausalLM
 
-    from megatron_rlvr.trainer.engine_setup import hf_config_object
+    from megatron_rlvr.models.hf_config import hf_config_object
 
     state = torch.random.get_rng_state()
     try:

@@ -413,3 +413,53 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# Integrity of saved checkpoints (rank 0 writes the manifest after a save; resume and convert check it)
+
+MANIFEST_FILE = "rlvr_files.json"
+"""Written by rank 0 into each checkpoint after it is complete: {relative path: size in bytes} of its files."""
+
+
+def write_manifest(ckpt_dir: str) -> None:
+    files = {}
+    for root, _, names in os.walk(ckpt_dir):
+        for n in names:
+            if n == MANIFEST_FILE:
+                continue
+            p = os.path.join(root, n)
+            files[os.path.relpath(p, ckpt_dir)] = os.path.getsize(p)
+    tmp = os.path.join(ckpt_dir, "." + MANIFEST_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(files, f, indent=0, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(ckpt_dir, MANIFEST_FILE))
+
+
+def checkpoint_problem(ckpt_dir: str) -> str | None:
+    """Why ``ckpt_dir`` cannot be resumed (a missing or truncated file, unreadable metadata), or None if it looks
+    complete. Checkpoints written before the manifest existed are only checked for their metadata files."""
+    for name in (META_FILE, TRAINER_STATE_FILE):
+        p = os.path.join(ckpt_dir, name)
+        try:
+            with open(p) as f:
+                json.load(f)
+        except (OSError, ValueError) as e:
+            return f"{p}: unreadable ({type(e).__name__}: {e})"
+    mpath = os.path.join(ckpt_dir, MANIFEST_FILE)
+    if not os.path.isfile(mpath):
+        return None
+    try:
+        with open(mpath) as f:
+            files = json.load(f)
+    except (OSError, ValueError) as e:
+        return f"{mpath}: unreadable ({type(e).__name__}: {e})"
+    for rel, size in sorted(files.items()):
+        p = os.path.join(ckpt_dir, rel)
+        if not os.path.isfile(p):
+            return f"{p}: missing"
+        actual = os.path.getsize(p)
+        if actual != size:
+            return f"{p}: {actual} bytes, {size} when saved (truncated or overwritten)"
+    return None

@@ -155,8 +155,8 @@ def _validate_layout(args, cfg_source) -> None:
     if args.tp < 1 or args.pp < 1:
         raise ValueError(f"--tp and --pp must be >= 1, got {args.tp}, {args.pp}")
     if args.direction == "to-hf":
+        from megatron_rlvr.models.checkpointing import checkpoint_problem
         from megatron_rlvr.models.export import SAFE_INDEX, SAFE_SINGLE
-        from megatron_rlvr.trainer.resume import checkpoint_problem
 
         ckpt = resolve_checkpoint(cfg_source)
         problem = checkpoint_problem(ckpt)

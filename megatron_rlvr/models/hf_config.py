@@ -219,3 +219,14 @@ def megatron_model_args(
         max_sequence_length=int(_get(cfg, "max_position_embeddings", 4096)),
         hf_config=cfg,
     )
+
+
+def hf_config_object(hf_config: dict):
+    """A transformers config object of an HF config dict (for building the transformers model of it)."""
+    from transformers import AutoConfig
+
+    cfg = dict(hf_config)
+    model_type = cfg.pop("model_type")
+    for k in ("transformers_version", "_name_or_path"):
+        cfg.pop(k, None)
+    return AutoConfig.for_model(model_type, **cfg)

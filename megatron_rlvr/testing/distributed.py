@@ -28,7 +28,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from megatron_rlvr.trainer.spawn import free_port
+from megatron_rlvr.slurm_env import free_port
 
 
 class DistributedError(RuntimeError):

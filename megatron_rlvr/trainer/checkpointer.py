@@ -19,7 +19,7 @@ from megatron_rlvr.models import checkpointing
 from megatron_rlvr.models.build import unwrap
 from megatron_rlvr.models.export import export_hf
 from megatron_rlvr.models.hf_config import MegatronModelArgs
-from megatron_rlvr.trainer.resume import ResumeError, candidates, choose_checkpoint, write_manifest
+from megatron_rlvr.trainer.resume import ResumeError, candidates, choose_checkpoint
 
 
 def checkpoint_dir(run_dir: str) -> str:
@@ -86,7 +86,7 @@ class Checkpointer:
             pg_collection=self.pg,
         )
         if self.rank == 0:
-            write_manifest(out)
+            checkpointing.write_manifest(out)
         return out
 
     def maybe_save(self, step: int, policy: PolicyState, loader: PromptLoader) -> str | None:

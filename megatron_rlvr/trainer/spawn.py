@@ -18,20 +18,15 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 
+from megatron_rlvr.slurm_env import free_port
+
 PARENT_ENV = "RLVR_LAUNCHER_PID"
 FAIL_FAST_GRACE_S = 10.0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_parent_watchdog() -> None:
