@@ -385,10 +385,11 @@ def test_unexpected_errors_keep_their_traceback_in_a_file_and_debug_shows_it(mon
     with open(path) as f:
         assert "Traceback" in f.read()
     os.remove(path)
-    monkeypatch.delenv("RLVR_DEBUG", raising=False)
+    # "0" is off; recording it here makes monkeypatch restore the original (unset) value at teardown, although
+    # --debug sets RLVR_DEBUG=1 in os.environ for the ranks it launches (it leaked into later tests before)
+    monkeypatch.setenv("RLVR_DEBUG", "0")
     with pytest.raises(RuntimeError, match="internal bug"):
         cli.main(["plot", "x", "--debug"])
-    monkeypatch.delenv("RLVR_DEBUG", raising=False)
 
 
 def test_launcher_names_the_dead_rank_and_its_signal(monkeypatch, capsys):

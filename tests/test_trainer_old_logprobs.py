@@ -48,9 +48,9 @@ def _grads(model) -> torch.Tensor:
 
 
 def _spy_recompute(record):
-    """Wrap update.compute_logprobs (looked up at call time by the trainer) to record which ids it recomputes with
-    the policy (the DDP-wrapped model; the frozen reference model is not wrapped)."""
-    from megatron_rlvr.trainer import update
+    """Wrap compute_logprobs where the trainer calls it (trainer.train imports it from trainer.update) to record
+    which ids it recomputes with the policy (the DDP-wrapped model; the frozen reference model is not wrapped)."""
+    from megatron_rlvr.trainer import train, update
 
     real = update.compute_logprobs
 
@@ -59,8 +59,12 @@ def _spy_recompute(record):
             record.append(list(ids))
         return real(ctx, model, seqs, ids, with_entropy)
 
-    update.compute_logprobs = spy
-    return lambda: setattr(update, "compute_logprobs", real)
+    update.compute_logprobs = train.compute_logprobs = spy
+
+    def undo():
+        update.compute_logprobs = train.compute_logprobs = real
+
+    return undo
 
 
 def _per_preset(run_root, presets, overrides):
