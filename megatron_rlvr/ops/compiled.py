@@ -54,9 +54,10 @@ MIN_COLUMNS = BLOCK + 1
 """Narrowest shard (valid columns) the compiled kernels take; narrower ones (toy vocabularies: nothing to gain, and
 one graph fewer per variant to compile) run on the eager path."""
 _LN2 = math.log(2.0)
-# Rows per forward call: bounds the [chunk, V/tp / BLOCK] block partials (a few KiB per row), so the memory stays
-# flat in T; large enough that the per-call overhead (~0.1 ms) is noise against ~4 ms of math per 64 rows at V/tp=76k.
-_CHUNK_ELEMENTS = 1 << 22
+# Rows per forward call: bounds the [chunk, V/tp / BLOCK] block partials (~10 KiB per row at V/tp = 76k), so the
+# memory stays flat in T; large enough that the per-call overhead (~0.3 ms on CPU: guards, wrapper, the eager
+# per-chunk epilogue) is noise against the ~15 ms of math per 220 rows at V/tp = 76k.
+_CHUNK_ELEMENTS = 1 << 24
 _MIN_CHUNK_ROWS = 8
 
 
@@ -194,6 +195,7 @@ _KERNELS = {
 class _State:
     compiled: dict = {}
     disabled: str | None = None  # reason, once a compilation failed or torch.compile is unavailable
+    checked: bool = False  # torch.compile's availability was checked
     graphs: Counter = Counter()  # graphs compiled per kernel (the first per variant + every recompile)
     compile_s: float = 0.0
     calls: int = 0
@@ -220,7 +222,8 @@ def _get(name: str):
 
 def disabled_reason() -> str | None:
     """Why the compiled path is off in this process (None while it is usable)."""
-    if _State.disabled is None:
+    if _State.disabled is None and not _State.checked:
+        _State.checked = True
         try:
             import torch._dynamo  # noqa: F401
 
@@ -240,7 +243,7 @@ def _disable(reason: str) -> None:
 
 def run(name: str, *args):
     """Call compiled kernel `name`; None (and the eager path from then on) if compilation is impossible or fails."""
-    if disabled_reason() is not None:
+    if _State.disabled is not None or (not _State.checked and disabled_reason() is not None):
         return None
     before = sum(_State.graphs.values())
     t0 = time.perf_counter()
