@@ -1,7 +1,10 @@
 """Single-process checks of megatron_rlvr.ops against float64 full-vocabulary torch references.
 
 The op runs unsharded here (tp_group=None); the multi-rank TP=2/4 checks are in test_ops_tp.py and share the
-reference in `reference_stats`. Each test names the behaviour it checks."""
+reference in `reference_stats`. Each test names the behaviour it checks. Every check of the token statistics runs
+through both implementations (the `impl` fixture: the eager reference and the torch.compile'd kernels of
+megatron_rlvr.ops.compiled); shapes are dynamic there, so the whole module compiles each kernel variant once per
+dtype (and once more for shards of <= 256 columns)."""
 
 from __future__ import annotations
 
@@ -11,7 +14,9 @@ import pytest
 import torch
 
 from megatron_rlvr.ops import (
+    compiled,
     kl_estimator,
+    set_fused_statistics,
     vocab_parallel_entropy,
     vocab_parallel_kl,
     vocab_parallel_logprobs,
@@ -21,6 +26,33 @@ from megatron_rlvr.ops import (
 
 ALL = ("logprob", "entropy", "margin", "kl", "kl_rev")
 DIFFERENTIABLE = ("logprob", "entropy", "kl", "kl_rev")
+IMPLS = ("eager", "compiled")
+
+
+def compiled_usable() -> str | None:
+    """None if the compiled path works in this process (one tiny compiled call, cached), else why not."""
+    if not hasattr(compiled_usable, "reason"):
+        x = torch.randn(2, 300)
+        vocab_parallel_token_stats(x, token_ids_T=torch.tensor([0, 1]), impl="compiled")
+        compiled_usable.reason = compiled.disabled_reason()
+    return compiled_usable.reason
+
+
+@pytest.fixture(params=IMPLS)
+def impl(request):
+    """Run the test with `set_fused_statistics(impl)`; for "compiled", also check that the compiled kernels really
+    ran (no silent fallback to eager)."""
+    if request.param == "compiled" and compiled_usable() is not None:
+        pytest.skip(f"torch.compile unusable here: {compiled_usable()}")
+    calls = compiled.compile_stats()["calls"]
+    set_fused_statistics(request.param)
+    try:
+        yield request.param
+    finally:
+        set_fused_statistics("eager")
+    if request.param == "compiled":
+        assert compiled.disabled_reason() is None
+        assert compiled.compile_stats()["calls"] > calls, "the compiled path was not used"
 
 
 def reference_stats(x, w, ids, temperature, vocab_size):
@@ -64,7 +96,7 @@ TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 2e-5}
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_fused_all_stats_forward_backward_match_fp64_reference(dtype, temperature):
+def test_fused_all_stats_forward_backward_match_fp64_reference(dtype, temperature, impl):
     """Every statistic and the gradients w.r.t. BOTH logits inputs equal the fp64 full-vocab reference, with a
     chunk size that does not divide T (several chunks plus a ragged last one)."""
     T, V = 23, 517
@@ -92,7 +124,7 @@ def test_fused_all_stats_forward_backward_match_fp64_reference(dtype, temperatur
 
 
 @pytest.mark.parametrize("key", DIFFERENTIABLE)
-def test_each_stat_alone_has_exact_gradient(key):
+def test_each_stat_alone_has_exact_gradient(key, impl):
     """A single requested statistic (not only the fused set) back-propagates its own exact gradient; the second
     logits input gets a gradient exactly when the statistic depends on it."""
     T, V = 9, 300
@@ -111,24 +143,25 @@ def test_each_stat_alone_has_exact_gradient(key):
         assert gw is None and rw is None
 
 
-def test_gradcheck_fp64():
+def test_gradcheck_fp64(impl):
     """Numerical differentiation (torch.autograd.gradcheck) agrees with the analytic backward for the fused call,
     with padding and temperature."""
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(4, 12, dtype=torch.float64, generator=g, requires_grad=True)
-    w = torch.randn(4, 12, dtype=torch.float64, generator=g, requires_grad=True)
-    ids = torch.tensor([0, 3, 9, 5])
+    # 260 columns, 258 real: wider than one 256-column block (the compiled kernels' narrowest shard)
+    x = torch.randn(3, 260, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(3, 260, dtype=torch.float64, generator=g, requires_grad=True)
+    ids = torch.tensor([0, 257, 5])
 
     def f(a, b):
         o = vocab_parallel_token_stats(
-            a, token_ids_T=ids, other_logits_TV=b, temperature=0.8, vocab_size=10, want=ALL, chunk_size=3
+            a, token_ids_T=ids, other_logits_TV=b, temperature=0.8, vocab_size=258, want=ALL, chunk_size=2
         )
         return tuple(o[k] for k in DIFFERENTIABLE)
 
     assert torch.autograd.gradcheck(f, (x, w), eps=1e-6, atol=1e-7)
 
 
-def test_padded_vocab_does_not_leak():
+def test_padded_vocab_does_not_leak(impl):
     """Columns with global id >= vocab_size (megatron's padding) change no result and get zero gradient, even
     when they hold huge values."""
     T, V, Vp = 6, 1000, 1024
@@ -145,7 +178,7 @@ def test_padded_vocab_does_not_leak():
     assert torch.all(gx[:, V:] == 0) and torch.all(gw[:, V:] == 0)
 
 
-def test_exact_top2_ties_give_zero_margin():
+def test_exact_top2_ties_give_zero_margin(impl):
     """Two equal largest logits (in one row, possibly far apart in the vocab) give a margin of exactly 0; a
     unique max gives p1 - p2 > 0 equal to the reference; bf16 ties as well."""
     T, V = 4, 2000
@@ -163,7 +196,7 @@ def test_exact_top2_ties_give_zero_margin():
 
 
 @pytest.mark.parametrize("want", [("logprob",), ("logprob", "entropy", "kl")])
-def test_bf16_gradient_of_confident_token_is_rounded_once(want):
+def test_bf16_gradient_of_confident_token_is_rounded_once(want, impl):
     """For a confident target token (p_y ~ 0.999) the log-prob gradient at y is g (1 - p_y), a small difference of
     O(g) terms: the bf16 gradient must be that exact value rounded once (2^-8 relative), not a sum of rounded
     parts."""
@@ -185,14 +218,14 @@ def test_bf16_gradient_of_confident_token_is_rounded_once(want):
     torch.testing.assert_close(gx.double(), rx, rtol=2.0**-8, atol=1e-6)
 
 
-def test_margin_is_detached():
+def test_margin_is_detached(impl):
     """The margin is a stop-gradient weight: it does not require grad even when the logits do."""
-    x = torch.randn(3, 50, requires_grad=True)
+    x = torch.randn(3, 300, requires_grad=True)
     out = vocab_parallel_token_stats(x, want=("margin", "entropy"))
     assert not out["margin"].requires_grad and out["entropy"].requires_grad
 
 
-def test_masked_tokens_get_zero_gradient_and_inputs_are_unchanged():
+def test_masked_tokens_get_zero_gradient_and_inputs_are_unchanged(impl):
     """A loss mask multiplying the outputs zeroes the gradient on masked rows exactly; neither logits input is
     modified (checked bitwise, fp32 and bf16)."""
     T, V = 10, 400
@@ -212,7 +245,7 @@ def test_masked_tokens_get_zero_gradient_and_inputs_are_unchanged():
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 64, None])
-def test_chunked_equals_unchunked(chunk):
+def test_chunked_equals_unchunked(chunk, impl):
     """Results and gradients do not depend on the chunk size (1 token per chunk up to one chunk for all)."""
     T, V = 17, 700
     x, w, ids, wt = make_case(T, V, torch.float32, seed=11)
@@ -231,7 +264,7 @@ def test_chunked_equals_unchunked(chunk):
 
 
 @pytest.mark.parametrize("want", [("logprob",), ("logprob", "entropy", "kl"), ALL])
-def test_shift_fallbacks_for_extreme_rows_are_exact(want):
+def test_shift_fallbacks_for_extreme_rows_are_exact(want, impl):
     """The fast paths (unshifted exp for log-prob, w shifted by z's max, exp(z) * exp(-lse) in the backward) must
     hand over to the max-shifted path where they would overflow or underflow: rows with logits ~ +95 (exp
     overflows fp32), ~ -120 (sum underflows), and reference logits 300 above / below the policy's. Chunks of 2 mix
@@ -262,9 +295,9 @@ def test_shift_fallbacks_for_extreme_rows_are_exact(want):
     torch.testing.assert_close(g2.double(), rx, atol=2e-5, rtol=1e-4)
 
 
-def test_wrappers_and_leading_dims():
+def test_wrappers_and_leading_dims(impl):
     """The convenience wrappers equal the fused call, and [S, B, V] inputs keep their leading shape."""
-    S, B, V = 3, 4, 90
+    S, B, V = 3, 4, 300
     x = torch.randn(S, B, V)
     w = torch.randn(S, B, V)
     ids = torch.randint(0, V, (S, B))
@@ -277,21 +310,22 @@ def test_wrappers_and_leading_dims():
     torch.testing.assert_close(vocab_parallel_kl(x, w, reverse=True), out["kl_rev"])
 
 
-def test_extreme_logits_stay_finite_and_exact():
+def test_extreme_logits_stay_finite_and_exact(impl):
     """Large-magnitude logits (max-shift needed), a one-hot-like row and T=0 are handled."""
-    x = torch.tensor([[1000.0, 999.0, -1000.0, 0.0], [-500.0, -501.0, -502.0, -503.0], [0.0, 0.0, 0.0, 0.0]])
+    x = torch.full((3, 300), -1e4)  # the 296 further columns carry (almost) no mass
+    x[:, :4] = torch.tensor([[1000.0, 999.0, -1000.0, 0.0], [-500.0, -501.0, -502.0, -503.0], [0.0, 0.0, 0.0, 0.0]])
     ids = torch.tensor([0, 3, 2])
     out = vocab_parallel_token_stats(x, token_ids_T=ids, want=("logprob", "entropy", "margin"))
-    ref = reference_stats(x, None, ids, 1.0, 4)
+    ref = reference_stats(x, None, ids, 1.0, 300)
     for k in out:
         torch.testing.assert_close(out[k].double(), ref[k], atol=1e-5, rtol=1e-5)
     empty = vocab_parallel_token_stats(torch.zeros(0, 8, requires_grad=True), token_ids_T=torch.zeros(0).long())
     assert empty["logprob"].shape == (0,)
 
 
-def test_bad_arguments_raise_clear_errors():
+def test_bad_arguments_raise_clear_errors(impl):
     """Bad input gets a ValueError naming the argument."""
-    x = torch.randn(4, 10)
+    x = torch.randn(4, 300)
     ids = torch.tensor([0, 1, 2, 3])
     cases = [
         (dict(want=("logprob",)), "token_ids_T"),
@@ -300,12 +334,12 @@ def test_bad_arguments_raise_clear_errors():
         (dict(want=()), "want"),
         (dict(want="entropy"), "want"),
         (dict(want=("entropy",), temperature=0.0), "temperature"),
-        (dict(want=("entropy",), vocab_size=11), "vocab_size"),
+        (dict(want=("entropy",), vocab_size=301), "vocab_size"),
         (dict(want=("entropy",), chunk_size=0), "chunk_size"),
-        (dict(want=("logprob",), token_ids_T=torch.tensor([0, 1, 2, 10])), "token_ids_T"),
+        (dict(want=("logprob",), token_ids_T=torch.tensor([0, 1, 2, 300])), "token_ids_T"),
         (dict(want=("logprob",), token_ids_T=ids, vocab_size=3), "vocab_size=3"),
         (dict(want=("logprob",), token_ids_T=ids.float()), "integer"),
-        (dict(want=("kl",), other_logits_TV=torch.randn(4, 9)), "shape"),
+        (dict(want=("kl",), other_logits_TV=torch.randn(4, 299)), "shape"),
     ]
     for kwargs, needle in cases:
         with pytest.raises(ValueError, match=needle):
@@ -316,6 +350,8 @@ def test_bad_arguments_raise_clear_errors():
         vocab_parallel_entropy(bad)
     with pytest.raises(ValueError, match="logits_TV"):
         vocab_parallel_entropy(torch.arange(10))
+    with pytest.raises(ValueError, match="impl"):
+        vocab_parallel_entropy(x, impl="triton")
 
 
 # ----------------------------------------------------------------------------------------------- KL estimators

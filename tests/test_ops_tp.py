@@ -4,7 +4,9 @@ Every rank builds the same full-vocabulary logits, keeps its TP shard, runs the 
 gradient shard with the float64 full-vocabulary reference of test_ops_math (and, for log-probs, with
 megatron-core's own vocab_parallel_cross_entropy). All checks of one TP size run in ONE call on the shared 4-rank
 pool (at TP=2 the two data-parallel replicas simply repeat the checks). Ranks return per-check errors; the test
-asserts them here so a failure names the check."""
+asserts them here so a failure names the check. Both implementations run: eager and "compiled" (torch.compile'd
+local math; the collectives stay eager between the compiled kernels; shards of <= 256 columns take the eager path
+by design, so at TP=4 some checks mix compiled and eager ranks)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import pytest
 import torch
 from test_ops_math import ALL, grads_of, make_case, reference_stats
 
-from megatron_rlvr.ops import vocab_parallel_token_stats
+from megatron_rlvr.ops import set_fused_statistics, vocab_parallel_token_stats
 
 
 def _shard(t, rank, tp):
@@ -95,7 +97,22 @@ def _megatron_reference(group, rank, tp, dtype, errs):
     errs[f"megatron_{dtype}/grad"] = _grad_err(xo.grad, xm.grad.double())
 
 
-def _tp_checks():
+def _tp_checks(impl="eager"):
+    from megatron_rlvr.ops import compiled
+
+    calls = compiled.compile_stats()["calls"]
+    set_fused_statistics(impl)
+    try:
+        errs = _tp_checks_body()
+    finally:
+        set_fused_statistics("eager")  # the pool's ranks are reused by later tests
+    if impl == "compiled":
+        errs["compiled_disabled"] = float(compiled.disabled_reason() is not None)
+        errs["compiled_unused"] = float(compiled.compile_stats()["calls"] == calls)
+    return errs
+
+
+def _tp_checks_body():
     from megatron.core import parallel_state as ps
 
     group = ps.get_tensor_model_parallel_group()
@@ -125,7 +142,15 @@ def _tp_checks():
 
 
 TOLS = {"fp32": 3e-5, "bf16": 3e-5, "fp64": 1e-10, "megatron": 1e-5}
-EXACT = ("grad_on_masked_rows", "grad_on_padding", "input_changed", "tie_margin", "ranks_agree")
+EXACT = (
+    "grad_on_masked_rows",
+    "grad_on_padding",
+    "input_changed",
+    "tie_margin",
+    "ranks_agree",
+    "compiled_disabled",
+    "compiled_unused",
+)
 
 
 def _tol(key: str) -> float:
@@ -136,14 +161,15 @@ def _tol(key: str) -> float:
     return TOLS[key.split("_")[0]]
 
 
+@pytest.mark.parametrize("impl", ["eager", "compiled"])
 @pytest.mark.parametrize("tp", [2, 4])
-def test_vocab_parallel_stats_match_full_vocab_reference(dist_pool, tp):
+def test_vocab_parallel_stats_match_full_vocab_reference(dist_pool, tp, impl):
     """At TP=tp: logprob/entropy/margin/kl/kl_rev and gradients w.r.t. both sharded logits equal the fp64
     full-vocabulary reference (fp32, bf16, fp64 inputs; temperature != 1; padded vocab incl. an all-padding shard;
     cross-shard and in-shard top-2 ties give margin exactly 0; masked tokens get zero gradient; inputs unchanged;
     chunked == unchunked; all TP ranks agree) and log-probs and their gradient equal megatron-core's
-    vocab_parallel_cross_entropy."""
-    results = dist_pool.run(_tp_checks, tp=tp, timeout=240)
+    vocab_parallel_cross_entropy. With impl="compiled" the compiled kernels must really have run."""
+    results = dist_pool.run(_tp_checks, tp=tp, args=(impl,), timeout=600)
     failures = []
     for rank, errs in enumerate(results):
         for key, err in errs.items():

@@ -1,7 +1,8 @@
 """Benchmark the vocab-parallel token statistics against the naive path and megatron-core, on gloo CPU ranks.
 
-    python tools/bench_vocab_parallel.py            # T=2048, V=151936 (Qwen2.5), TP=2, fp32 and bf16 (< 3 min)
+    python tools/bench_vocab_parallel.py            # T=2048, V=151936 (Qwen2.5), TP=2, fp32 and bf16 (~5 min)
     python tools/bench_vocab_parallel.py --quick    # tiny shapes: a smoke run
+    python tools/bench_vocab_parallel.py --impl eager   # only the eager implementation (the pre-compile benchmark)
 
 Spawns TP gloo ranks (megatron parallel state initialised, CPU shims applied, 1 intra-op thread per rank: 2 ranks
 on 2 cores) and measures, for each input dtype, forward + backward w.r.t. the logits shard of:
@@ -10,6 +11,14 @@ on 2 cores) and measures, for each input dtype, forward + backward w.r.t. the lo
   (b) fused_all4     vocab_parallel_token_stats(want=("logprob", "entropy", "margin", "kl")) vs reference logits
   (c) naive_all4     all-gather the full logits (and reference logits), then plain torch ops on [T, V]
   (d) megatron_ce    megatron.core.tensor_parallel.vocab_parallel_cross_entropy (= -logprob)
+  (a') compiled_logprob, (b') compiled_all4: (a), (b) with impl="compiled" (torch.compile'd local math,
+       megatron_rlvr/ops/compiled.py); --impl selects eager, compiled or both (default).
+
+Compilation is timed separately: before the timed repeats every compiled method runs once at T and once at a
+second length (T/2 + 1: shapes are dynamic, so this must not compile again); ``compile_s`` is the slowest rank's
+time for that warm-up (it depends on the inductor cache in /tmp: first run cold, later runs warm),
+``compiled_graphs`` the graphs compiled, and ``recompiles_after_warmup`` the graphs compiled during the timed and
+memory runs and the memory scan at other lengths (must be 0).
 
 Loss: a random per-token weight times each statistic (margin enters as a detached weight, as in MCPO).
 
@@ -41,7 +50,9 @@ every method; ``--system-malloc`` measures with 4 KiB pages instead. Memory numb
 The LAST line printed is ``key=value`` pairs: ``logprob_vs_megatron`` (time (a)/(d), lower is better),
 ``all4_vs_logprob`` (time (b)/(a)), ``naive_mem_over_fused`` (peak extra memory (c)/(b), higher is better), each
 for fp32 and bf16 (the un-suffixed keys are the worse of the two), and the fused call's (b) peak extra memory and
-workspace at two sequence lengths.
+workspace at two sequence lengths. With the compiled implementation measured, the un-suffixed time ratios are
+those of (a') and (b') (``all4_vs_logprob = b'/a'``, ``logprob_vs_megatron = a'/d``) and the eager ones carry an
+``_eager`` suffix; ``all4_compiled_vs_eager_logprob`` = b'/a.
 """
 
 from __future__ import annotations
@@ -57,6 +68,7 @@ if _ROOT not in sys.path:  # runnable as `python tools/bench_vocab_parallel.py` 
     sys.path.insert(0, _ROOT)
 
 METHODS = ("fused_logprob", "fused_all4", "naive_all4", "megatron_ce")
+COMPILED_METHODS = ("compiled_logprob", "compiled_all4")
 ALL4 = ("logprob", "entropy", "margin", "kl")
 MiB = 2.0**20
 
@@ -78,14 +90,15 @@ def _step(method, x, ref, ids, wts, group, vocab_size, chunk_size):
 
     from megatron_rlvr.ops import vocab_parallel_token_stats
 
-    if method == "fused_logprob":
+    impl = "compiled" if method.startswith("compiled_") else "eager"
+    if method in ("fused_logprob", "compiled_logprob"):
         xl = x.detach().requires_grad_(True)
         out = vocab_parallel_token_stats(
-            xl, tp_group=group, token_ids_T=ids, vocab_size=vocab_size, chunk_size=chunk_size
+            xl, tp_group=group, token_ids_T=ids, vocab_size=vocab_size, chunk_size=chunk_size, impl=impl
         )
         loss = (out["logprob"] * wts[0]).sum()
         return torch.autograd.grad(loss, xl)[0]
-    if method == "fused_all4":
+    if method in ("fused_all4", "compiled_all4"):
         xl = x.detach().requires_grad_(True)
         out = vocab_parallel_token_stats(
             xl,
@@ -95,6 +108,7 @@ def _step(method, x, ref, ids, wts, group, vocab_size, chunk_size):
             vocab_size=vocab_size,
             want=ALL4,
             chunk_size=chunk_size,
+            impl=impl,
         )
         loss = ((wts[0] + out["margin"]) * out["logprob"] + wts[1] * out["entropy"] + wts[2] * out["kl"]).sum()
         return torch.autograd.grad(loss, xl)[0]
@@ -179,6 +193,23 @@ def _bench_rank(cfg):
     def mib(t):
         return t.numel() * t.element_size() / MiB
 
+    from megatron_rlvr.ops import compiled as ops_compiled
+
+    compiled_methods = [m for m in cfg["methods"] if m.startswith("compiled_")]
+    if compiled_methods:  # compile warm-up: at T and at a second length (dynamic shapes: no second graph)
+        t0 = time.perf_counter()
+        for dname in cfg["dtypes"]:
+            x, ref = _inputs(T, v_local, getattr(torch, dname), seed=100 + rank)
+            for t in (T, T // 2 + 1):
+                for method in compiled_methods:
+                    dist.barrier(group=group)
+                    run(method, x[:t], ref[:t], t)
+            del x, ref
+        res["compile_s"] = time.perf_counter() - t0
+        res["graphs_after_warmup"] = ops_compiled.compile_stats()["total_graphs"]
+        res["compile_disabled"] = ops_compiled.disabled_reason()
+        phase("compile warm-up")
+
     for dname in cfg["dtypes"]:
         dtype = getattr(torch, dname)
         x, ref = _inputs(T, v_local, dtype, seed=100 + rank)
@@ -217,8 +248,9 @@ def _bench_rank(cfg):
             del xm
         if T_naive != T:  # the fused op at the naive path's length, for a like-for-like memory ratio
             dist.barrier(group=group)
-            res["mem"][f"fused_all4@naive_T/{dname}"] = _peak_extra_bytes(
-                lambda x=x, ref=ref: run("fused_all4", x[:T_naive], ref[:T_naive], T_naive)
+            ref_m = "fused_all4" if "fused_all4" in cfg["methods"] else "compiled_all4"
+            res["mem"][f"{ref_m}@naive_T/{dname}"] = _peak_extra_bytes(
+                lambda x=x, ref=ref, m=ref_m: run(m, x[:T_naive], ref[:T_naive], T_naive)
             )
         phase(f"memory runs {dname}")
         del x, ref
@@ -227,16 +259,19 @@ def _bench_rank(cfg):
     # profiled long run cost tens of seconds on 2 cores).
     for Ts in cfg["scan_tokens"]:
         if Ts == T and cfg["scan_dtype"] in cfg["dtypes"]:  # measured above
-            key = f"fused_all4/{cfg['scan_dtype']}"
-            res["scan"][f"fused_all4/T{Ts}"] = (res["mem"][key] / MiB, res["grad_mib"][key])
+            for method in [m for m in ("fused_all4", "compiled_all4") if m in cfg["methods"]]:
+                key = f"{method}/{cfg['scan_dtype']}"
+                res["scan"][f"{method}/T{Ts}"] = (res["mem"][key] / MiB, res["grad_mib"][key])
             continue
         x, ref = _inputs(Ts, v_local, getattr(torch, cfg["scan_dtype"]), seed=200 + rank)
-        for method in ("fused_all4",):
+        for method in [m for m in ("fused_all4", "compiled_all4") if m in cfg["methods"]]:
             dist.barrier(group=group)
             peak = _peak_extra_bytes(lambda m=method, x=x, ref=ref, Ts=Ts: run(m, x, ref, Ts))
             res["scan"][f"{method}/T{Ts}"] = (peak / MiB, mib(x))
         del x, ref
         phase(f"memory scan T={Ts}")
+    if compiled_methods:
+        res["recompiles"] = ops_compiled.compile_stats()["total_graphs"] - res["graphs_after_warmup"]
     return res
 
 
@@ -256,16 +291,23 @@ def _aggregate(per_rank, cfg):
             grad_mib=per_rank[0]["grad_mib"][key],
         )
     for key in per_rank[0]["mem"]:
-        if key.startswith("fused_all4@naive_T"):
+        if "@naive_T" in key:
             out[key] = dict(peak_mib=max(r["mem"][key] for r in per_rank) / MiB)
     out["_phases"] = {k: max(r["phase_s"][k] for r in per_rank) for k in per_rank[0]["phase_s"]}
+    if "compile_s" in per_rank[0]:
+        out["_compile"] = dict(
+            compile_s=max(r["compile_s"] for r in per_rank),
+            compiled_graphs=max(r["graphs_after_warmup"] for r in per_rank),
+            recompiles_after_warmup=max(r["recompiles"] for r in per_rank),
+            disabled=next((r["compile_disabled"] for r in per_rank if r["compile_disabled"]), None),
+        )
     scan = {k: max(r["scan"][k][0] for r in per_rank) for k in per_rank[0]["scan"]}
     scan_grad = {k: per_rank[0]["scan"][k][1] for k in per_rank[0]["scan"]}
     return out, scan, scan_grad
 
 
 def _report(agg, scan, scan_grad, cfg, wall):
-    hdr = f"{'method':<15}{'dtype':<10}{'wall s':>8}{'median':>8}{'cpu s':>8}{'peak extra MiB':>16}{'grad MiB':>10}"
+    hdr = f"{'method':<18}{'dtype':<10}{'wall s':>8}{'median':>8}{'cpu s':>8}{'peak extra MiB':>16}{'grad MiB':>10}"
     hdr += f"{'workspace MiB':>15}"
     print(
         f"\nvocab-parallel token stats: T={cfg['tokens']} V={cfg['vocab']} TP={cfg['tp']} "
@@ -289,7 +331,7 @@ def _report(agg, scan, scan_grad, cfg, wall):
         if method == "naive_all4":
             method = f"naive@T{cfg['naive_tokens']}*"
         print(
-            f"{method:<15}{dname:<10}{r['best_s']:>8.3f}{r['median_s']:>8.3f}{r['cpu_s']:>8.3f}{r['peak_mib']:>16.1f}"
+            f"{method:<18}{dname:<10}{r['best_s']:>8.3f}{r['median_s']:>8.3f}{r['cpu_s']:>8.3f}{r['peak_mib']:>16.1f}"
             f"{r['grad_mib']:>10.1f}{ws:>15.1f}"
         )
     print("* naive: one run, timed under the memory profiler (it has no time target)")
@@ -298,22 +340,42 @@ def _report(agg, scan, scan_grad, cfg, wall):
         grad = scan_grad[key]
         print(f"  {key:<22} peak {peak:>9.1f} MiB   grad {grad:>9.1f} MiB   workspace {peak - grad:>7.1f} MiB")
     kv = {}
+    # the headline time ratios are the compiled implementation's when it was measured, else the eager one's
+    has_compiled = "compiled_all4" in cfg["methods"]
+    has_eager = "fused_all4" in cfg["methods"]
+    impls = ([("compiled_", "")] if has_compiled else []) + (
+        [("fused_", "_eager" if has_compiled else "")] if has_eager else []
+    )
     for dname in cfg["dtypes"]:
 
         def t(m, dname=dname, what="cpu_s"):
             return agg[f"{m}/{dname}"][what]
 
-        kv[f"logprob_vs_megatron_{dname}"] = t("fused_logprob") / t("megatron_ce")
-        kv[f"all4_vs_logprob_{dname}"] = t("fused_all4") / t("fused_logprob")
-        kv[f"logprob_vs_megatron_wall_{dname}"] = t("fused_logprob", what="best_s") / t("megatron_ce", what="best_s")
-        kv[f"all4_vs_logprob_wall_{dname}"] = t("fused_all4", what="best_s") / t("fused_logprob", what="best_s")
-        fused_key = f"fused_all4@naive_T/{dname}" if cfg["naive_tokens"] != cfg["tokens"] else f"fused_all4/{dname}"
+        for prefix, sfx in impls:
+            lp, a4 = f"{prefix}logprob", f"{prefix}all4"
+            kv[f"logprob_vs_megatron{sfx}_{dname}"] = t(lp) / t("megatron_ce")
+            kv[f"all4_vs_logprob{sfx}_{dname}"] = t(a4) / t(lp)
+            kv[f"logprob_vs_megatron_wall{sfx}_{dname}"] = t(lp, what="best_s") / t("megatron_ce", what="best_s")
+            kv[f"all4_vs_logprob_wall{sfx}_{dname}"] = t(a4, what="best_s") / t(lp, what="best_s")
+        if has_compiled and has_eager:
+            kv[f"all4_compiled_vs_eager_logprob_{dname}"] = t("compiled_all4") / t("fused_logprob")
+        mem_ref = "fused_all4" if has_eager else "compiled_all4"
+        fused_key = f"{mem_ref}@naive_T/{dname}" if cfg["naive_tokens"] != cfg["tokens"] else f"{mem_ref}/{dname}"
         kv[f"naive_mem_over_fused_{dname}"] = agg[f"naive_all4/{dname}"]["peak_mib"] / agg[fused_key]["peak_mib"]
-    kv["logprob_vs_megatron"] = max(kv[f"logprob_vs_megatron_{d}"] for d in cfg["dtypes"])
-    kv["all4_vs_logprob"] = max(kv[f"all4_vs_logprob_{d}"] for d in cfg["dtypes"])
+    for _, sfx in impls:
+        for base in ("logprob_vs_megatron", "all4_vs_logprob", "logprob_vs_megatron_wall", "all4_vs_logprob_wall"):
+            kv[f"{base}{sfx}"] = max(kv[f"{base}{sfx}_{d}"] for d in cfg["dtypes"])
     kv["naive_mem_over_fused"] = min(kv[f"naive_mem_over_fused_{d}"] for d in cfg["dtypes"])
-    kv["logprob_vs_megatron_wall"] = max(kv[f"logprob_vs_megatron_wall_{d}"] for d in cfg["dtypes"])
-    kv["all4_vs_logprob_wall"] = max(kv[f"all4_vs_logprob_wall_{d}"] for d in cfg["dtypes"])
+    if "_compile" in agg:
+        c = agg["_compile"]
+        print(
+            f"\ncompiled path: compile warm-up {c['compile_s']:.1f} s (slowest rank; 2 lengths x {len(cfg['dtypes'])}"
+            f" dtypes), {c['compiled_graphs']} graphs, {c['recompiles_after_warmup']} recompiles after warm-up"
+            + (f"; DISABLED (eager fallback): {c['disabled']}" if c["disabled"] else "")
+        )
+        kv["compile_s"] = c["compile_s"]
+        kv["compiled_graphs"] = c["compiled_graphs"]
+        kv["recompiles_after_warmup"] = c["recompiles_after_warmup"]
     for key in scan:
         method, tlen = key.split("/")
         kv[f"{method}_workspace_mib_{tlen}"] = scan[key] - scan_grad[key]
@@ -322,6 +384,8 @@ def _report(agg, scan, scan_grad, cfg, wall):
     print(f"\nper-rank phases: {phases}")
     kv["naive_tokens"] = cfg["naive_tokens"]
     kv["wall_s"] = wall
+    for key in ("logprob_vs_megatron", "all4_vs_logprob"):  # the headline ratios last
+        kv[key] = kv.pop(key)
     print("\n" + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in kv.items()))
     return kv
 
@@ -339,6 +403,12 @@ def _naive_tokens_that_fit(tokens: int, vocab: int, tp: int) -> int:
     while t > 16 and t * per_token > 0.45 * avail:
         t //= 2
     return t
+
+
+def _methods(impl: str) -> tuple[str, ...]:
+    eager = () if impl == "compiled" else ("fused_logprob", "fused_all4")
+    comp = COMPILED_METHODS if impl in ("compiled", "both") else ()
+    return eager + comp + ("naive_all4", "megatron_ce")
 
 
 def build_config(argv=None) -> dict:
@@ -359,6 +429,12 @@ def build_config(argv=None) -> dict:
         default=None,
         help="T for the naive path (default: --tokens if it fits in available memory, else the largest power of 2)",
     )
+    ap.add_argument(
+        "--impl",
+        choices=("eager", "compiled", "both"),
+        default="both",
+        help="implementation(s) of the fused op to measure (the headline ratios use compiled when measured)",
+    )
     ap.add_argument("--quick", action="store_true", help="tiny shapes (smoke run)")
     args = ap.parse_args(argv)
     if args.quick:
@@ -377,7 +453,7 @@ def build_config(argv=None) -> dict:
         scan_tokens=tuple(args.scan_tokens),
         scan_dtype="bfloat16",
         dtypes=list(args.dtypes),
-        methods=METHODS,
+        methods=_methods(args.impl),
         system_malloc=args.system_malloc,
     )
 

@@ -59,8 +59,13 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
+from megatron_rlvr.ops import compiled as _compiled
+
 __all__ = [
+    "FUSED_STATISTICS_MODES",
     "STAT_NAMES",
+    "get_fused_statistics",
+    "set_fused_statistics",
     "vocab_parallel_token_stats",
     "vocab_parallel_logprobs",
     "vocab_parallel_entropy",
@@ -70,6 +75,25 @@ __all__ = [
 
 STAT_NAMES = ("logprob", "entropy", "margin", "kl", "kl_rev")
 """Statistics `vocab_parallel_token_stats` can return (keys of its ``want`` argument and of its result)."""
+
+FUSED_STATISTICS_MODES = ("eager", "compiled")
+"""Implementations of the per-shard math: "eager" (chunked torch ops, the reference) or "compiled" (torch.compile /
+inductor kernels of `megatron_rlvr.ops.compiled`; falls back to eager with one warning if compilation fails)."""
+_DEFAULT_MODE = ["eager"]
+
+
+def set_fused_statistics(mode: str) -> None:
+    """Select the process-wide default implementation of `vocab_parallel_token_stats` (see
+    `FUSED_STATISTICS_MODES`); a call's ``impl`` argument overrides it."""
+    if mode not in FUSED_STATISTICS_MODES:
+        raise ValueError(f"fused statistics mode must be one of {FUSED_STATISTICS_MODES}, got {mode!r}")
+    _DEFAULT_MODE[0] = mode
+
+
+def get_fused_statistics() -> str:
+    """The process-wide default implementation ("eager" unless `set_fused_statistics` changed it)."""
+    return _DEFAULT_MODE[0]
+
 
 # Default chunk budget in elements of one fp32 temporary ([chunk, V/tp]). On CPU small chunks keep the several
 # passes over a chunk inside the last-level cache; on GPU larger chunks amortise kernel launches.
@@ -105,6 +129,10 @@ class _Plan:
     """Columns of this shard that hold real (non-padding) tokens: a prefix of the shard."""
     chunk_rows: int
     compute_dtype: torch.dtype
+    impl: str = "eager"
+    """"eager" or "compiled" (`FUSED_STATISTICS_MODES`)."""
+    user_chunk_rows: int | None = None
+    """The caller's chunk_size (None: each implementation's own default)."""
 
     @property
     def need_kl(self) -> bool:
@@ -136,13 +164,15 @@ def _all_gather_rows(t: torch.Tensor, plan: _Plan) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------ per-chunk pieces
-def _row_top2(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _row_top2(x: torch.Tensor, block_max: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Largest and second-largest value of every row of ``x [c, n]`` (duplicates count: a tie gives top1 == top2).
 
     ``torch.topk``/``argmax`` over 76k columns cost ~5x a plain max on CPU, so: one ``amax`` over blocks of
     `_TOP2_BLOCK` columns, top-2 among block maxima (small), then top-2 inside the winning block only. The second
-    largest is either the runner-up block's max or the runner-up inside the winning block. Returns exact elements
-    of ``x`` (-inf where the row has fewer than 2 entries)."""
+    largest is either the runner-up block's max or the runner-up inside the winning block. ``block_max [c, nb]``
+    (blocks of `_TOP2_BLOCK` columns, a ragged tail last; any dtype holding x's values exactly) may be given when
+    already computed (the compiled forward does). Returns exact elements of ``x`` (-inf where the row has fewer than
+    2 entries), as ``block_max``'s dtype when given."""
     c, n = x.shape
     ninf = torch.tensor(float("-inf"), dtype=x.dtype, device=x.device)
     if n <= _TOP2_BLOCK:
@@ -150,14 +180,15 @@ def _row_top2(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         top2 = vals[:, 1] if n >= 2 else ninf.expand(c)
         return vals[:, 0], top2
     q, rem = divmod(n, _TOP2_BLOCK)
-    block_max = x[:, : q * _TOP2_BLOCK].unflatten(1, (q, _TOP2_BLOCK)).amax(-1)  # [c, q]
-    if rem:
-        block_max = torch.cat([block_max, x[:, q * _TOP2_BLOCK :].amax(-1, keepdim=True)], dim=1)
+    if block_max is None:
+        block_max = x[:, : q * _TOP2_BLOCK].unflatten(1, (q, _TOP2_BLOCK)).amax(-1)  # [c, q]
+        if rem:
+            block_max = torch.cat([block_max, x[:, q * _TOP2_BLOCK :].amax(-1, keepdim=True)], dim=1)
     bvals, bidx = torch.topk(block_max, 2, dim=-1)  # q + (rem > 0) >= 2 blocks here
     cols = bidx[:, :1] * _TOP2_BLOCK + torch.arange(_TOP2_BLOCK, device=x.device)  # [c, B] columns of winning block
     inside = x.gather(1, cols.clamp_max(n - 1))
     inside = inside.masked_fill(cols >= n, ninf)  # the clamped tail duplicates must not fake a tie
-    in_vals = torch.topk(inside, 2, dim=-1).values
+    in_vals = torch.topk(inside, 2, dim=-1).values.to(bvals.dtype)
     return bvals[:, 0], torch.maximum(bvals[:, 1], in_vals[:, 1])
 
 
@@ -532,12 +563,117 @@ def _owned_targets(ids: torch.Tensor, plan: _Plan) -> tuple[torch.Tensor, torch.
     return rows, loc[rows]
 
 
+# ---------------------------------------------------------------------------------------- compiled local math
+def _partial_keys(plan: _Plan) -> list[str]:
+    """The keys `_local_partials` returns for this plan (both implementations return exactly these, so all TP
+    ranks all-reduce the same columns whichever path each chunk took)."""
+    want = set(plan.want)
+    keys = ["m_z", "s_z", "no_overflow"]
+    if "entropy" in want or "kl" in want:
+        keys.append("a_zz")
+    if "logprob" in want:
+        keys.append("z_y")
+    if "margin" in want:
+        keys += ["top1", "top2"]
+    if plan.need_kl:
+        keys += ["m_w", "s_w"]
+        if "kl" in want:
+            keys.append("a_zw")
+        if "kl_rev" in want:
+            keys += ["a_ww", "a_wz"]
+    return keys
+
+
+def _local_partials_compiled(logits, other, ids, plan: _Plan):
+    """`_local_partials` through the compiled forward kernel (`megatron_rlvr.ops.compiled`), row chunk by row
+    chunk; chunks where the second distribution over/underflows against the first one's shift take the eager path
+    (which retries with its own max). None if the compiled path is unavailable (the caller runs eager)."""
+    T, n = logits.shape[0], plan.n_valid
+    if T < 2 or n < _compiled.MIN_COLUMNS:
+        return None
+    dt, dev = plan.compute_dtype, logits.device
+    inv_t = 1.0 / plan.temperature
+    name = _compiled.fwd_name(set(plan.want))
+    s2 = _compiled.scale2(plan, dt, dev)
+    keys = _partial_keys(plan)
+    pieces: dict[str, list[torch.Tensor]] = {k: [] for k in keys}
+    for a, b in _compiled._chunk_bounds(T, n, plan.user_chunk_rows):
+        x = logits[a:b, :n]
+        out = _compiled.run(name, x, s2) if other is None else _compiled.run(name, x, other[a:b, :n], s2)
+        if out is None:
+            return None
+        if plan.need_kl and not bool(_sum_ok(out["s_w"]).all()):
+            part = _local_partials(logits[a:b], other[a:b], None if ids is None else ids[a:b], plan)
+        else:
+            m_z = out["M"] * inv_t
+            part = {"m_z": m_z, "s_z": out["s_z"], "no_overflow": m_z < _UNSHIFTED_MAX}
+            for k in ("a_zz", "a_zw", "a_ww", "a_wz"):
+                if k in keys:
+                    part[k] = out[k] * _LN2  # base-2 differences -> nats
+            if plan.need_kl:
+                part["m_w"], part["s_w"] = m_z, out["s_w"]
+            if "margin" in plan.want:
+                top1, top2 = _row_top2(x, out["block_max"])
+                part["top1"], part["top2"] = top1.to(dt) * inv_t, top2.to(dt) * inv_t
+        for k in keys:
+            if k != "z_y":
+                pieces[k].append(part[k])
+    res = {k: torch.cat(v) for k, v in pieces.items() if k != "z_y"}
+    if "z_y" in keys:  # the target's logit, on the rank that owns it (one gather for all tokens)
+        loc = ids - plan.vocab_start
+        mine = (loc >= 0) & (loc < n)
+        picked = logits[:, :n].gather(1, loc.clamp(0, n - 1).unsqueeze(-1)).squeeze(-1).to(dt) * inv_t
+        res["z_y"] = torch.where(mine, picked, torch.zeros((), dtype=dt, device=dev))
+    return res
+
+
+def _backward_compiled(plan: _Plan, logits, other, ids, saved, grads, need_gz: bool, need_gw: bool):
+    """`_backward` through the compiled one-pass gradient kernels; None if the compiled path is unavailable."""
+    T, n = logits.shape[0], plan.n_valid
+    if T < 2 or n < _compiled.MIN_COLUMNS:
+        return None
+    dt, dev = plan.compute_dtype, logits.device
+    co = _grad_coefficients(plan, grads, saved)
+    zeros = torch.zeros(T, dtype=dt, device=dev)
+
+    def z(t):
+        return zeros if t is None else t
+
+    s2 = _compiled.scale2(plan, dt, dev)
+    n_t = torch.tensor(n, device=dev)
+    lse_x = saved["lse_z"] * plan.temperature  # logits units, so log2 p = (x - lse_x) * s2 (difference first)
+    lse_w = saved["lse_w"] * plan.temperature if "lse_w" in saved else None
+    if co["lp"] is not None and need_gz:
+        loc = ids - plan.vocab_start
+        yloc = torch.where((loc >= 0) & (loc < n), loc, torch.full_like(loc, -1))
+    else:
+        yloc = torch.full((T,), -1, dtype=torch.long, device=dev)
+    alpha, beta2, gamma2, lpc = z(co["alpha"]), z(co["beta"]) * _LN2, z(co["gamma"]) * _LN2, z(co["lp"])
+    if need_gw:  # both in one pass (grad_z is dropped if not needed: that case is rare)
+        klr2 = z(co["klr"]) * _LN2
+        args = (alpha, beta2, gamma2, z(co["klr"]), yloc, lpc, co["alpha_w"], klr2, z(co["kl"]), n_t)
+        res = _compiled.run("_bwd_both", logits, other, lse_x, lse_w, s2, *args)
+        if res is None:
+            return None
+        return (res[0] if need_gz else None), res[1]
+    if co["klr"] is not None:
+        args = (alpha, beta2, gamma2, co["klr"], yloc, lpc, n_t)
+        grad_z = _compiled.run("_bwd_gz_xwq", logits, other, lse_x, lse_w, s2, *args)
+    elif co["gamma"] is not None:
+        grad_z = _compiled.run("_bwd_gz_xw", logits, other, lse_x, lse_w, s2, alpha, beta2, gamma2, yloc, lpc, n_t)
+    else:
+        grad_z = _compiled.run("_bwd_gz_x", logits, lse_x, s2, alpha, beta2, yloc, lpc, n_t)
+    return None if grad_z is None else (grad_z, None)
+
+
 class _TokenStats(torch.autograd.Function):
     """Chunked fused forward, recompute-in-backward. Outputs are in ``plan.want`` order."""
 
     @staticmethod
     def forward(ctx, logits, other, ids, plan: _Plan):
-        part = _local_partials(logits, other, ids, plan)
+        part = _local_partials_compiled(logits, other, ids, plan) if plan.impl == "compiled" else None
+        if part is None:
+            part = _local_partials(logits, other, ids, plan)
         res = _merge(part, plan)
         saved_names = ["lse_z", "bwd_unshifted"] + [k for k in ("lse_w", "entropy", "kl", "kl_rev") if k in res]
         ctx.plan = plan
@@ -560,7 +696,10 @@ class _TokenStats(torch.autograd.Function):
         if not grads:
             return None, None, None, None
         need_gw = need_gw and ("kl" in grads or "kl_rev" in grads)
-        grad_z, grad_w = _backward(plan, logits, other, ids, saved, grads, need_gz, need_gw)
+        res = None
+        if plan.impl == "compiled":
+            res = _backward_compiled(plan, logits, other, ids, saved, grads, need_gz, need_gw)
+        grad_z, grad_w = res if res is not None else _backward(plan, logits, other, ids, saved, grads, need_gz, need_gw)
         return grad_z, grad_w, None, None
 
 
@@ -583,6 +722,7 @@ def vocab_parallel_token_stats(
     vocab_size: int | None = None,
     want: Sequence[str] = ("logprob",),
     chunk_size: int | None = None,
+    impl: str | None = None,
 ) -> dict[str, torch.Tensor]:
     """Per-token statistics over the FULL vocabulary from this rank's logits shard, in one fused pass.
 
@@ -600,7 +740,11 @@ def vocab_parallel_token_stats(
         want: any subset of `STAT_NAMES`: "logprob", "entropy", "margin" (p1 - p2, detached), "kl" (KL(pi||other)),
             "kl_rev" (KL(other||pi)).
         chunk_size: tokens per chunk; extra memory is a few ``chunk_size x V/tp`` compute-dtype buffers. Default
-            (None): about 512k elements (2 MiB fp32) per buffer on CPU (cache-sized), 64M on GPU.
+            (None): about 512k elements (2 MiB fp32) per buffer on CPU (cache-sized), 64M on GPU. The compiled
+            path holds no [chunk, V/tp] buffers; it uses the chunk only to bound its per-block partials.
+        impl: "eager" or "compiled" (`FUSED_STATISTICS_MODES`); None: the process default of
+            `set_fused_statistics` ("eager" unless changed). Both give the same results to rounding; "compiled"
+            falls back to eager, with one warning, where torch.compile is unavailable or fails.
 
     Returns:
         dict name -> ``[T]`` (or the leading shape) tensor, fp32 (fp64 for fp64 inputs), identical on all TP ranks.
@@ -659,6 +803,10 @@ def vocab_parallel_token_stats(
             raise ValueError(
                 f"token_ids_T must lie in [0, vocab_size={vocab_size}); got range [{int(ids.min())}, {int(ids.max())}]"
             )
+    if impl is None:
+        impl = get_fused_statistics()
+    if impl not in FUSED_STATISTICS_MODES:
+        raise ValueError(f"impl must be one of {FUSED_STATISTICS_MODES} or None, got {impl!r}")
     compute_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     n_valid = max(0, min(v_local, vocab_size - tp_rank * v_local))
     if chunk_size is None:
@@ -678,6 +826,8 @@ def vocab_parallel_token_stats(
         n_valid=n_valid,
         chunk_rows=chunk_rows,
         compute_dtype=compute_dtype,
+        impl=impl,
+        user_chunk_rows=chunk_size,
     )
     outs = _TokenStats.apply(logits, other, ids, plan)
     result = {}
@@ -700,7 +850,7 @@ def _describe(t) -> str:
 
 
 def vocab_parallel_logprobs(
-    logits_TV, token_ids_T, tp_group=None, temperature=1.0, vocab_size=None, chunk_size=None
+    logits_TV, token_ids_T, tp_group=None, temperature=1.0, vocab_size=None, chunk_size=None, impl=None
 ) -> torch.Tensor:
     """log pi(token) over the full vocabulary: ``[T]`` fp32, differentiable. See `vocab_parallel_token_stats`."""
     return vocab_parallel_token_stats(
@@ -711,10 +861,11 @@ def vocab_parallel_logprobs(
         vocab_size=vocab_size,
         want=("logprob",),
         chunk_size=chunk_size,
+        impl=impl,
     )["logprob"]
 
 
-def vocab_parallel_entropy(logits_TV, tp_group=None, temperature=1.0, vocab_size=None, chunk_size=None):
+def vocab_parallel_entropy(logits_TV, tp_group=None, temperature=1.0, vocab_size=None, chunk_size=None, impl=None):
     """Entropy of pi over the full vocabulary: ``[T]`` fp32, differentiable."""
     return vocab_parallel_token_stats(
         logits_TV,
@@ -723,10 +874,11 @@ def vocab_parallel_entropy(logits_TV, tp_group=None, temperature=1.0, vocab_size
         vocab_size=vocab_size,
         want=("entropy",),
         chunk_size=chunk_size,
+        impl=impl,
     )["entropy"]
 
 
-def vocab_parallel_top2_margin(logits_TV, tp_group=None, temperature=1.0, vocab_size=None, chunk_size=None):
+def vocab_parallel_top2_margin(logits_TV, tp_group=None, temperature=1.0, vocab_size=None, chunk_size=None, impl=None):
     """p_(1) - p_(2) of pi over the full vocabulary: ``[T]`` fp32, detached (a stop-gradient credit weight)."""
     return vocab_parallel_token_stats(
         logits_TV,
@@ -735,11 +887,19 @@ def vocab_parallel_top2_margin(logits_TV, tp_group=None, temperature=1.0, vocab_
         vocab_size=vocab_size,
         want=("margin",),
         chunk_size=chunk_size,
+        impl=impl,
     )["margin"]
 
 
 def vocab_parallel_kl(
-    logits_TV, other_logits_TV, tp_group=None, temperature=1.0, vocab_size=None, reverse=False, chunk_size=None
+    logits_TV,
+    other_logits_TV,
+    tp_group=None,
+    temperature=1.0,
+    vocab_size=None,
+    reverse=False,
+    chunk_size=None,
+    impl=None,
 ):
     """Exact KL(pi || other) (or KL(other || pi) with ``reverse=True``) per token: ``[T]`` fp32, differentiable
     w.r.t. both logits."""
@@ -752,4 +912,5 @@ def vocab_parallel_kl(
         vocab_size=vocab_size,
         want=(key,),
         chunk_size=chunk_size,
+        impl=impl,
     )[key]
