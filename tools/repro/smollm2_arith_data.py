@@ -17,6 +17,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from megatron_rlvr.data.procedural import ProceduralConfig, generate_examples  # noqa: E402
 
+PROMPT_TEMPLATE = "{problem} Answer with just the number."
+"""The instruction around each problem (configs/repro/smollm2_arith.yaml: data.prompt_template; keep in sync)."""
+
 TRAIN = dict(task="arithmetic", style="sentence", min_digits=1, max_digits=2, operators="+", num_examples=5000)
 """The training task of configs/repro/smollm2_arith.yaml (keep in sync)."""
 
