@@ -125,3 +125,13 @@ def test_config_tree_and_planner_do_not_import_torch():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "imported: []" in r.stdout
+
+
+def test_fused_statistics_names_match_the_ops():
+    """train.fused_statistics is validated torch-free against the names the ops accept."""
+    from megatron_rlvr.config.sections import FUSED_STATISTICS
+    from megatron_rlvr.ops import FUSED_STATISTICS_MODES
+
+    assert tuple(FUSED_STATISTICS) == tuple(FUSED_STATISTICS_MODES)
+    with pytest.raises(ConfigError, match="train.fused_statistics must be one of"):
+        load_run_config(None, ["train.fused_statistics=triton"], check_files=False)

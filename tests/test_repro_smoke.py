@@ -110,7 +110,7 @@ def test_smollm2_eval_interval_and_paired_compare(tmp_path):
 
 
 def test_smollm2_config_parses_and_matches_the_eval_prompt(tmp_path):
-    from megatron_rlvr.trainer.config import load_run_config
+    from megatron_rlvr.config import load_run_config
     from tools.repro.smollm2_arith_data import PROMPT_TEMPLATE, TRAIN
 
     held = tmp_path / "arith_eval.jsonl"

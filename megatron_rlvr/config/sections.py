@@ -20,6 +20,9 @@ OLD_LOGPROBS = ("recompute", "rollout")
 LR_DECAYS = ("constant", "linear", "cosine")
 BACKENDS = ("auto", "gloo", "nccl")
 RECOMPUTE = ("none", "full")
+FUSED_STATISTICS = ("eager", "compiled")
+"""Implementations of the vocab-parallel token statistics (megatron_rlvr.ops.FUSED_STATISTICS_MODES; a test checks
+they agree)."""
 
 
 def _positive_int(name: str, v: Any) -> None:
@@ -188,6 +191,10 @@ class TrainConfig:
     """Activation recomputation: ``none`` or ``full`` (Megatron full/uniform, one layer at a time)."""
     logits_chunk: int = 1024
     """Tokens per chunk in the vocab-parallel statistics (bounds their extra memory)."""
+    fused_statistics: str = "eager"
+    """Implementation of the vocab-parallel token statistics: ``eager`` (the reference) or ``compiled``
+    (torch.compile'd kernels, megatron_rlvr/ops/compiled.py: fused C++ on CPU, Triton on GPU; the first steps pay
+    the compilation; falls back to eager with one warning when no compiler works)."""
     ref_model: bool | None = None
     """Keep a frozen reference model; None: exactly when the algorithm has a reference-KL term."""
     seed: int = 1234
@@ -217,6 +224,8 @@ class TrainConfig:
             _positive_int("train.micro_batch_tokens", self.micro_batch_tokens)
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"train.recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
+        if self.fused_statistics not in FUSED_STATISTICS:
+            raise ValueError(f"train.fused_statistics must be one of {FUSED_STATISTICS}, got {self.fused_statistics!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"train.seed must be an int, got {self.seed!r}")
 

