@@ -135,3 +135,20 @@ def test_fused_statistics_names_match_the_ops():
     assert tuple(FUSED_STATISTICS) == tuple(FUSED_STATISTICS_MODES)
     with pytest.raises(ConfigError, match="train.fused_statistics must be one of"):
         load_run_config(None, ["train.fused_statistics=triton"], check_files=False)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("data.train_files={a: 1}", "data.train_files must be a list, got {'a': 1}"),
+        ("rollout.stop={a: 1}", "rollout.stop must be a list"),
+        ("train.seed={x: 1}", "train.seed must be an integer"),
+        ("train.prompts_per_step=null", "train.prompts_per_step must not be null"),
+        ("algorithm.hinge_kl=[1]", "algorithm.hinge_kl"),
+    ],
+)
+def test_wrong_shapes_name_the_key(override, message):
+    """OmegaConf reports some shape errors (a mapping where a list belongs) without a key: the loader finds it."""
+    with pytest.raises(ConfigError) as e:
+        load_run_config(None, [override], check_files=False)
+    assert message in str(e.value)

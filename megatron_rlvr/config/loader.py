@@ -97,6 +97,17 @@ def _strip_optional(hint):
 _KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 
 
+def _kind_of(hint) -> str | None:
+    """What a value of this annotation must be, in words (None for dataclasses and anything else)."""
+    base = _strip_optional(hint)
+    origin = typing.get_origin(base)
+    if base in _KINDS:
+        return _KINDS[base]
+    if origin in (list, tuple):
+        return "a list"
+    return "a mapping" if dict in (base, origin) else None
+
+
 def _translate(e: OmegaConfBaseException, cls, where: str, data: dict) -> ConfigError:
     """An OmegaConf error -> ConfigError naming the dotted key, with a did-you-mean for unknown keys."""
     rel = str(getattr(e, "full_key", "") or "")
@@ -114,11 +125,7 @@ def _translate(e: OmegaConfBaseException, cls, where: str, data: dict) -> Config
         parent = ".".join([where, *parts[:-1]])
         return _unknown_key_error(parent, parts[-1], [f.name for f in dataclasses.fields(found[0]) if f.init])
     if found is not None and found[2] is not None:
-        base = _strip_optional(found[2])
-        origin = typing.get_origin(base)
-        kind = _KINDS.get(base) or (
-            "a list" if origin in (list, tuple) else "a mapping" if dict in (base, origin) else None
-        )
+        kind = _kind_of(found[2])
         value = data
         for p in parts:
             value = value.get(p) if isinstance(value, dict) else None
@@ -160,8 +167,12 @@ def build_section(cls, data: Any, where: str, base: Any = None):
     if not isinstance(data, dict):
         raise ConfigError(f"{where} must be a mapping of keys to values, got {type(data).__name__}: {data!r}")
     data = _scalars_to_lists(cls, data)
+    schema = OmegaConf.structured(base if base is not None else cls)
     try:
-        node = OmegaConf.merge(OmegaConf.structured(base if base is not None else cls), data)
+        node = OmegaConf.merge(schema, data)
+    except (OmegaConfBaseException, TypeError) as e:
+        raise _merge_error(e, schema, cls, where, data) from None
+    try:
         return OmegaConf.to_object(node)
     except ConfigError:
         raise
@@ -169,6 +180,25 @@ def build_section(cls, data: Any, where: str, base: Any = None):
         raise _translate(e, cls, where, data) from None
     except (ValueError, TypeError) as e:  # the dataclass's own __post_init__ validation
         raise ConfigError(f"invalid {where}: {e}") from None
+
+
+def _merge_error(e: Exception, schema, cls, where: str, data: dict) -> ConfigError:
+    """A merge error in our words. One without a key (a mapping where a list belongs raises a bare TypeError) is
+    narrowed down by merging the section's keys one at a time."""
+    if isinstance(e, OmegaConfBaseException) and getattr(e, "full_key", None):
+        return _translate(e, cls, where, data)
+    for key, value in data.items():
+        try:
+            OmegaConf.merge(schema, {key: value})
+        except (OmegaConfBaseException, TypeError) as e_key:
+            if isinstance(e_key, OmegaConfBaseException) and getattr(e_key, "full_key", None):
+                return _translate(e_key, cls, where, data)
+            hint = typing.get_type_hints(cls).get(key) if dataclasses.is_dataclass(cls) else None
+            kind = _kind_of(hint) if hint is not None else None
+            if kind:
+                return ConfigError(f"{where}.{key} must be {kind}, got {value!r}")
+            return ConfigError(f"invalid {where}.{key}: {str(e_key).splitlines()[0]}")
+    return ConfigError(f"invalid {where}: {str(e).splitlines()[0]}")
 
 
 def build_algorithm(data: Any) -> AlgorithmConfig:
