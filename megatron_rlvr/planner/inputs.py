@@ -58,7 +58,7 @@ def load_plan_config(source: str | Path, overrides: Sequence[str] = (), warn=Non
     warnings), or from a built-in model name / HF config.json (file or folder) with the default run sections."""
     warn = warn or (lambda msg: print(f"warning: {msg}", file=sys.stderr))
     p = Path(source).expanduser()
-    if p.suffix in (".yaml", ".yml") or p.name == "config.yaml" and p.is_file():
+    if p.suffix in (".yaml", ".yml"):
         run = load_run_config(str(p), list(overrides), check_files=False)
         try:
             check_run_files(run)
