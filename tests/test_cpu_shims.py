@@ -136,8 +136,8 @@ def _pipeline_loss(model_chunks, forward_only=True):
     return loss.item()
 
 
-def _train_step(tp, pp, distributed_optimizer, sp=False):
-    """One optimizer step; returns the post-step loss."""
+def _train_step(tp, pp, distributed_optimizer, sp=False, fused_adam=False):
+    """One optimizer step; returns the post-step loss (``fused_adam``: torch's fused CPU AdamW, as the trainer)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -152,16 +152,30 @@ def _train_step(tp, pp, distributed_optimizer, sp=False):
         ),
         [model],
     )
+    if fused_adam:
+        from megatron_rlvr.megatron.policy import _torch_optimizers, _use_fused_cpu_adam
+
+        _use_fused_cpu_adam(opt)
+        assert all(g["fused"] for o in _torch_optimizers(opt) for g in o.param_groups)
     model.config.finalize_model_grads_func = finalize_model_grads
     model.config.no_sync_func = model.no_sync
     model.zero_grad_buffer()
     opt.zero_grad()
+    start = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
     before = _pipeline_loss([model], forward_only=False)
     ok, grad_norm, _ = opt.step()
     assert ok, "optimizer step reported failure"
     after = _pipeline_loss([model], forward_only=True)
     inner = getattr(opt, "chained_optimizers", [opt])  # megatron may wrap param groups in a ChainedOptimizer
-    return dict(before=before, after=after, grad_norm=float(grad_norm), opt=[type(o).__name__ for o in inner])
+    params = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
+    return dict(
+        before=before,
+        after=after,
+        grad_norm=float(grad_norm),
+        opt=[type(o).__name__ for o in inner],
+        params=params,
+        start=start,
+    )
 
 
 def _layout_checks(ckpt_dir, tp, pp, sp, save):
@@ -230,6 +244,20 @@ def test_optimizer_step_same_across_layouts(dist_pool):
         assert abs(o["before"] - r["before"]) < 1e-5
         assert abs(o["grad_norm"] - r["grad_norm"]) < 1e-4 * r["grad_norm"]
         assert abs(o["after"] - r["after"]) < 1e-5
+
+
+def test_fused_cpu_adam_takes_the_same_step_as_torchs_loop_adam(dist_pool):
+    """The trainer swaps megatron's CPU fallback (torch AdamW, per-parameter loop) for torch's fused CPU kernel: the
+    same update up to float rounding, for the plain optimizer and the DistributedOptimizer."""
+    loop = dist_pool.run(_train_step, tp=1, pp=1, args=(1, 1, False))[0]
+    fused = dist_pool.run(_train_step, tp=1, pp=1, args=(1, 1, False, False, True))[0]
+    dist_fused = dist_pool.run(_train_step, tp=2, pp=1, args=(2, 1, True, False, True))
+    moved = (loop["params"] - loop["start"]).abs().max()
+    assert moved > 1e-4, "the step must move the weights for the comparison to mean anything"
+    torch.testing.assert_close(fused["params"], loop["params"], rtol=1e-6, atol=1e-7)
+    assert abs(fused["after"] - loop["after"]) < 1e-6
+    for o in dist_fused:
+        assert abs(o["after"] - loop["after"]) < 1e-5
 
 
 def test_dist_checkpoint_tp2_loads_at_tp1_and_pp2(dist_pool, reference, tmp_path):

@@ -14,6 +14,7 @@ measured to break without each shim. Verified by ``tests/test_cpu_shims.py``: TP
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 
@@ -180,7 +181,34 @@ def _patch_megatron() -> None:
         wrapped.__new__ = staticmethod(_new)
         wrapped._rlvr_cpu_patched = True
 
+    _patch_causal_masks()
     _patch_distributed_optimizer_torch_adam()
+
+
+@functools.lru_cache(maxsize=64)
+def _cpu_causal_mask(sq: int) -> torch.Tensor:
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+def _cpu_sliding_window_mask(sq: int, skv: int, window_size) -> torch.Tensor:
+    ones = torch.ones(sq, skv, dtype=torch.bool)
+    upper = torch.triu(ones, diagonal=skv - sq - window_size[0])
+    return ~torch.tril(upper, diagonal=skv - sq + window_size[1])
+
+
+def _patch_causal_masks() -> None:
+    """megatron's unfused softmax builds its causal mask with ``device="cuda"`` inside the attention forward (a
+    new [s, s] mask per layer per call). Build it on the CPU instead, once per length: with that, the model forward
+    makes no CUDA call and can run outside the redirect (``native_torch``), which saves the handler's few
+    microseconds on each of the forward's ~2k torch calls per step. The mask is only read (``masked_fill``)."""
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils as transformer_utils
+
+    for module in (fused_softmax, transformer_utils):
+        if hasattr(module, "get_default_causal_mask"):
+            module.get_default_causal_mask = _cpu_causal_mask
+        if hasattr(module, "get_sliding_window_causal_mask"):
+            module.get_sliding_window_causal_mask = _cpu_sliding_window_mask
 
 
 def _patch_distributed_optimizer_torch_adam() -> None:

@@ -148,6 +148,8 @@ def build_optimizer(ddp_model, opt: OptimizerConfig, sched: ScheduleConfig, par:
         use_distributed_optimizer=par.distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(mcfg, [ddp_model])
+    if not torch.cuda.is_available():
+        _use_fused_cpu_adam(optimizer)
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if sched.warmup_steps else opt.lr,
@@ -162,6 +164,30 @@ def build_optimizer(ddp_model, opt: OptimizerConfig, sched: ScheduleConfig, par:
         wd_incr_style="constant",
     )
     return optimizer, scheduler
+
+
+def _torch_optimizers(optimizer):
+    """The torch optimizers inside megatron's wrapper (a ChainedOptimizer holds one wrapper per param-group set)."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        torch_opt = getattr(inner, "optimizer", None)
+        if isinstance(torch_opt, torch.optim.Optimizer):
+            yield torch_opt
+
+
+def _use_fused_cpu_adam(optimizer) -> None:
+    """Without Transformer Engine or Apex (every CPU run) megatron steps ``torch.optim.AdamW``, and torch defaults
+    to its per-parameter for-loop form for CPU tensors (the foreach / fused defaults are CUDA-only): about 12 small
+    ops per parameter per step, each also through the CPU shims' handler. torch's fused CPU kernel (torch >= 2.4)
+    is one vectorised pass per parameter, the same update up to float rounding (tests/test_cpu_shims.py)."""
+    for torch_opt in _torch_optimizers(optimizer):
+        if not isinstance(torch_opt, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        params = [p for g in torch_opt.param_groups for p in g["params"]]
+        if any(p.device.type != "cpu" or not p.is_floating_point() for p in params):
+            continue
+        for group in torch_opt.param_groups:
+            group["fused"], group["foreach"] = True, False
+        torch_opt.defaults["fused"], torch_opt.defaults["foreach"] = True, False
 
 
 def current_lr(optimizer) -> float:

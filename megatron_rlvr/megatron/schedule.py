@@ -15,6 +15,8 @@ from collections.abc import Callable
 
 import torch
 
+from megatron_rlvr.megatron.cpu_shims import native_torch
+
 
 def run_microbatches(
     model,
@@ -52,7 +54,8 @@ def run_microbatches(
         mb = next(data_iterator)
         tokens = mb["tokens"].to(device)
         position_ids = mb["position_ids"].to(device)
-        output = model_chunk(tokens, position_ids, None)
+        with native_torch():  # the model forward makes no CUDA call (cpu_shims: causal masks): skip the redirect
+            output = model_chunk(tokens, position_ids, None)
         return output, functools.partial(adapter, mb)
 
     fwd_bwd = get_forward_backward_func(pp_size=pp_size)
