@@ -123,6 +123,31 @@ def test_microbatch_scores_response_tokens_at_the_previous_position():
     assert not build_microbatch([frozen], 1, 4, pad_id=0)["mask"].any()
 
 
+def test_microbatch_refuses_values_longer_than_the_row():
+    q = Sequence(tokens=[5, 6, 7, 8], prompt_len=3, rollout_logprobs=[-0.1, -0.2, -0.3])  # 3 values, 1 response token
+    with pytest.raises(ValueError, match="rollout log-probs: 3 values from position 2"):
+        build_microbatch([q], 1, 4, pad_id=0)
+
+
+def test_normalizer_counts_from_lengths_equal_the_loss_mask_counts():
+    """The update counts its loss normalisers from sequence lengths; they must be what the algorithms' own
+    local_normalizer_counts gives on the micro-batch loss masks (tokens, non-empty sequences, mastered ones)."""
+    from megatron_rlvr.algorithms import local_normalizer_counts
+    from megatron_rlvr.trainer.update import normalizer_counts
+
+    rng = random.Random(3)
+    seqs = []
+    for _ in range(40):
+        P, R = rng.randint(1, 5), rng.choice([0, 0, 1, 3, 7])
+        seqs.append(Sequence(tokens=[1] * (P + R), prompt_len=P, mastered=rng.random() < 0.4, train=rng.random() < 0.8))
+    s = max(q.length for q in seqs)
+    mb = build_microbatch(seqs, len(seqs), s, pad_id=0)
+    expected = local_normalizer_counts(mb["mask"], mb["mastered"])
+    got = normalizer_counts(seqs)
+    assert got.dtype == torch.float64 and got.tolist() == expected.tolist()
+    assert 0 < got[2] < got[1] < got[0]  # the random case exercises all three counts
+
+
 def test_truncated_importance_weights_are_capped_ratios():
     q = Sequence(tokens=[1, 2, 3, 4], prompt_len=2, rollout_logprobs=[-1.0, -1.0])
     mb = build_microbatch([q], 1, 4, 0, old_logp=[torch.tensor([-0.5, -2.0])], tis_cap=1.5)

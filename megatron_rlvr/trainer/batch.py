@@ -49,6 +49,7 @@ def build_sequences(groups: list[Group], algo: AlgorithmConfig) -> tuple[list[Se
     shaped, correct, _ = reward_tensors(groups, algo)
     adv, adv_metrics = compute_advantages(algo, shaped, correct_G_n=correct)
     mastered = mastered_rollouts(algo, shaped, correct_G_n=correct)
+    adv_rows, mastered_rows = adv.tolist(), mastered.tolist()  # one conversion, not two torch calls per sequence
     seqs: list[Sequence] = []
     for gi, g in enumerate(groups):
         for j, resp in enumerate(g.response_ids):
@@ -57,8 +58,8 @@ def build_sequences(groups: list[Group], algo: AlgorithmConfig) -> tuple[list[Se
                 Sequence(
                     tokens=list(g.prompt_ids) + list(resp),
                     prompt_len=len(g.prompt_ids),
-                    adv=float(adv[gi, j]),
-                    mastered=bool(mastered[gi, j]),
+                    adv=float(adv_rows[gi][j]),
+                    mastered=bool(mastered_rows[gi][j]),
                     train=len(resp) > 0 and not (algo.dapo.mask_truncated and truncated),
                     rollout_logprobs=list(g.logprobs[j]),
                 )

@@ -82,11 +82,14 @@ def pack(lengths: list[int], budget: int | None, uniform: bool, multiple: int = 
     return out
 
 
-def _scatter(values: list[float] | torch.Tensor | None, row: torch.Tensor, start: int) -> None:
+def _response_row(values, start: int, s: int, what: str) -> list[float]:
+    """A [s] row of zeros with ``values`` (a list or a 1-D tensor, response-aligned) from position ``start``."""
     if values is None or len(values) == 0:
-        return
-    v = torch.as_tensor(values, dtype=row.dtype)
-    row[start : start + v.numel()] = v
+        return [0.0] * s
+    vals = values.tolist() if isinstance(values, torch.Tensor) else list(values)
+    if start + len(vals) > s:
+        raise ValueError(f"{what}: {len(vals)} values from position {start} do not fit the micro-batch length {s}")
+    return [0.0] * start + vals + [0.0] * (s - start - len(vals))
 
 
 def build_microbatch(
@@ -102,49 +105,42 @@ def build_microbatch(
 ) -> dict[str, torch.Tensor]:
     """Tensors of one micro-batch: tokens/position_ids/labels [b, s] long, mask [b, s] bool, adv [b], mastered [b],
     rollout_logp / old_logp / ref_logp [b, s] float32 (0 where unknown), seq_ids [b] (-1 for dummy rows), and
-    tis_weight [b, s] when ``tis_cap`` is set and old log-probs are given."""
+    tis_weight [b, s] when ``tis_cap`` is set and old log-probs are given.
+
+    Rows are assembled as Python lists and converted once per field: a step builds hundreds of sequences, and
+    per-sequence tensor writes cost more than the lists (on CPU each torch call also passes the CPU shims)."""
     if len(seqs) > b:
         raise ValueError(f"build_microbatch: {len(seqs)} sequences do not fit micro-batch size {b}")
-    tokens = torch.full((b, s), pad_id, dtype=torch.long)
-    labels = torch.full((b, s), pad_id, dtype=torch.long)
-    mask = torch.zeros((b, s), dtype=torch.bool)
-    adv = torch.zeros(b, dtype=torch.float32)
-    mastered = torch.zeros(b, dtype=torch.bool)
-    rollout = torch.zeros((b, s), dtype=torch.float32)
-    old = torch.zeros((b, s), dtype=torch.float32)
-    ref = torch.zeros((b, s), dtype=torch.float32)
-    seq_ids = torch.full((b,), -1, dtype=torch.long)
+    tokens, labels, mask, rollout, old, ref = [], [], [], [], [], []
     for r, q in enumerate(seqs):
         L, P = q.length, q.prompt_len
         if L > s:
             raise ValueError(f"sequence of length {L} does not fit the micro-batch length {s}")
-        t = torch.as_tensor(q.tokens, dtype=torch.long)
-        tokens[r, :L] = t
-        labels[r, : L - 1] = t[1:]
-        if q.train and L > P:
-            mask[r, P - 1 : L - 1] = True
-        adv[r] = q.adv
-        mastered[r] = q.mastered
-        _scatter(q.rollout_logprobs, rollout[r], P - 1)
-        if old_logp is not None:
-            _scatter(old_logp[r], old[r], P - 1)
-        if ref_logp is not None:
-            _scatter(ref_logp[r], ref[r], P - 1)
-        seq_ids[r] = -1 if ids is None else ids[r]
+        tokens.append(list(q.tokens) + [pad_id] * (s - L))
+        labels.append(list(q.tokens[1:]) + [pad_id] * (s - L + 1))
+        n = L - P if (q.train and L > P) else 0
+        mask.append([False] * (P - 1) + [True] * n + [False] * (s - P + 1 - n) if n else [False] * s)
+        rollout.append(_response_row(q.rollout_logprobs, P - 1, s, "rollout log-probs"))
+        old.append(_response_row(None if old_logp is None else old_logp[r], P - 1, s, "old log-probs"))
+        ref.append(_response_row(None if ref_logp is None else ref_logp[r], P - 1, s, "reference log-probs"))
+    dummy = b - len(seqs)
+    zeros = [0.0] * s
     out = {
-        "tokens": tokens,
+        "tokens": torch.tensor(tokens + [[pad_id] * s] * dummy, dtype=torch.long).reshape(b, s),
         "position_ids": torch.arange(s, dtype=torch.long).unsqueeze(0).expand(b, s).contiguous(),
-        "labels": labels,
-        "mask": mask,
-        "adv": adv,
-        "mastered": mastered,
-        "rollout_logp": rollout,
-        "old_logp": old,
-        "ref_logp": ref,
-        "seq_ids": seq_ids,
+        "labels": torch.tensor(labels + [[pad_id] * s] * dummy, dtype=torch.long).reshape(b, s),
+        "mask": torch.tensor(mask + [[False] * s] * dummy, dtype=torch.bool).reshape(b, s),
+        "adv": torch.tensor([float(q.adv) for q in seqs] + [0.0] * dummy, dtype=torch.float32),
+        "mastered": torch.tensor([bool(q.mastered) for q in seqs] + [False] * dummy, dtype=torch.bool),
+        "rollout_logp": torch.tensor(rollout + [zeros] * dummy, dtype=torch.float32).reshape(b, s),
+        "old_logp": torch.tensor(old + [zeros] * dummy, dtype=torch.float32).reshape(b, s),
+        "ref_logp": torch.tensor(ref + [zeros] * dummy, dtype=torch.float32).reshape(b, s),
+        "seq_ids": torch.tensor(
+            ([-1] * len(seqs) if ids is None else [int(i) for i in ids[: len(seqs)]]) + [-1] * dummy, dtype=torch.long
+        ),
     }
     if tis_cap is not None and old_logp is not None:
-        out["tis_weight"] = tis_weights(old, rollout, mask, tis_cap)
+        out["tis_weight"] = tis_weights(out["old_logp"], out["rollout_logp"], out["mask"], tis_cap)
     return out
 
 
@@ -158,7 +154,5 @@ def tis_weights(old_bs: torch.Tensor, rollout_bs: torch.Tensor, mask_bs: torch.T
 
 def response_values(values_bs: torch.Tensor, seqs: list[Sequence]) -> list[torch.Tensor]:
     """Inverse of the scatter: per sequence its response-aligned values (length R) from a [b, s] tensor."""
-    out = []
-    for r, q in enumerate(seqs):
-        out.append(values_bs[r, q.prompt_len - 1 : q.length - 1].detach().float().cpu().clone())
-    return out
+    values = values_bs.detach().float().cpu()
+    return [values[r, q.prompt_len - 1 : q.length - 1].clone() for r, q in enumerate(seqs)]

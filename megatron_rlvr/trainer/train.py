@@ -255,12 +255,12 @@ def mismatch_metrics(t: Trainer, seqs, old) -> dict[str, float]:
     """Train/inference mismatch of the behaviour policy (megatron_rlvr.rollout.mismatch definitions) over this
     data-parallel rank's response tokens, combined over ranks (means weighted by tokens)."""
 
-    pairs = [(lp, torch.tensor(seqs[i].rollout_logprobs, dtype=torch.float32)) for i, lp in old.items()]
-    pairs = [(a, b) for a, b in pairs if a.numel() == b.numel() and a.numel() > 0]
+    pairs = [(lp, seqs[i].rollout_logprobs) for i, lp in old.items()]
+    pairs = [(a, b) for a, b in pairs if len(a) == len(b) and len(a) > 0]
     local = None
     if t.dist.is_last_stage and t.dist.tp_rank == 0 and pairs:
         lt = torch.cat([a for a, _ in pairs])[None]
-        lr = torch.cat([b for _, b in pairs])[None]
+        lr = torch.tensor([x for _, b in pairs for x in b], dtype=torch.float32)[None]
         if bool(torch.isfinite(lt).all()):
             local = {k: float(v) for k, v in token_mismatch(lt, lr, torch.ones_like(lt, dtype=torch.bool)).items()}
     parts = [p for p in all_gather_objects(local) if p is not None]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_rlvr.algorithms import AlgorithmConfig, LossNormalizers, local_normalizer_counts
+from megatron_rlvr.algorithms import AlgorithmConfig, LossNormalizers
 from megatron_rlvr.data import shard_range
 from megatron_rlvr.megatron.parallel import all_reduce_max
 from megatron_rlvr.megatron.schedule import run_microbatches
@@ -108,6 +108,19 @@ def compute_logprobs(ctx: UpdateContext, model, seqs: list[Sequence], ids: list[
     return logp, ent, nonfinite
 
 
+def normalizer_counts(seqs: list[Sequence]) -> torch.Tensor:
+    """[3] float64 (trained response tokens, non-empty trained sequences, of which mastered): what
+    ``local_normalizer_counts`` gives for the sequences' loss masks, counted from their lengths (no per-sequence
+    tensors; tests/test_trainer_units.py checks the two agree)."""
+    tokens = nonempty = mastered = 0
+    for q in seqs:
+        if q.train and q.response_len > 0:
+            tokens += q.response_len
+            nonempty += 1
+            mastered += bool(q.mastered)
+    return torch.tensor([tokens, nonempty, mastered], dtype=torch.float64)
+
+
 def _grads_finite(model) -> bool:
     """One check over all gradients (a per-parameter isfinite().all() costs ~3 ops and a host sync each): a
     tensor's max-abs norm is finite iff every element is (a NaN/inf anywhere makes it NaN/inf)."""
@@ -157,14 +170,7 @@ def policy_update(
             mb_seqs = range(groups.start * ctx.n_per_group, groups.stop * ctx.n_per_group)
             if not any(seqs[i].train for i in mb_seqs):
                 continue  # nothing to learn from (identical on every rank: all hold the batch)
-            counts = torch.zeros(3, dtype=torch.float64)
-            for i in mb_seqs:
-                q = seqs[i]
-                mask = torch.zeros(1, max(q.response_len, 1), dtype=torch.bool)
-                if q.train:
-                    mask[0, : q.response_len] = True
-                counts += local_normalizer_counts(mask, torch.tensor([q.mastered]))
-            norms = LossNormalizers.from_counts(counts)
+            norms = LossNormalizers.from_counts(normalizer_counts([seqs[i] for i in mb_seqs]))
             ids = my_sequence_ids(ctx, len(seqs), m)
             fused = old_from_forward and _epoch == 0 and m == 0
             with_tis = ctx.tis_cap is not None and not fused
