@@ -185,7 +185,7 @@ def _patch_megatron() -> None:
     _patch_distributed_optimizer_torch_adam()
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=4)  # [s, s] bools: a micro-batch's layers share one; 4 bound the memory (4 s^2 bytes)
 def _cpu_causal_mask(sq: int) -> torch.Tensor:
     return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
 
@@ -198,9 +198,9 @@ def _cpu_sliding_window_mask(sq: int, skv: int, window_size) -> torch.Tensor:
 
 def _patch_causal_masks() -> None:
     """megatron's unfused softmax builds its causal mask with ``device="cuda"`` inside the attention forward (a
-    new [s, s] mask per layer per call). Build it on the CPU instead, once per length: with that, the model forward
-    makes no CUDA call and can run outside the redirect (``native_torch``), which saves the handler's few
-    microseconds on each of the forward's ~2k torch calls per step. The mask is only read (``masked_fill``)."""
+    new [s, s] mask per layer per call). Build it on the CPU instead, once per micro-batch length: with that, the
+    model forward makes no CUDA call and can run outside the redirect (``native_torch``), which saves the handler's
+    few microseconds on each of the forward's ~2k torch calls per step. The mask is only read (``masked_fill``)."""
     from megatron.core.fusions import fused_softmax
     from megatron.core.transformer import utils as transformer_utils
 
