@@ -148,6 +148,31 @@ def test_normalizer_counts_from_lengths_equal_the_loss_mask_counts():
     assert 0 < got[2] < got[1] < got[0]  # the random case exercises all three counts
 
 
+def test_token_stats_use_the_configured_implementation(monkeypatch):
+    """train.fused_statistics reaches the ops through StatsSpec (no process-wide default involved): the compiled
+    and eager implementations give the same statistics, and the call names the one the spec asks for."""
+    from megatron_rlvr.trainer import token_loss
+
+    seen = []
+    real = token_loss.vocab_parallel_token_stats
+
+    def spy(*a, **k):
+        seen.append(k["impl"])
+        return real(*a, **k)
+
+    monkeypatch.setattr(token_loss, "vocab_parallel_token_stats", spy)
+    torch.manual_seed(0)
+    logits, labels = torch.randn(2, 3, 300), torch.randint(0, 300, (2, 3))
+    out = {}
+    for impl in ("eager", "compiled"):
+        spec = token_loss.StatsSpec(tp_group=None, vocab_size=300, temperature=0.7, chunk_size=64, impl=impl)
+        out[impl], bad = token_loss.token_stats(logits, labels, spec, ("logprob", "entropy"))
+        assert not bad
+    assert seen == ["eager", "compiled"]
+    for k in ("logprob", "entropy"):
+        torch.testing.assert_close(out["compiled"][k], out["eager"][k], rtol=1e-5, atol=1e-5)
+
+
 def test_truncated_importance_weights_are_capped_ratios():
     q = Sequence(tokens=[1, 2, 3, 4], prompt_len=2, rollout_logprobs=[-1.0, -1.0])
     mb = build_microbatch([q], 1, 4, 0, old_logp=[torch.tensor([-0.5, -2.0])], tis_cap=1.5)

@@ -30,6 +30,8 @@ class StatsSpec:
     """The rollout sampling temperature: log-probs are of softmax(logits / T), the distribution sampled from."""
     chunk_size: int
     """Tokens per chunk of the ops."""
+    impl: str = "eager"
+    """Implementation of the ops: ``eager`` or ``compiled`` (``train.fused_statistics``)."""
 
 
 def token_stats(logits_bsv: torch.Tensor, labels_bs: torch.Tensor, spec: StatsSpec, want, other_logits_bsv=None):
@@ -60,6 +62,7 @@ def token_stats(logits_bsv: torch.Tensor, labels_bs: torch.Tensor, spec: StatsSp
         vocab_size=spec.vocab_size,
         want=tuple(want),
         chunk_size=spec.chunk_size,
+        impl=spec.impl,
     )
     return {k: t.view(b, s) for k, t in out.items()}, nonfinite
 

@@ -38,7 +38,6 @@ from megatron_rlvr.megatron.policy import (
 from megatron_rlvr.megatron.policy import current_lr as optimizer_lr
 from megatron_rlvr.models.fusions import detect
 from megatron_rlvr.models.hf_config import MegatronModelArgs
-from megatron_rlvr.ops import set_fused_statistics
 from megatron_rlvr.rewards import RewardManager
 from megatron_rlvr.rollout.engine import RolloutEngine, SamplingParams
 from megatron_rlvr.rollout.mismatch import mismatch_metrics as token_mismatch
@@ -352,7 +351,6 @@ def setup(cfg: RunConfig, run_dir: str | None) -> Trainer:
     """Build every component on this rank and resume from the newest checkpoint when there is one."""
 
     signals = StopSignals().install()
-    set_fused_statistics(cfg.train.fused_statistics)  # the ops' default implementation in this process
     par = cfg.parallel
     d = init_distributed(par.tp, par.pp, cfg.train.seed, cfg.launch.backend)
     if not torch.cuda.is_available():
@@ -396,6 +394,7 @@ def setup(cfg: RunConfig, run_dir: str | None) -> Trainer:
             vocab_size=args.dims.vocab_size,
             temperature=cfg.rollout.temperature,
             chunk_size=cfg.train.logits_chunk,
+            impl=cfg.train.fused_statistics,
         ),
         pg=d.pg,
         device=d.device,
