@@ -134,7 +134,8 @@ class HFRolloutEngine(RolloutEngine):
         received: set[int] = set()
         count = 0
         for item in weights:
-            count += self._load_pairs(item if isinstance(item, list) else [item], params, received)
+            with native_torch():  # in-place copies into a CPU model (or a CUDA one, where there are no shims)
+                count += self._load_pairs(item if isinstance(item, list) else [item], params, received)
             del item  # drop the bucket before pulling the next one: the stream's memory bound relies on it
         if strict:
             missing = [n for n, p in self.model.named_parameters() if id(p) not in received]
@@ -273,6 +274,11 @@ class HFRolloutEngine(RolloutEngine):
         # the calls drop from B per step to B per chunk (the chunk bounds the buffer at ~_NOISE_BUDGET floats).
         chunk = max(1, min(params.max_tokens, _NOISE_BUDGET // max(1, B * logits.shape[-1])))
         noise = None
+        # Rows still decoding, as indices into the B rows: finished rows leave the batch (their cache rows, mask and
+        # positions are dropped), so a decode step's work follows the rows still running, not the longest one.
+        alive = list(range(B))
+        alive_t = torch.arange(B, device=dev)
+        can_shrink = hasattr(cache, "batch_select_indices")
         for step in range(params.max_tokens):
             scaled = logits / T
             logp_full = torch.log_softmax(scaled, dim=-1)
@@ -281,27 +287,33 @@ class HFRolloutEngine(RolloutEngine):
             else:
                 probs = torch.softmax(filter_logits(scaled, params.top_k, params.top_p), dim=-1)
                 if step % chunk == 0:
-                    noise = torch.empty(B, chunk, probs.shape[-1], dtype=probs.dtype, device=dev)
-                    for r in range(B):
+                    noise = torch.ones(B, chunk, probs.shape[-1], dtype=probs.dtype, device=dev)
+                    for r in alive:
                         if done[r] is None:  # a finished row's generator is never read again
                             noise[r].exponential_(generator=gens[r])
-                        else:
-                            noise[r].fill_(1.0)
-                chosen = torch.argmax(probs / noise[:, step % chunk], dim=-1)
-                if any(d is not None for d in done):
-                    chosen[torch.tensor([d is not None for d in done], device=dev)] = 0
+                chosen = torch.argmax(probs / noise[alive_t, step % chunk], dim=-1)
             chosen_lp = logp_full.gather(-1, chosen[:, None])[:, 0].tolist()
             chosen_l = chosen.tolist()
-            for r in range(B):
+            for pos, r in enumerate(alive):
                 if done[r] is not None:
                     continue
-                tok = chosen_l[r]
+                tok = chosen_l[pos]
                 toks[r].append(tok)
-                lps[r].append(chosen_lp[r])
+                lps[r].append(chosen_lp[pos])
                 done[r] = self._check_finished(toks[r], lps[r], tok, stop_ids, end_ids, params)
             if all(d is not None for d in done) or step == params.max_tokens - 1:
                 break
-            mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=dev)], dim=1)
+            if any(done[r] is not None for r in alive):
+                if can_shrink:
+                    keep = [pos for pos, r in enumerate(alive) if done[r] is None]
+                    keep_t = torch.tensor(keep, dtype=torch.long, device=dev)
+                    cache.batch_select_indices(keep_t)
+                    mask, next_pos, chosen = mask[keep_t], next_pos[keep_t], chosen[keep_t]
+                    alive = [alive[pos] for pos in keep]
+                    alive_t = torch.tensor(alive, dtype=torch.long, device=dev)
+                else:  # a cache that cannot drop rows: finished rows keep decoding a dummy token, never read
+                    chosen = chosen.masked_fill(torch.tensor([done[r] is not None for r in alive], device=dev), 0)
+            mask = torch.cat([mask, torch.ones(mask.shape[0], 1, dtype=mask.dtype, device=dev)], dim=1)
             logits = self._forward(chosen[:, None], mask, next_pos, cache)
             next_pos = next_pos + 1
         return done
