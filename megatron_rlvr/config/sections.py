@@ -209,8 +209,16 @@ class TrainConfig:
     """With ``rollout.old_logprobs=recompute``: the first mini-batch of the first epoch takes its behaviour log-probs
     from the update's own forward (detached; the policy has not changed yet, so they are exactly the recomputed
     values) instead of a separate forward pass. False: recompute every sequence's first (the reference path)."""
+    pack_sequences: bool = True
+    """With ``micro_batch_tokens``: several sequences share a micro-batch row, with a block-diagonal causal
+    attention mask, so the forward and backward cost follows the real tokens instead of rows x the longest sequence
+    (the loss is unchanged up to float rounding). Used where the model's attention takes such a mask: megatron's
+    local attention without the fused softmax kernel (CPU runs, GPUs without Transformer Engine). With Transformer
+    Engine rows stay one sequence each (its THD packed format is not wired up yet)."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.pack_sequences, bool):
+            raise ValueError(f"train.pack_sequences must be true or false, got {self.pack_sequences!r}")
         for k in ("prompts_per_step", "ppo_epochs", "logits_chunk", "dynamic_sampling_max_rounds"):
             _positive_int(f"train.{k}", getattr(self, k))
         if self.mini_batch_prompts is not None:

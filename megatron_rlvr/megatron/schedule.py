@@ -28,7 +28,8 @@ def run_microbatches(
     device: torch.device,
 ) -> list[dict]:
     """Forward (and backward unless ``forward_only``) over ``microbatches``; returns, on the last pipeline stage,
-    the info dict of each micro-batch (in order), and [] on other stages.
+    the info dict of each micro-batch (in order), and [] on other stages. A micro-batch's ``attention_mask``
+    ([b, 1, s, s] bool, True = not attended; packed rows) goes to the model; without one the model is causal.
 
     ``loss_fn(mb, logits_bsv)`` gets the micro-batch and this TP rank's logits shard [b, s, V/tp] and returns (this
     micro-batch's sum-reduced loss, info). Every micro-batch must have the same [b, s] when PP > 1.
@@ -54,8 +55,10 @@ def run_microbatches(
         mb = next(data_iterator)
         tokens = mb["tokens"].to(device)
         position_ids = mb["position_ids"].to(device)
+        mask = mb.get("attention_mask")  # packed rows: block-diagonal causal (None: megatron's causal mask)
+        mask = None if mask is None else mask.to(device)
         with native_torch():  # the model forward makes no CUDA call (cpu_shims: causal masks): skip the redirect
-            output = model_chunk(tokens, position_ids, None)
+            output = model_chunk(tokens, position_ids, mask)
         return output, functools.partial(adapter, mb)
 
     fwd_bwd = get_forward_backward_func(pp_size=pp_size)

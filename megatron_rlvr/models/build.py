@@ -127,6 +127,20 @@ def unwrap(model) -> torch.nn.Module:
     return model
 
 
+def takes_block_attention_mask(model) -> bool:
+    """True when every attention layer of ``model`` applies the ``attention_mask`` it is given as is: megatron's
+    local DotProductAttention with the unfused softmax and no sliding window (the fused causal-softmax kernel, TE's
+    attention and sliding windows build their own causal mask and ignore a block-diagonal one)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    gpt = unwrap(model)
+    cfg = gpt.config
+    if getattr(cfg, "masked_softmax_fusion", False) or getattr(cfg, "window_size", None) is not None:
+        return False
+    cores = [m.core_attention for m in gpt.modules() if hasattr(m, "core_attention")]
+    return all(type(c) is DotProductAttention for c in cores)
+
+
 def gather_vocab_parallel(logits: torch.Tensor, tp_group, vocab_size: int | None = None) -> torch.Tensor:
     """[..., V_pad/tp] on each TP rank -> [..., V_pad] (or [..., vocab_size] with the padding dropped)."""
     if tp_group.size() > 1:

@@ -11,6 +11,15 @@ padding after them). With pipeline parallelism every micro-batch of a call has t
 communication needs one tensor shape), so ``uniform=True`` pads all of them to the longest sequence and fills the
 last micro-batch with fully masked dummy rows. Without it, sequences are sorted by length so micro-batches waste
 little padding. Either way the loss is unchanged: the loss normalisers are global (megatron_rlvr.algorithms).
+
+Row packing (``pack_rows``, ``train.pack_sequences``): several sequences share one row of the model's [b, s] input
+(first-fit decreasing into rows of up to twice the longest sequence), with a block-diagonal causal attention mask so a
+token attends only to earlier tokens of its own sequence. Rotary attention depends only on the distance between two
+positions, so a sequence placed at offset o of a row gets the same logits as alone in its row (up to float rounding;
+tests/test_trainer_units.py checks it against unpacked rows). The model's work follows the real tokens, not rows x
+the longest. Everything the loss reads stays in the one-sequence-per-row layout [n_seq, s]: the micro-batch carries
+``unpack`` [n_seq, s], the flat packed position of every (sequence, position), and the token statistics are gathered
+through it right after the vocab-parallel ops.
 """
 
 from __future__ import annotations
@@ -82,6 +91,44 @@ def pack(lengths: list[int], budget: int | None, uniform: bool, multiple: int = 
     return out
 
 
+def pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:
+    """First-fit decreasing: sequence indices grouped into rows of at most ``capacity`` tokens (every length must be
+    <= capacity). Rows come out longest-first; within a row, sequences in the order they were placed."""
+    if any(n > capacity for n in lengths):
+        raise ValueError(f"pack_rows: a sequence of length {max(lengths)} exceeds the row capacity {capacity}")
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for r, room in enumerate(free):
+            if lengths[i] <= room:
+                rows[r].append(i)
+                free[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            free.append(capacity - lengths[i])
+    return rows
+
+
+def pack_packed(
+    lengths: list[int], budget: int, uniform: bool, multiple: int = 1
+) -> list[tuple[list[list[int]], int, int]]:
+    """Micro-batches of packed rows: list of (rows, b, s), each row a list of sequence indices.
+
+    Row length s: twice the longest sequence, capped by ``budget`` (never below the longest), rounded up to
+    ``multiple``. Twice, so any two sequences fit a row and first-fit decreasing leaves little of a row empty even
+    when every sequence is longer than half the longest; not more, because the local attention's score tensor of a
+    micro-batch grows with s (b x heads x s^2 = budget x heads x s). A micro-batch holds b = budget // s rows (at
+    least 1); ``uniform`` keeps b for the last one too (the caller pads it with empty rows)."""
+    if not lengths:
+        return []
+    longest = max(lengths)
+    s = -(-max(longest, min(budget, 2 * longest)) // multiple) * multiple
+    b = max(1, budget // s)
+    rows = pack_rows(lengths, s)
+    return [(rows[i : i + b], b if uniform else len(rows[i : i + b]), s) for i in range(0, len(rows), b)]
+
+
 def _response_row(values, start: int, s: int, what: str) -> list[float]:
     """A [s] row of zeros with ``values`` (a list or a 1-D tensor, response-aligned) from position ``start``."""
     if values is None or len(values) == 0:
@@ -102,13 +149,23 @@ def build_microbatch(
     ref_logp: list[torch.Tensor | None] | None = None,
     ids: list[int] | None = None,
     tis_cap: float | None = None,
+    rows: list[list[int]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Tensors of one micro-batch: tokens/position_ids/labels [b, s] long, mask [b, s] bool, adv [b], mastered [b],
     rollout_logp / old_logp / ref_logp [b, s] float32 (0 where unknown), seq_ids [b] (-1 for dummy rows), and
     tis_weight [b, s] when ``tis_cap`` is set and old log-probs are given.
 
     Rows are assembled as Python lists and converted once per field: a step builds hundreds of sequences, and
-    per-sequence tensor writes cost more than the lists (on CPU each torch call also passes the CPU shims)."""
+    per-sequence tensor writes cost more than the lists (on CPU each torch call also passes the CPU shims).
+
+    ``rows`` (row packing, see the module docstring): indices into ``seqs``, the sequences of each of the b model
+    rows. The model inputs tokens / position_ids / labels [b, s] and ``attention_mask`` [b, 1, s, s] (True = not
+    attended) are then packed, and everything else is in the one-sequence-per-row layout [len(seqs), s], with
+    ``unpack`` [len(seqs), s] the packed flat position of each entry (0 past a sequence's end: masked there)."""
+    if rows is not None:
+        return _packed_microbatch(
+            seqs, rows, b, s, pad_id, old_logp=old_logp, ref_logp=ref_logp, ids=ids, tis_cap=tis_cap
+        )
     if len(seqs) > b:
         raise ValueError(f"build_microbatch: {len(seqs)} sequences do not fit micro-batch size {b}")
     tokens, labels, mask, rollout, old, ref = [], [], [], [], [], []
@@ -142,6 +199,49 @@ def build_microbatch(
     if tis_cap is not None and old_logp is not None:
         out["tis_weight"] = tis_weights(out["old_logp"], out["rollout_logp"], out["mask"], tis_cap)
     return out
+
+
+def _packed_microbatch(seqs, rows, b, s, pad_id, *, old_logp, ref_logp, ids, tis_cap) -> dict[str, torch.Tensor]:
+    if len(rows) > b:
+        raise ValueError(f"build_microbatch: {len(rows)} packed rows do not fit micro-batch size {b}")
+    placed = sorted(j for row in rows for j in row)
+    if placed != list(range(len(seqs))):
+        raise ValueError("build_microbatch: rows must place every sequence exactly once")
+    out = build_microbatch(seqs, len(seqs), s, pad_id, old_logp=old_logp, ref_logp=ref_logp, ids=ids, tis_cap=tis_cap)
+    tokens = [[pad_id] * s for _ in range(b)]
+    labels = [[pad_id] * s for _ in range(b)]
+    positions = [list(range(s)) for _ in range(b)]
+    segment = [[-1] * s for _ in range(b)]  # padding is its own segment: its (unread) queries attend to padding only
+    unpack = [[0] * s for _ in seqs]
+    for r, row in enumerate(rows):
+        o = 0
+        for j in row:
+            q, L = seqs[j], seqs[j].length
+            if o + L > s:
+                raise ValueError(f"build_microbatch: packed row {r} needs {o + L} tokens, more than s={s}")
+            tokens[r][o : o + L] = q.tokens
+            labels[r][o : o + L - 1] = q.tokens[1:]  # a sequence's last position predicts nothing (masked)
+            positions[r][o : o + L] = range(L)
+            segment[r][o : o + L] = [j] * L
+            unpack[j][:L] = range(r * s + o, r * s + o + L)
+            o += L
+    seg = torch.tensor(segment, dtype=torch.long)
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    out["attention_mask"] = ~((seg[:, :, None] == seg[:, None, :]) & causal)[:, None]
+    out["tokens"] = torch.tensor(tokens, dtype=torch.long).reshape(b, s)
+    out["labels"] = torch.tensor(labels, dtype=torch.long).reshape(b, s)
+    out["position_ids"] = torch.tensor(positions, dtype=torch.long).reshape(b, s)
+    out["unpack"] = torch.tensor(unpack, dtype=torch.long).reshape(len(seqs), s)
+    return out
+
+
+def unpack_values(values_bs: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per-position values of the model rows [b, s] in the one-sequence-per-row layout [n_seq, s] of the rest of
+    ``mb`` (identity for an unpacked micro-batch). Differentiable (a gather)."""
+    idx = mb.get("unpack")
+    if idx is None:
+        return values_bs
+    return values_bs.reshape(-1)[idx.to(values_bs.device)]
 
 
 def tis_weights(old_bs: torch.Tensor, rollout_bs: torch.Tensor, mask_bs: torch.Tensor, cap: float) -> torch.Tensor:

@@ -13,7 +13,7 @@ from megatron_rlvr.algorithms.reductions import declare
 from megatron_rlvr.megatron.cpu_shims import native_torch
 from megatron_rlvr.ops import vocab_parallel_token_stats
 from megatron_rlvr.trainer.diagnostics import ratio_quantile_metrics
-from megatron_rlvr.trainer.microbatch import tis_weights
+from megatron_rlvr.trainer.microbatch import tis_weights, unpack_values
 
 declare("max", "train/nonfinite")  # one non-finite micro-batch flags the step
 
@@ -78,6 +78,7 @@ def logprob_fn(spec: StatsSpec, with_entropy: bool):
         want = ("logprob", "entropy") if with_entropy else ("logprob",)
         with native_torch():  # no CUDA calls in here: skip the CPU shims' per-call handler
             st, bad = token_stats(logits_bsv, mb["labels"], spec, want)
+            st = {k: unpack_values(v, mb) for k, v in st.items()}  # packed rows -> one sequence per row
         mask = mb["mask"].to(logits_bsv.device)
         info = {
             "logp": st["logprob"].detach().float().cpu(),
@@ -125,6 +126,7 @@ def policy_loss_fn(
     def _policy_loss(mb, logits_bsv, want, other):
         dev = logits_bsv.device
         st, bad_logits = token_stats(logits_bsv, mb["labels"], spec, want, other)
+        st = {k: unpack_values(v, mb) for k, v in st.items()}  # packed rows -> one sequence per row
         mask = mb["mask"].to(dev)
         logp = st["logprob"]
         if old_from_forward:

@@ -36,6 +36,7 @@ from megatron_rlvr.megatron.policy import (
     wrap_ddp,
 )
 from megatron_rlvr.megatron.policy import current_lr as optimizer_lr
+from megatron_rlvr.models.build import takes_block_attention_mask
 from megatron_rlvr.models.fusions import detect
 from megatron_rlvr.models.hf_config import MegatronModelArgs
 from megatron_rlvr.rewards import RewardManager
@@ -287,7 +288,9 @@ def ref_logits_fn(t: Trainer):
     def fn(mb):
         with torch.no_grad():
             dev = t.dist.device
-            return t.ref_model(mb["tokens"].to(dev), mb["position_ids"].to(dev), None)
+            mask = mb.get("attention_mask")  # packed rows (megatron_rlvr.trainer.microbatch)
+            mask = None if mask is None else mask.to(dev)
+            return t.ref_model(mb["tokens"].to(dev), mb["position_ids"].to(dev), mask)
 
     return fn
 
@@ -406,6 +409,7 @@ def setup(cfg: RunConfig, run_dir: str | None) -> Trainer:
         ppo_epochs=cfg.train.ppo_epochs,
         tis_cap=cfg.rollout.tis_cap,
         skip_nonfinite=cfg.train.skip_nonfinite,
+        pack_rows=pack_rows_on(cfg, model, ref_model),
     )
     t = Trainer(
         cfg=cfg,
@@ -445,10 +449,20 @@ def setup(cfg: RunConfig, run_dir: str | None) -> Trainer:
         where = f"resumed from step {t.start_step}" if t.start_step else "starting"
         print(
             f"megatron-rlvr: {where} | {cfg.logging.name} | algorithm {cfg.algorithm.name} | world {d.world_size} "
-            f"(tp {d.tp_size}, pp {d.pp_size}, dp {d.dp_size}) | {d.backend} | {fusions_line()} | run dir {run_dir}",
+            f"(tp {d.tp_size}, pp {d.pp_size}, dp {d.dp_size}) | {d.backend} | {fusions_line()} "
+            f"| {'packed rows' if update_ctx.pack_rows else 'one sequence per row'} | run dir {run_dir}",
             flush=True,
         )
     return t
+
+
+def pack_rows_on(cfg: RunConfig, model, ref_model) -> bool:
+    """``train.pack_sequences`` where every rank's models take a block-diagonal attention mask (ranks agree)."""
+
+    if not cfg.train.pack_sequences or cfg.train.micro_batch_tokens is None:
+        return False
+    ok = all(takes_block_attention_mask(m) for m in (model, ref_model) if m is not None)
+    return all_reduce_max(0.0 if ok else 1.0) == 0.0
 
 
 def fusions_line() -> str:

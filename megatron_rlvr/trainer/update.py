@@ -18,7 +18,7 @@ from megatron_rlvr.algorithms import AlgorithmConfig, LossNormalizers
 from megatron_rlvr.data import shard_range
 from megatron_rlvr.megatron.parallel import all_reduce_max
 from megatron_rlvr.megatron.schedule import run_microbatches
-from megatron_rlvr.trainer.microbatch import Sequence, build_microbatch, pack, response_values
+from megatron_rlvr.trainer.microbatch import Sequence, build_microbatch, pack, pack_packed, response_values
 from megatron_rlvr.trainer.step_metrics import LossMetrics
 from megatron_rlvr.trainer.token_loss import StatsSpec, logprob_fn, policy_loss_fn
 
@@ -40,6 +40,9 @@ class UpdateContext:
     ppo_epochs: int
     tis_cap: float | None
     skip_nonfinite: bool
+    pack_rows: bool = False
+    """Several sequences per micro-batch row (block-diagonal attention; ``train.pack_sequences`` where the model's
+    attention takes such a mask). Needs ``micro_batch_tokens``."""
 
 
 def _microbatches(ctx: UpdateContext, seqs: list[Sequence], ids: list[int], old=None, ref=None, with_tis=False):
@@ -50,7 +53,10 @@ def _microbatches(ctx: UpdateContext, seqs: list[Sequence], ids: list[int], old=
         dummy = Sequence(tokens=[ctx.pad_id, ctx.pad_id], prompt_len=2, train=False)
         s = max(2, ctx.seq_multiple)
         return [build_microbatch([dummy], 1, s, ctx.pad_id)], [[]]
-    plan = pack([seqs[i].length for i in ids], ctx.micro_batch_tokens, uniform, ctx.seq_multiple)
+    lengths = [seqs[i].length for i in ids]
+    if ctx.pack_rows and ctx.micro_batch_tokens is not None:
+        return _packed_microbatches(ctx, seqs, ids, lengths, uniform, old, ref, with_tis)
+    plan = pack(lengths, ctx.micro_batch_tokens, uniform, ctx.seq_multiple)
     mbs, members = [], []
     for local_idx, b, s in plan:
         chosen = [ids[j] for j in local_idx]
@@ -64,6 +70,31 @@ def _microbatches(ctx: UpdateContext, seqs: list[Sequence], ids: list[int], old=
                 ref_logp=None if ref is None else [ref.get(i) for i in chosen],
                 ids=chosen,
                 tis_cap=ctx.tis_cap if with_tis else None,
+            )
+        )
+        members.append(chosen)
+    return mbs, members
+
+
+def _packed_microbatches(ctx: UpdateContext, seqs, ids, lengths, uniform, old, ref, with_tis):
+    mbs, members = [], []
+    for rows, b, s in pack_packed(lengths, ctx.micro_batch_tokens, uniform, ctx.seq_multiple):
+        chosen = [ids[j] for row in rows for j in row]
+        local_rows, k = [], 0
+        for row in rows:
+            local_rows.append(list(range(k, k + len(row))))
+            k += len(row)
+        mbs.append(
+            build_microbatch(
+                [seqs[i] for i in chosen],
+                b,
+                s,
+                ctx.pad_id,
+                old_logp=None if old is None else [old.get(i) for i in chosen],
+                ref_logp=None if ref is None else [ref.get(i) for i in chosen],
+                ids=chosen,
+                tis_cap=ctx.tis_cap if with_tis else None,
+                rows=local_rows,
             )
         )
         members.append(chosen)
