@@ -199,6 +199,27 @@ def build_plan(chunks, offsets, mapping: WeightMapping, tp_group, pp_group) -> l
     return plan
 
 
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""First model chunk -> (key, plan) of its last stream (one pipeline stage only; see ``_plan``)."""
+
+
+def _plan(chunks, offsets, mapping: WeightMapping, tp_group, pp_group) -> list[_Entry]:
+    """``build_plan``, reused while the model holds the same parameter objects at the same layout: the plan only
+    depends on names, shapes and the mapping, and rebuilding it (a meta ``to_hf`` per tensor) cost more than the
+    copies of a small model's sync. With PP > 1 building it is a collective, so every stage builds it every time
+    (a cache hit on one stage and a miss on another would desynchronise the ranks)."""
+    if _group_size(pp_group) > 1:
+        return build_plan(chunks, offsets, mapping, tp_group, pp_group)
+    params = tuple(id(p) for c in chunks for p in c.parameters())
+    key = (params, tuple(offsets), _group_size(tp_group), repr(mapping.dims))
+    hit = _PLANS.get(chunks[0])
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    plan = build_plan(chunks, offsets, mapping, tp_group, pp_group)
+    _PLANS[chunks[0]] = (key, plan)  # the plan holds the parameters, so their ids in the key stay theirs
+    return plan
+
+
 class _Assembler:
     """Builds the HF tensors of one plan entry on this rank, tracking every buffer it allocates."""
 
@@ -301,7 +322,7 @@ def stream_hf_weights(
     if len(layer_offsets) != len(chunks):
         raise ValueError(f"layer_offsets has {len(layer_offsets)} entries for {len(chunks)} model chunks")
     device = next(chunks[0].parameters()).device
-    plan = build_plan(chunks, layer_offsets, mapping, tp_group, pp_group)
+    plan = _plan(chunks, layer_offsets, mapping, tp_group, pp_group)
     asm = _Assembler(tp_group, pp_group, stats.meter, device)
     costs = [asm.transient_and_retained(e) for e in plan]
     scratch = max(((t - r, e.hf_names[0]) for (t, r), e in zip(costs, plan)), default=(0, ""))

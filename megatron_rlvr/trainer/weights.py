@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import time
 
+from megatron_rlvr.megatron.cpu_shims import native_torch
+
 
 def sync_weights(engine, model, args, pg, bucket_bytes: int = 1 << 30) -> dict[str, float]:
     """Push the current policy weights into ``engine`` (collective over TP and PP); returns metrics."""
@@ -20,10 +22,21 @@ def sync_weights(engine, model, args, pg, bucket_bytes: int = 1 << 30) -> dict[s
     stream = megatron_weight_stream(
         unwrap(model), args, config=WeightStreamConfig(bucket_bytes=bucket_bytes), stats=stats, pg_collection=pg
     )
-    n = engine.update_weights(stream)
+    n = engine.update_weights(_without_shims(stream))
     return {
         "sync/time_s": time.perf_counter() - t0,
         "sync/tensors": float(n),
         "sync/gbytes": stats.bytes / 1e9,
         "sync/peak_buffer_gbytes": stats.meter.peak_bytes / 1e9,
     }
+
+
+def _without_shims(stream):
+    """The stream's own work (plan, TP gathers, layout copies) makes no CUDA call when the shims are on (CPU
+    tensors, gloo): run it outside their per-call redirect. The engine's side runs as before."""
+    while True:
+        with native_torch():
+            bucket = next(stream, None)
+        if bucket is None:
+            return
+        yield bucket
