@@ -183,8 +183,48 @@ def _rank_sync_and_logprobs():
                 count += len(c.token_ids)
             res["logprob_err"], res["logprob_tokens"] = worst, count
         res["expected_names"] = sorted(mapping.hf_names())
+        res["plan_reuse"] = _plan_reuse(model, mapping, pg, cfg)
         out[fam] = res
     return out
+
+
+def _plan_reuse(model, mapping, pg, cfg):
+    """The stream reuses its plan while the model keeps its parameter objects (PP = 1). After an in-place change of
+    one parameter and the REPLACEMENT of another (a new Parameter object), the engine must receive exactly what a
+    stream with no plan cache sends. Returns (plans built by the last 2 streams, tensors differing from before the
+    changes, tensors differing from the uncached stream)."""
+    from megatron_rlvr.rollout import weight_stream as ws
+    from megatron_rlvr.rollout.hf_engine import HFRolloutEngine
+
+    def sync(engine):
+        engine.update_weights(ws.stream_hf_weights(model, mapping, tp_group=pg.tp, pp_group=pg.pp))
+        return {n: p.detach().clone() for n, p in engine.named_parameters()}
+
+    cached, fresh = HFRolloutEngine.from_config(cfg), HFRolloutEngine.from_config(cfg)
+    before = sync(cached)
+    norms = [
+        (mod, n)
+        for mname, mod in model.named_modules()
+        for n, _ in mod.named_parameters(recurse=False)
+        if "norm" in f"{mname}.{n}"
+    ]
+    (m_in, n_in), (m_new, n_new) = norms[0], norms[-1]
+    with torch.no_grad():
+        getattr(m_in, n_in).add_(0.5)  # in place: the cached plan's parameter object sees it
+    setattr(m_new, n_new, torch.nn.Parameter(getattr(m_new, n_new).detach() * 3.0 + 1.0))  # a new object
+    built = []
+    real = ws.build_plan
+    ws.build_plan = lambda *a, **k: built.append(1) or real(*a, **k)
+    try:
+        after = sync(cached)
+        sync(cached)
+    finally:
+        ws.build_plan = real
+    ws._PLANS.clear()
+    reference = sync(fresh)
+    changed = sum(not torch.equal(before[n], after[n]) for n in before)
+    wrong = [n for n in after if not torch.equal(after[n], reference[n])]
+    return len(built), changed, wrong
 
 
 @pytest.mark.parametrize("tp,pp", LAYOUTS)
@@ -216,6 +256,10 @@ def test_weight_sync_bit_exact_bounded_and_logprobs_match(dist_pool, tp, pp):
                     assert r["hoard_peak"] > SMALL_BUCKET + r["small"]["largest"], (where, r["hoard_peak"])
             if tp > 1:  # the TP gather needs scratch, so a 100-byte bucket is refused with an actionable message
                 assert r["tiny_bucket_error"] and "raise bucket_bytes to at least" in r["tiny_bucket_error"], where
+            built, changed, wrong = r["plan_reuse"]
+            assert wrong == [], f"{where}: a reused plan sent other tensors than a fresh one: {wrong[:4]}"
+            assert changed >= 2, where  # both the in-place change and the replaced parameter arrived
+            assert built == (1 if pp == 1 else 2), where  # PP=1: rebuilt once for the new parameter, then reused
             if "logprob_err" in r:
                 assert r["logprob_tokens"] >= 6, where
                 assert r["logprob_err"] < 1e-5, (where, r["logprob_err"])
