@@ -188,6 +188,27 @@ def test_seed_determinism_and_batch_independence():
     assert sample_seed(42, 0, 1) != sample_seed(42, 1, 0)
 
 
+def test_rows_that_finish_early_leave_the_batch_without_changing_the_others():
+    """Rows stop at different steps (a third of the vocabulary are stop tokens), so finished rows leave the decode
+    batch while others run on: every row's log-probs still equal the full fp64 forward's, and every prompt's samples
+    equal those of a run that decodes one row at a time (max_batch_rows=1, where nothing is ever dropped)."""
+    eng = make_engine(llama_config())
+    sp = SamplingParams(n=4, temperature=1.0, max_tokens=10, seed=7, stop_token_ids=tuple(range(2, V, 3)))
+    out = eng.generate(PROMPTS, sp)
+    lengths = [len(c.token_ids) for o in out for c in o.completions]
+    assert min(lengths) < max(lengths) and min(lengths) < 10, lengths  # rows really finished at different steps
+    assert any(c.finish_reason == "stop" for o in out for c in o.completions)
+    worst = 0.0
+    for o, p in zip(out, PROMPTS):
+        for c in o.completions:
+            ref, _ = reference_logprobs(eng.model, p, c.token_ids, 1.0)
+            worst = max(worst, (ref - torch.tensor(c.logprobs, dtype=torch.float64)).abs().max().item())
+    assert worst < 1e-5, worst
+    eng.config.max_batch_rows = 1
+    solo = eng.generate(PROMPTS, sp)
+    assert [[x.token_ids for x in o.completions] for o in solo] == [[x.token_ids for x in o.completions] for o in out]
+
+
 def _greedy_sequence(eng, prompt, n_tokens):
     (o,) = eng.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n_tokens, ignore_eos=True))
     return o.completions[0].token_ids

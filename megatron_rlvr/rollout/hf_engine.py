@@ -1,7 +1,8 @@
 """A transformers-based rollout engine: the CPU engine for CI and the numerical reference for the vLLM engine.
 
 Batched sampling with a KV cache: the rows (prompt x sample) of a batch are left-padded to a common length, one
-prefill forward fills a ``DynamicCache``, then each step feeds one token per row. Position ids are computed from the
+prefill forward per distinct prompt fills a ``DynamicCache`` (repeated for the prompt's samples), then each step
+feeds one token per row; rows that finished leave the batch. Position ids are computed from the
 attention mask so left padding does not shift RoPE positions: a row's logits equal those of an unpadded forward of
 the same tokens up to float rounding (checked in tests/test_rollout_engine.py against a full forward, 1e-5 in fp32).
 
@@ -251,15 +252,30 @@ class HFRolloutEngine(RolloutEngine):
         from transformers import DynamicCache
 
         B, dev = len(prompts), self.device
-        L = max(len(p) for p in prompts)
-        input_ids = torch.zeros(B, L, dtype=torch.long, device=dev)
-        mask = torch.zeros(B, L, dtype=torch.long, device=dev)
-        for r, p in enumerate(prompts):  # left padding: the last column is every row's newest token
+        # The n samples of a prompt share its prefill: one forward per distinct prompt, whose cache rows, logits and
+        # mask are then repeated for each of its rows (a row's values do not depend on its batch neighbours).
+        distinct: dict[tuple[int, ...], int] = {}
+        row_of = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
+        uniq = list(distinct)
+        L = max(len(p) for p in uniq)
+        input_ids = torch.zeros(len(uniq), L, dtype=torch.long, device=dev)
+        mask = torch.zeros(len(uniq), L, dtype=torch.long, device=dev)
+        for r, p in enumerate(uniq):  # left padding: the last column is every row's newest token
             input_ids[r, L - len(p) :] = torch.tensor(p, dtype=torch.long)
             mask[r, L - len(p) :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
         logits = self._forward(input_ids, mask, positions, cache)
+        if len(uniq) < B:
+            if hasattr(cache, "batch_select_indices"):
+                expand = torch.tensor(row_of, dtype=torch.long, device=dev)
+                cache.batch_select_indices(expand)
+                logits, mask, positions = logits[expand], mask[expand], positions[expand]
+            else:  # a cache that cannot repeat rows: prefill every row
+                input_ids, mask = input_ids[row_of], mask[row_of]
+                positions = (mask.cumsum(-1) - 1).clamp(min=0)
+                cache = DynamicCache(config=self.model.config)
+                logits = self._forward(input_ids, mask, positions, cache)
         next_pos = positions[:, -1:] + 1
 
         gens = [torch.Generator(device=dev).manual_seed(s) for s in seeds]
