@@ -375,3 +375,28 @@ def test_hinge_kl_with_dynamic_sampling_is_refused():
         None, ["algorithm.preset=dapo", "algorithm.hinge_kl.enabled=true", "algorithm.dapo.dynamic_sampling=false"]
     )
     assert cfg.algorithm.hinge_kl.enabled and not cfg.algorithm.dapo.dynamic_sampling
+
+
+def test_grads_finite_is_exact_through_the_sum_shortcut():
+    """update._grads_finite tests sums first: a NaN or inf anywhere is caught, and finite values whose sum
+    overflows fp32 are still finite (the per-element fallback); megatron DDP's flat buffers are read when present,
+    never nn.Module.buffers (a method on a plain module)."""
+    from types import SimpleNamespace
+
+    from megatron_rlvr.trainer.update import _grads_finite
+
+    lin = torch.nn.Linear(4, 3)
+    lin.weight.grad = torch.ones(3, 4)
+    lin.bias.grad = torch.zeros(3)
+    assert _grads_finite(lin)
+    lin.bias.grad[1] = float("nan")
+    assert not _grads_finite(lin)
+    lin.bias.grad[1] = float("-inf")
+    assert not _grads_finite(lin)
+    lin.bias.grad = torch.full((3,), 3e38)  # finite, but the fp32 sum is inf
+    assert torch.isinf(lin.bias.grad.sum()) and _grads_finite(lin)
+    flat = torch.zeros(10)
+    ddp = SimpleNamespace(buffers=[SimpleNamespace(grad_data=flat)], expert_parallel_buffers=[])
+    assert _grads_finite(ddp)
+    flat[7] = float("inf")
+    assert not _grads_finite(ddp)

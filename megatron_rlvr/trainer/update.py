@@ -153,19 +153,26 @@ def normalizer_counts(seqs: list[Sequence]) -> torch.Tensor:
 
 
 def _grads_finite(model) -> bool:
-    """One check over all gradients (a per-parameter isfinite().all() costs ~3 ops and a host sync each): a
-    tensor's max-abs norm is finite iff every element is (a NaN/inf anywhere makes it NaN/inf)."""
-    grads = []
-    for p in model.parameters():
-        g = getattr(p, "main_grad", None)
-        if g is None:
-            g = p.grad
-        if g is not None:
-            grads.append(g)
-    if not grads:
+    """Whether every gradient is finite, in one cheap pass: a sum is finite iff its terms are, unless finite terms
+    overflow it, and only a non-finite sum has each element tested (exact either way; a per-element test of every
+    gradient cost ~20x the sums on CPU). The sums run over megatron DDP's flat gradient buffers (every
+    ``main_grad`` is a view into them) or, without them, over each gradient."""
+    ddp_buffers = [getattr(model, k, None) for k in ("buffers", "expert_parallel_buffers")]  # DDP's, not nn.Module's
+    flats = [b.grad_data for bufs in ddp_buffers if isinstance(bufs, list) for b in bufs]
+    if not flats:
+        flats = []
+        for p in model.parameters():
+            g = getattr(p, "main_grad", None)
+            if g is None:
+                g = p.grad
+            if g is not None:
+                flats.append(g)
+    if not flats:
         return True
-    norms = torch._foreach_norm(grads, ord=float("inf"))
-    return bool(torch.isfinite(torch.stack(norms)).all())
+    sums = torch.stack([f.sum() for f in flats])
+    if bool(torch.isfinite(sums).all()):
+        return True
+    return all(bool(torch.isfinite(f).all()) for f in flats)  # an inf / NaN, or finite values overflowing a sum
 
 
 def recompute_ids(ctx: UpdateContext, num_seqs: int, old_from_forward: bool) -> list[int]:
