@@ -1,7 +1,7 @@
 """Row packing (train.pack_sequences): several sequences share a micro-batch row under a block-diagonal causal mask.
 
 Pure checks first (the packing plan and the packed micro-batch against a hand-worked case), then the trainer at
-TP = 2 x DP = 2 and PP = 2 x DP = 2: for every algorithm preset one step with packed rows gives the metrics and
+TP = 2 x DP = 2 and TP = 2 x PP = 2: for every algorithm preset one step with packed rows gives the metrics and
 gradients of the same step with one sequence per row, to float32 noise. The reference is the unpacked path, whose
 exactness the rest of the suite establishes (fp64 full-vocabulary references, layout invariance)."""
 
@@ -121,6 +121,7 @@ def _packed_vs_rows(run_root, runs, overrides):
         over = [*overrides, f"algorithm.preset={preset}", *extra]
         t = setup(load_run_config(None, over), os.path.join(run_root, name))
         assert t.update_ctx.pack_rows  # the CPU model takes the block mask
+        layout = (t.dist.tp_size, t.dist.pp_size)
         grads: list[torch.Tensor] = []
 
         def record(t=t, grads=grads):
@@ -145,6 +146,7 @@ def _packed_vs_rows(run_root, runs, overrides):
                 res[packed] = (metrics, list(grads), seen)
         finally:
             teardown(t)
+        res["layout"] = layout
         out[name] = res
     return out
 
@@ -166,9 +168,10 @@ def test_packed_rows_match_one_sequence_per_row_for_every_preset(dist_pool, tmp_
     runs = {name: (name, []) for name in PRESETS}
     runs["grpo_exact_kl"] = ("grpo", ["algorithm.ref_kl.coef=0.1", "algorithm.ref_kl.estimator=exact"])
     names = list(runs)
-    per_rank = dist_pool.run(_packed_vs_rows, tp=2, args=(str(tmp_path), runs, SMALL), timeout=900)
+    per_rank = dist_pool.run(_packed_vs_rows, tp=2, args=(str(tmp_path), runs, [*SMALL, "parallel.tp=2"]), timeout=900)
     for rank, out in enumerate(per_rank):
         for name in names:
+            assert out[name]["layout"] == (2, 1), name
             (m_rows, g_rows, seen_rows), (m_packed, g_packed, seen_packed) = out[name][False], out[name][True]
             assert seen_rows == [] and seen_packed, name
             n_seqs = sum(n for n, _ in seen_packed)
@@ -180,10 +183,11 @@ def test_packed_rows_match_one_sequence_per_row_for_every_preset(dist_pool, tmp_
 
 
 def test_packed_rows_match_one_sequence_per_row_through_the_pipeline(dist_pool, tmp_path):
-    """PP = 2 x DP = 2 (every micro-batch padded to one [b, s]; the mask travels to both stages), 2 mini-batches x
+    """TP = 2 x PP = 2 (every micro-batch padded to one [b, s]; the mask travels to both stages), 2 mini-batches x
     2 epochs, with a k3 reference KL (the reference model's log-prob pass is packed too)."""
     over = [
         *SMALL,
+        "parallel.tp=2",
         "parallel.pp=2",
         "train.mini_batch_prompts=2",
         "train.ppo_epochs=2",
@@ -191,9 +195,22 @@ def test_packed_rows_match_one_sequence_per_row_through_the_pipeline(dist_pool, 
         "algorithm.ref_kl.estimator=k3",
     ]
     runs = {"grpo": ("grpo", [])}
-    per_rank = dist_pool.run(_packed_vs_rows, tp=1, pp=2, args=(str(tmp_path), runs, over), timeout=900)
+    per_rank = dist_pool.run(_packed_vs_rows, tp=2, pp=2, args=(str(tmp_path), runs, over), timeout=900)
     for rank, out in enumerate(per_rank):
+        assert out["grpo"]["layout"] == (2, 2)
         (m_rows, g_rows, _), (m_packed, g_packed, seen) = out["grpo"][False], out["grpo"][True]
         assert seen and sum(r for _, r in seen) < sum(n for n, _ in seen)
         assert m_rows["train/updates"] == 4 and m_rows["loss/ref_kl"] > 0
         _assert_same(m_packed, m_rows, g_packed, g_rows, f"pp2 rank {rank}")
+
+
+def test_packed_rows_match_one_sequence_per_row_with_sequence_parallelism(dist_pool, tmp_path):
+    """TP = 2 with sequence parallelism: packed rows are rounded up to a multiple of TP like unpacked ones."""
+    over = [*SMALL, "parallel.tp=2", "parallel.sequence_parallel=true"]
+    runs = {"grpo": ("grpo", [])}
+    per_rank = dist_pool.run(_packed_vs_rows, tp=2, args=(str(tmp_path), runs, over), timeout=900)
+    for rank, out in enumerate(per_rank):
+        assert out["grpo"]["layout"] == (2, 1)
+        (m_rows, g_rows, _), (m_packed, g_packed, seen) = out["grpo"][False], out["grpo"][True]
+        assert seen and sum(r for _, r in seen) < sum(n for n, _ in seen)
+        _assert_same(m_packed, m_rows, g_packed, g_rows, f"seqpar rank {rank}")
