@@ -17,6 +17,7 @@ from megatron_rlvr.algorithms import (
     mastered_rollouts,
     shape_rewards,
 )
+from megatron_rlvr.megatron.cpu_shims import native_torch
 from megatron_rlvr.trainer.generation import Group
 from megatron_rlvr.trainer.microbatch import Sequence
 
@@ -46,10 +47,12 @@ def build_sequences(groups: list[Group], algo: AlgorithmConfig) -> tuple[list[Se
     ``focal/*``, ``mcpo/*``)."""
     if not groups:
         return [], {}
-    shaped, correct, _ = reward_tensors(groups, algo)
-    adv, adv_metrics = compute_advantages(algo, shaped, correct_G_n=correct)
-    mastered = mastered_rollouts(algo, shaped, correct_G_n=correct)
-    adv_rows, mastered_rows = adv.tolist(), mastered.tolist()  # one conversion, not two torch calls per sequence
+    with native_torch():  # ~150 tiny CPU tensor ops, no CUDA call: skip the CPU shims' per-call handler
+        shaped, correct, _ = reward_tensors(groups, algo)
+        adv, adv_metrics = compute_advantages(algo, shaped, correct_G_n=correct)
+        mastered = mastered_rollouts(algo, shaped, correct_G_n=correct)
+        adv_rows, mastered_rows = adv.tolist(), mastered.tolist()  # one conversion, not two torch calls per sequence
+        adv_metrics = {k: float(v) for k, v in adv_metrics.items()}
     seqs: list[Sequence] = []
     for gi, g in enumerate(groups):
         for j, resp in enumerate(g.response_ids):
@@ -76,24 +79,26 @@ def batch_metrics(groups: list[Group], algo: AlgorithmConfig) -> dict[str, float
     zero-variance group fractions, response lengths and truncation."""
     if not groups:
         return {"batch/groups_generated": 0.0}
-    shaped, correct, lengths = reward_tensors(groups, algo)
-    _, adv_metrics = compute_advantages(algo, shaped, correct_G_n=correct)
-    m = {k: float(v) for k, v in adv_metrics.items() if k.split("/")[0] in ("reward", "groups")}
-    lf = lengths.double()
-    truncated = sum(r == "length" for g in groups for r in g.finish_reasons)
-    m.update(
-        {
-            "reward/raw_mean": float(torch.tensor([g.rewards for g in groups], dtype=torch.float64).mean()),
-            "reward/accuracy": float(correct.double().mean()),
-            "response/length_mean": float(lf.mean()),
-            "response/length_max": float(lf.max()),
-            "response/length_min": float(lf.min()),
-            "response/truncated_frac": truncated / lengths.numel(),
-            "batch/groups_generated": float(len(groups)),
-        }
-    )
+    with native_torch():  # tiny CPU tensor ops only (see build_sequences)
+        shaped, correct, lengths = reward_tensors(groups, algo)
+        _, adv_metrics = compute_advantages(algo, shaped, correct_G_n=correct)
+        m = {k: float(v) for k, v in adv_metrics.items() if k.split("/")[0] in ("reward", "groups")}
+        lf = lengths.double()
+        truncated = sum(r == "length" for g in groups for r in g.finish_reasons)
+        m.update(
+            {
+                "reward/raw_mean": float(torch.tensor([g.rewards for g in groups], dtype=torch.float64).mean()),
+                "reward/accuracy": float(correct.double().mean()),
+                "response/length_mean": float(lf.mean()),
+                "response/length_max": float(lf.max()),
+                "response/length_min": float(lf.min()),
+                "response/truncated_frac": truncated / lengths.numel(),
+                "batch/groups_generated": float(len(groups)),
+            }
+        )
+        correct_rows = correct.tolist()
     by_level: dict[str, list[float]] = {}
-    for g, row in zip(groups, correct.tolist()):
+    for g, row in zip(groups, correct_rows):
         if g.example.level is not None:
             by_level.setdefault(str(g.example.level), []).extend(float(c) for c in row)
     for lvl, cs in sorted(by_level.items()):

@@ -18,6 +18,7 @@ from megatron_rlvr.algorithms import AlgorithmConfig
 from megatron_rlvr.algorithms.reductions import reduction_of
 from megatron_rlvr.config import RunConfig
 from megatron_rlvr.data import PromptLoader, build_train_dataset, build_train_loader
+from megatron_rlvr.megatron.cpu_shims import native_torch
 from megatron_rlvr.megatron.parallel import (
     DistInfo,
     all_gather_objects,
@@ -259,10 +260,12 @@ def mismatch_metrics(t: Trainer, seqs, old) -> dict[str, float]:
     pairs = [(a, b) for a, b in pairs if len(a) == len(b) and len(a) > 0]
     local = None
     if t.dist.is_last_stage and t.dist.tp_rank == 0 and pairs:
-        lt = torch.cat([a for a, _ in pairs])[None]
-        lr = torch.tensor([x for _, b in pairs for x in b], dtype=torch.float32)[None]
-        if bool(torch.isfinite(lt).all()):
-            local = {k: float(v) for k, v in token_mismatch(lt, lr, torch.ones_like(lt, dtype=torch.bool)).items()}
+        with native_torch():  # CPU tensors of this rank's response tokens: no CUDA call, skip the shims' handler
+            lt = torch.cat([a for a, _ in pairs])[None]
+            lr = torch.tensor([x for _, b in pairs for x in b], dtype=torch.float32)[None]
+            if bool(torch.isfinite(lt).all()):
+                ones = torch.ones_like(lt, dtype=torch.bool)
+                local = {k: float(v) for k, v in token_mismatch(lt, lr, ones).items()}
     parts = [p for p in all_gather_objects(local) if p is not None]
     if not parts:
         return {}
