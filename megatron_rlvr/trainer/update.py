@@ -48,18 +48,12 @@ class UpdateContext:
 def _microbatches(ctx: UpdateContext, seqs: list[Sequence], ids: list[int], old=None, ref=None, with_tis=False):
     """Micro-batches of ``ids`` (indices into ``seqs``); a fully masked dummy micro-batch when ``ids`` is empty so
     every rank still enters the collective schedule."""
-    uniform = ctx.pg.pp.size() > 1
     if not ids:
         dummy = Sequence(tokens=[ctx.pad_id, ctx.pad_id], prompt_len=2, train=False)
         s = max(2, ctx.seq_multiple)
         return [build_microbatch([dummy], 1, s, ctx.pad_id)], [[]]
-    lengths = [seqs[i].length for i in ids]
-    if ctx.pack_rows and ctx.micro_batch_tokens is not None:
-        return _packed_microbatches(ctx, seqs, ids, lengths, uniform, old, ref, with_tis)
-    plan = pack(lengths, ctx.micro_batch_tokens, uniform, ctx.seq_multiple)
     mbs, members = [], []
-    for local_idx, b, s in plan:
-        chosen = [ids[j] for j in local_idx]
+    for chosen, b, s, rows in _plan(ctx, seqs, ids):
         mbs.append(
             build_microbatch(
                 [seqs[i] for i in chosen],
@@ -70,35 +64,26 @@ def _microbatches(ctx: UpdateContext, seqs: list[Sequence], ids: list[int], old=
                 ref_logp=None if ref is None else [ref.get(i) for i in chosen],
                 ids=chosen,
                 tis_cap=ctx.tis_cap if with_tis else None,
+                rows=rows,
             )
         )
         members.append(chosen)
     return mbs, members
 
 
-def _packed_microbatches(ctx: UpdateContext, seqs, ids, lengths, uniform, old, ref, with_tis):
-    mbs, members = [], []
+def _plan(ctx: UpdateContext, seqs: list[Sequence], ids: list[int]):
+    """Per micro-batch: (its sequence ids, b, s, rows), where rows (packed rows only, else None) are the positions in
+    that id list of each model row's sequences."""
+    uniform = ctx.pg.pp.size() > 1
+    lengths = [seqs[i].length for i in ids]
+    if not (ctx.pack_rows and ctx.micro_batch_tokens is not None):
+        for local_idx, b, s in pack(lengths, ctx.micro_batch_tokens, uniform, ctx.seq_multiple):
+            yield [ids[j] for j in local_idx], b, s, None
+        return
     for rows, b, s in pack_packed(lengths, ctx.micro_batch_tokens, uniform, ctx.seq_multiple):
         chosen = [ids[j] for row in rows for j in row]
-        local_rows, k = [], 0
-        for row in rows:
-            local_rows.append(list(range(k, k + len(row))))
-            k += len(row)
-        mbs.append(
-            build_microbatch(
-                [seqs[i] for i in chosen],
-                b,
-                s,
-                ctx.pad_id,
-                old_logp=None if old is None else [old.get(i) for i in chosen],
-                ref_logp=None if ref is None else [ref.get(i) for i in chosen],
-                ids=chosen,
-                tis_cap=ctx.tis_cap if with_tis else None,
-                rows=local_rows,
-            )
-        )
-        members.append(chosen)
-    return mbs, members
+        position = iter(range(len(chosen)))
+        yield chosen, b, s, [[next(position) for _ in row] for row in rows]
 
 
 def my_sequence_ids(ctx: UpdateContext, num_seqs: int, mini_batch: int | None = None) -> list[int]:
