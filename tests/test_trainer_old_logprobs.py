@@ -12,7 +12,6 @@ import os
 import sys
 
 import pytest
-import torch
 import trainer_helpers
 
 from megatron_rlvr.algorithms import PRESETS
@@ -27,8 +26,7 @@ SMALL = [
     "reward.fn=trainer_helpers:even_digit_reward",
 ]
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-NOT_COMPARED = ("time/", "perf/tokens_per_s", "sync/")
-"""Wall-clock metrics, and the weight sync's timing / buffer peak (the sync is not part of this change)."""
+NOT_COMPARED = trainer_helpers.NOT_COMPARED
 
 
 def _assert_same_metrics(m_fused: dict, m_ref: dict, where: str) -> None:
@@ -36,15 +34,6 @@ def _assert_same_metrics(m_fused: dict, m_ref: dict, where: str) -> None:
     for k, v in m_ref.items():
         # mismatch/* (trainer vs engine log-probs of the same weights) are float noise themselves, ~1e-8 and below
         assert m_fused[k] == pytest.approx(v, rel=1e-5, abs=1e-6), (where, k, v, m_fused[k])
-
-
-def _grads(model) -> torch.Tensor:
-    parts = []
-    for p in model.parameters():
-        g = getattr(p, "main_grad", None)
-        g = p.grad if g is None else g
-        parts.append(g.detach().reshape(-1).clone())
-    return torch.cat(parts)
 
 
 def _spy_recompute(record):
@@ -68,40 +57,20 @@ def _spy_recompute(record):
 
 
 def _per_preset(run_root, presets, overrides):
-    """Per preset: step 1 twice on one trainer (reference path, then fused) with the optimizer step replaced by a
-    recorder of the gradients, so both steps see the same weights, prompts and rollouts."""
+    """Per preset: step 1 twice on one trainer, the reference path then the fused one
+    (trainer_helpers.step_once_per_setting: same weights, prompts and rollouts)."""
     from megatron_rlvr.config import load_run_config
-    from megatron_rlvr.trainer.train import rl_step, setup, teardown
+    from megatron_rlvr.trainer.train import setup
 
     sys.path.insert(0, TESTS_DIR)  # reward.fn=trainer_helpers:...
     out = {}
     for name in presets:
         t = setup(load_run_config(None, [*overrides, f"algorithm.preset={name}"]), os.path.join(run_root, name))
-        grads: list[torch.Tensor] = []
 
-        def record(t=t, grads=grads):
-            grads.append(_grads(t.model))
-            return True, None, None
+        def apply(t, fused):
+            t.cfg.train.old_logprobs_from_update = fused
 
-        t.optimizer.step = record
-        res = {}
-        data_state = t.loader.state_dict()
-        try:
-            for fused in (False, True):
-                t.cfg.train.old_logprobs_from_update = fused
-                t.loader.load_state_dict(data_state)  # the same prompts (and, same step seed, the same rollouts)
-                grads.clear()
-                asked: list[list[int]] = []
-                undo = _spy_recompute(asked)
-                try:
-                    m = rl_step(t, 1)
-                finally:
-                    undo()
-                metrics = {k: v for k, v in m.items() if not k.startswith(NOT_COMPARED)}
-                res[fused] = (metrics, list(grads), asked)
-        finally:
-            teardown(t)
-        out[name] = res
+        out[name] = trainer_helpers.step_once_per_setting(t, (False, True), apply, _spy_recompute)
     return out
 
 

@@ -24,7 +24,6 @@ SMALL = [
     "reward.fn=trainer_helpers:even_digit_reward",  # reward variance in every batch: a gradient to compare
     "train.micro_batch_tokens=40",  # several micro-batches, several sequences per row
 ]
-NOT_COMPARED = ("time/", "perf/tokens_per_s", "sync/")
 
 
 def test_pack_rows_places_every_sequence_once_within_the_capacity():
@@ -82,38 +81,29 @@ def test_packed_microbatch_matches_a_hand_worked_case():
         build_microbatch(seqs, 2, 5, pad_id=0, rows=[[1], [0, 2]])
 
 
-def _grads(model) -> torch.Tensor:
-    parts = []
-    for p in model.parameters():
-        g = getattr(p, "main_grad", None)
-        g = p.grad if g is None else g
-        parts.append(g.detach().reshape(-1).clone())
-    return torch.cat(parts)
-
-
 def _spy_packing(record):
     """Record (sequences, packed rows) of every packed micro-batch the update builds."""
     from megatron_rlvr.trainer import update
 
-    real = update._packed_microbatches
+    real = update._microbatches
 
     def spy(*a, **k):
         mbs, members = real(*a, **k)
         for mb, chosen in zip(mbs, members):
-            s = mb["tokens"].shape[1]
-            record.append((len(chosen), len(set((mb["unpack"][:, 0] // s).tolist()))))
+            if "unpack" in mb:
+                s = mb["tokens"].shape[1]
+                record.append((len(chosen), len(set((mb["unpack"][:, 0] // s).tolist()))))
         return mbs, members
 
-    update._packed_microbatches = spy
-    return lambda: setattr(update, "_packed_microbatches", real)
+    update._microbatches = spy
+    return lambda: setattr(update, "_microbatches", real)
 
 
 def _packed_vs_rows(run_root, runs, overrides):
-    """Per run (name: (preset, extra overrides)): step 1 twice on one trainer (one sequence per row, then packed
-    rows) with the optimizer step replaced by a gradient recorder, so both see the same weights, prompts and
-    rollouts."""
+    """Per run (name: (preset, extra overrides)): step 1 twice on one trainer, one sequence per row then packed rows
+    (trainer_helpers.step_once_per_setting: same weights, prompts and rollouts)."""
     from megatron_rlvr.config import load_run_config
-    from megatron_rlvr.trainer.train import rl_step, setup, teardown
+    from megatron_rlvr.trainer.train import setup
 
     sys.path.insert(0, TESTS_DIR)  # reward.fn=trainer_helpers:...
     out = {}
@@ -122,32 +112,12 @@ def _packed_vs_rows(run_root, runs, overrides):
         t = setup(load_run_config(None, over), os.path.join(run_root, name))
         assert t.update_ctx.pack_rows  # the CPU model takes the block mask
         layout = (t.dist.tp_size, t.dist.pp_size)
-        grads: list[torch.Tensor] = []
 
-        def record(t=t, grads=grads):
-            grads.append(_grads(t.model))
-            return True, None, None
+        def apply(t, packed):
+            t.update_ctx.pack_rows = packed
 
-        t.optimizer.step = record
-        res = {}
-        data_state = t.loader.state_dict()
-        try:
-            for packed in (False, True):
-                t.update_ctx.pack_rows = packed
-                t.loader.load_state_dict(data_state)
-                grads.clear()
-                seen: list = []
-                undo = _spy_packing(seen)
-                try:
-                    m = rl_step(t, 1)
-                finally:
-                    undo()
-                metrics = {k: v for k, v in m.items() if not k.startswith(NOT_COMPARED)}
-                res[packed] = (metrics, list(grads), seen)
-        finally:
-            teardown(t)
-        res["layout"] = layout
-        out[name] = res
+        out[name] = trainer_helpers.step_once_per_setting(t, (False, True), apply, _spy_packing)
+        out[name]["layout"] = layout
     return out
 
 

@@ -51,3 +51,53 @@ def even_digit_reward(response: str, ground_truth: str, **metadata) -> float:
     """1.0 when the response starts with an even digit: about a quarter of a random policy's samples, so a 16-sample
     step has reward variance (a non-zero update) for any model initialisation, unlike the ~6% exact-copy reward."""
     return 1.0 if response[:1] in ("0", "2", "4", "6", "8") else 0.0
+
+
+def grads_vector(model):
+    """Every parameter's gradient (megatron's ``main_grad`` when there is one) as one flat tensor copy."""
+    import torch
+
+    parts = []
+    for p in model.parameters():
+        g = getattr(p, "main_grad", None)
+        g = p.grad if g is None else g
+        parts.append(g.detach().reshape(-1).clone())
+    return torch.cat(parts)
+
+
+NOT_COMPARED = ("time/", "perf/tokens_per_s", "sync/")
+"""Metric prefixes two runs of one step cannot share: wall-clock times, and the weight sync's timing / buffer peak."""
+
+
+def step_once_per_setting(t, settings, apply, spy):
+    """Step 1 on trainer ``t`` once per setting, each time with the prompts rewound and the optimizer step replaced
+    by a gradient recorder, so every setting sees the same weights, prompts and rollouts; tears ``t`` down.
+
+    ``apply(t, setting)`` switches the setting; ``spy(record)`` starts recording into a list and returns its undo.
+    Returns {setting: (metrics without NOT_COMPARED keys, recorded gradients, the spy's record)}."""
+    from megatron_rlvr.trainer.train import rl_step, teardown
+
+    grads = []
+
+    def record():
+        grads.append(grads_vector(t.model))
+        return True, None, None
+
+    t.optimizer.step = record
+    data_state = t.loader.state_dict()
+    out = {}
+    try:
+        for setting in settings:
+            apply(t, setting)
+            t.loader.load_state_dict(data_state)
+            grads.clear()
+            seen: list = []
+            undo = spy(seen)
+            try:
+                m = rl_step(t, 1)
+            finally:
+                undo()
+            out[setting] = ({k: v for k, v in m.items() if not k.startswith(NOT_COMPARED)}, list(grads), seen)
+    finally:
+        teardown(t)
+    return out
