@@ -266,16 +266,10 @@ class HFRolloutEngine(RolloutEngine):
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
         logits = self._forward(input_ids, mask, positions, cache)
-        if len(uniq) < B:
-            if hasattr(cache, "batch_select_indices"):
-                expand = torch.tensor(row_of, dtype=torch.long, device=dev)
-                cache.batch_select_indices(expand)
-                logits, mask, positions = logits[expand], mask[expand], positions[expand]
-            else:  # a cache that cannot repeat rows: prefill every row
-                input_ids, mask = input_ids[row_of], mask[row_of]
-                positions = (mask.cumsum(-1) - 1).clamp(min=0)
-                cache = DynamicCache(config=self.model.config)
-                logits = self._forward(input_ids, mask, positions, cache)
+        if len(uniq) < B:  # DynamicCache.batch_select_indices (transformers >= 4.51) also repeats rows
+            expand = torch.tensor(row_of, dtype=torch.long, device=dev)
+            cache.batch_select_indices(expand)
+            logits, mask, positions = logits[expand], mask[expand], positions[expand]
         next_pos = positions[:, -1:] + 1
 
         gens = [torch.Generator(device=dev).manual_seed(s) for s in seeds]
@@ -294,7 +288,6 @@ class HFRolloutEngine(RolloutEngine):
         # positions are dropped), so a decode step's work follows the rows still running, not the longest one.
         alive = list(range(B))
         alive_t = torch.arange(B, device=dev)
-        can_shrink = hasattr(cache, "batch_select_indices")
         for step in range(params.max_tokens):
             scaled = logits / T
             logp_full = torch.log_softmax(scaled, dim=-1)
@@ -304,15 +297,12 @@ class HFRolloutEngine(RolloutEngine):
                 probs = torch.softmax(filter_logits(scaled, params.top_k, params.top_p), dim=-1)
                 if step % chunk == 0:
                     noise = torch.ones(B, chunk, probs.shape[-1], dtype=probs.dtype, device=dev)
-                    for r in alive:
-                        if done[r] is None:  # a finished row's generator is never read again
-                            noise[r].exponential_(generator=gens[r])
+                    for r in alive:  # finished rows have left `alive`: their generators are never read again
+                        noise[r].exponential_(generator=gens[r])
                 chosen = torch.argmax(probs / noise[alive_t, step % chunk], dim=-1)
             chosen_lp = logp_full.gather(-1, chosen[:, None])[:, 0].tolist()
             chosen_l = chosen.tolist()
-            for pos, r in enumerate(alive):
-                if done[r] is not None:
-                    continue
+            for pos, r in enumerate(alive):  # every row in `alive` is still running at this step
                 tok = chosen_l[pos]
                 toks[r].append(tok)
                 lps[r].append(chosen_lp[pos])
@@ -320,15 +310,12 @@ class HFRolloutEngine(RolloutEngine):
             if all(d is not None for d in done) or step == params.max_tokens - 1:
                 break
             if any(done[r] is not None for r in alive):
-                if can_shrink:
-                    keep = [pos for pos, r in enumerate(alive) if done[r] is None]
-                    keep_t = torch.tensor(keep, dtype=torch.long, device=dev)
-                    cache.batch_select_indices(keep_t)
-                    mask, next_pos, chosen = mask[keep_t], next_pos[keep_t], chosen[keep_t]
-                    alive = [alive[pos] for pos in keep]
-                    alive_t = torch.tensor(alive, dtype=torch.long, device=dev)
-                else:  # a cache that cannot drop rows: finished rows keep decoding a dummy token, never read
-                    chosen = chosen.masked_fill(torch.tensor([done[r] is not None for r in alive], device=dev), 0)
+                keep = [pos for pos, r in enumerate(alive) if done[r] is None]
+                keep_t = torch.tensor(keep, dtype=torch.long, device=dev)
+                cache.batch_select_indices(keep_t)
+                mask, next_pos, chosen = mask[keep_t], next_pos[keep_t], chosen[keep_t]
+                alive = [alive[pos] for pos in keep]
+                alive_t = torch.tensor(alive, dtype=torch.long, device=dev)
             mask = torch.cat([mask, torch.ones(mask.shape[0], 1, dtype=mask.dtype, device=dev)], dim=1)
             logits = self._forward(chosen[:, None], mask, next_pos, cache)
             next_pos = next_pos + 1
