@@ -145,7 +145,6 @@ def _grads_finite(model) -> bool:
     ddp_buffers = [getattr(model, k, None) for k in ("buffers", "expert_parallel_buffers")]  # DDP's, not nn.Module's
     flats = [b.grad_data for bufs in ddp_buffers if isinstance(bufs, list) for b in bufs]
     if not flats:
-        flats = []
         for p in model.parameters():
             g = getattr(p, "main_grad", None)
             if g is None:
