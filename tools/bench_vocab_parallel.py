@@ -29,7 +29,9 @@ included), are reported. The headline ratios use USER CPU time. System time here
 touch of freshly mmap'd tensors (every [T, V/tp] gradient is a new allocation: PyTorch's CPU allocator does not
 cache), which a GPU's caching allocator never pays, and it is the noisiest number on this VM: the same 622 MiB
 ``torch.exp2(x)`` measured 0.14-0.21 s user but 0.08-1.16 s system across runs, while into an existing tensor it
-took 0 s system. User time is what the op computes. On a shared 2-core machine wall time also includes waiting
+took 0 s system. User time is what the op computes. In the table, "wall s", "user s" and "cpu s" (user +
+sys) are the best repeat's, "median" the median repeat's wall time, and "sys s" the median repeat's system time
+(how much faulting a typical repeat had). On a shared 2-core machine wall time also includes waiting
 for a core. The user+sys ratios (``_cpu``) and the wall-time ratios (``_wall``) are printed alongside.
 megatron's op overwrites its fp32 input in place, so it is handed a fresh copy made outside the timed region (in
 training it consumes the output layer's logits; the copy is not its cost).
