@@ -613,7 +613,8 @@ def _local_partials_compiled(logits, other, ids, plan: _Plan):
             if plan.need_kl:
                 part["m_w"], part["s_w"] = m_z, out["s_w"]
             if "margin" in plan.want:
-                top1, top2 = _row_top2(x, out["block_max"])
+                block_max = torch.cat([out["block_max"], out["tail_max"].unsqueeze(1)], dim=1)  # [c, nb]: small
+                top1, top2 = _row_top2(x, block_max)
                 part["top1"], part["top2"] = top1.to(dt) * inv_t, top2.to(dt) * inv_t
         for k in keys:
             if k != "z_y":
@@ -640,30 +641,29 @@ def _backward_compiled(plan: _Plan, logits, other, ids, saved, grads, need_gz: b
         return zeros if t is None else t
 
     s2 = _compiled.scale2(plan, dt, dev)
-    n_t = torch.tensor(n, device=dev)
     lse_x = saved["lse_z"] * plan.temperature  # logits units, so log2 p = (x - lse_x) * s2 (difference first)
     lse_w = saved["lse_w"] * plan.temperature if "lse_w" in saved else None
+    rows = cols = None
     if co["lp"] is not None and need_gz:
-        loc = ids - plan.vocab_start
-        yloc = torch.where((loc >= 0) & (loc < n), loc, torch.full_like(loc, -1))
-    else:
-        yloc = torch.full((T,), -1, dtype=torch.long, device=dev)
-    alpha, beta2, gamma2, lpc = z(co["alpha"]), z(co["beta"]) * _LN2, z(co["gamma"]) * _LN2, z(co["lp"])
+        rows, cols = _owned_targets(ids, plan)
+    alpha, beta2, gamma2 = z(co["alpha"]), z(co["beta"]) * _LN2, z(co["gamma"]) * _LN2
     if need_gw:  # both in one pass (grad_z is dropped if not needed: that case is rare)
-        klr2 = z(co["klr"]) * _LN2
-        args = (alpha, beta2, gamma2, z(co["klr"]), yloc, lpc, co["alpha_w"], klr2, z(co["kl"]), n_t)
-        res = _compiled.run("_bwd_both", logits, other, lse_x, lse_w, s2, *args)
-        if res is None:
-            return None
-        return (res[0] if need_gz else None), res[1]
-    if co["klr"] is not None:
-        args = (alpha, beta2, gamma2, co["klr"], yloc, lpc, n_t)
-        grad_z = _compiled.run("_bwd_gz_xwq", logits, other, lse_x, lse_w, s2, *args)
+        name, inputs = "_bwd_both", (logits, other)
+        args = (lse_x, lse_w, s2, alpha, beta2, gamma2, z(co["klr"]), co["alpha_w"], z(co["klr"]) * _LN2, z(co["kl"]))
+    elif co["klr"] is not None:
+        name, inputs, args = "_bwd_gz_xwq", (logits, other), (lse_x, lse_w, s2, alpha, beta2, gamma2, co["klr"])
     elif co["gamma"] is not None:
-        grad_z = _compiled.run("_bwd_gz_xw", logits, other, lse_x, lse_w, s2, alpha, beta2, gamma2, yloc, lpc, n_t)
+        name, inputs, args = "_bwd_gz_xw", (logits, other), (lse_x, lse_w, s2, alpha, beta2, gamma2)
     else:
-        grad_z = _compiled.run("_bwd_gz_x", logits, lse_x, s2, alpha, beta2, yloc, lpc, n_t)
-    return None if grad_z is None else (grad_z, None)
+        name, inputs, args = "_bwd_gz_x", (logits,), (lse_x, s2, alpha, beta2)
+    res = _compiled.run(name, *inputs, *args)
+    if res is None:
+        return None
+    grads_out = list(res) if isinstance(res, tuple) else [res]
+    _compiled.patch_gradient(name, grads_out, inputs, args, n, rows, cols, co["lp"])
+    if need_gw:
+        return (grads_out[0] if need_gz else None), grads_out[1]
+    return grads_out[0], None
 
 
 class _TokenStats(torch.autograd.Function):
