@@ -15,9 +15,10 @@ base-2 units ``d = (x - m_b) log2(e) / T``::
 
 The block max and the sums over a block are one loop nest over a cache-resident block, so every logit is read
 from memory once (this needs the full blocks' and the tail's partials merged without a ``torch.cat``: see
-`_row_partials`; inductor's generated loops can be read with ``TORCH_LOGS=output_code``). The blocks are then merged exactly to the row max M (the log-sum-exp merge, as across TP ranks:
-``s = sum_b s_b 2^(delta_b)``, ``a = sum_b (a_b + delta_b s_b) 2^(delta_b)`` with ``delta_b = (m_b - M) log2(e)/T``),
-which also makes the long sums two-level (blocks of 256, then <= V/256 blocks): accurate without a cascade sum.
+`_row_partials`; inductor's generated loops can be read with ``TORCH_LOGS=output_code``). The blocks are then
+merged exactly to the row max M (the log-sum-exp merge, as across TP ranks: ``s = sum_b s_b 2^(delta_b)``,
+``a = sum_b (a_b + delta_b s_b) 2^(delta_b)`` with ``delta_b = (m_b - M) log2(e)/T``), which also makes the long
+sums two-level (blocks of 256, then <= V/256 blocks): accurate without a cascade sum.
 Rows where w overflows or underflows against x's shift (w far from x) are redone by the eager path, which retries
 with w's own max. The top-2 margin uses the block maxima: top-2 among them plus the runner-up inside the winning
 block (`vocab_parallel._row_top2`).
@@ -216,7 +217,8 @@ def patch_gradient(name, grads, inputs, args, n_valid, rows=None, cols=None, lp=
     """Finish the gradients a backward kernel returned, in place: zero on padding columns ``>= n_valid`` (of each of
     ``grads``), and at the target elements ``(rows, cols)`` of ``grads[0]`` the kernel's value plus ``lp[rows]``,
     recomputed from the same per-element math (`_GRAD_MATH`) in the compute dtype and rounded once, as the
-    gradient's other elements are. ``inputs``/``args``: the kernel's logits tensors and its other arguments."""
+    gradient's other elements are. ``inputs``/``args``: the kernel's logits tensors and its other arguments (the
+    1-D ones are per-row coefficients [T] and are indexed by ``rows``; the 0-dim scale is passed as is)."""
     for g in grads:
         if n_valid < g.shape[1]:
             g[:, n_valid:] = 0
