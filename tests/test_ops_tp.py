@@ -206,3 +206,6 @@ def test_benchmark_smoke(dist_pool, capsys):
     for key in ("logprob_vs_megatron", "all4_vs_logprob", "all4_vs_megatron", "naive_mem_over_fused"):
         assert key in parsed and float(parsed[key]) > 0 and float(parsed[key]) == pytest.approx(kv[key], abs=1e-3)
     assert kv["naive_mem_over_fused"] > 1.0
+    # the one-pass floors were timed in the same run and their ratios reported
+    for key in ("all4_vs_logprob_floor", "logprob_vs_floor", "all4_vs_floor"):
+        assert key in parsed and float(parsed[key]) > 0 and float(parsed[key]) == pytest.approx(kv[key], abs=1e-3)

@@ -52,6 +52,16 @@ By default the ranks run with PyTorch's documented CPU setting ``THP_MEM_ALLOC_E
 every method; ``--system-malloc`` measures with 4 KiB pages instead. Memory numbers do not depend on this. (A glibc
 "never return memory" heap was tried and rejected: it fragments under the naive path's multi-GiB tensors.)
 
+Floors: in the same round-robin, three compiled primitives that each make one pass over the shard, timed like the
+methods: ``floor_expsum`` (read x, one exponential per element, a two-level sum: the least a log-sum-exp does),
+``floor_expwrite`` (read x, one exponential per element, write a new [T, V/tp] tensor: the least a gradient does) and
+``floor_read`` (read the reference logits once). Log-prob cannot do less than expsum + expwrite (its forward's
+normaliser and its backward's gradient); all four statistics cannot do less than that plus an exponential pass over
+the reference logits (the KL needs their log-sum-exp) plus their second read (the KL gradient needs log q):
+2 x expsum + expwrite + read, without counting the margin's max or any sum beyond the normaliser. Their ratio,
+``all4_vs_logprob_floor``, is the least ``all4_vs_logprob`` any exact implementation can show on this machine once
+log-prob itself runs at its floor; ``logprob_vs_floor`` and ``all4_vs_floor`` say how far each op is from its own.
+
 The LAST line printed is ``key=value`` pairs: ``logprob_vs_megatron`` (time (a)/(d), lower is better),
 ``all4_vs_logprob`` (time (b)/(a)), ``all4_vs_megatron`` (time (b)/(d): all four statistics against megatron's
 log-prob alone; no target, context for the ratio above), ``naive_mem_over_fused`` (peak extra memory (c)/(b),
@@ -138,12 +148,42 @@ def _step(method, x, ref, ids, wts, group, vocab_size, chunk_size):
         loss = ((wts[0] + margin) * lp + wts[1] * ent + wts[2] * kl).sum()
         v = x.shape[1]
         return torch.autograd.grad(loss, full)[0][:, rank * v : (rank + 1) * v].contiguous()
+    if method.startswith("floor_"):
+        return _floor_kernels()[method](x, ref)
     if method == "megatron_ce":
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
         loss = vocab_parallel_cross_entropy(x, ids)  # x: a fresh copy requiring grad, see _prepare
         return torch.autograd.grad((loss * wts[0]).sum(), x)[0]
     raise ValueError(f"unknown method {method!r}")
+
+
+_FLOORS = ("floor_expsum", "floor_expwrite", "floor_read")
+
+
+def _floor_kernels():
+    """The one-pass primitives of the floor (module docstring), compiled once per process (static shapes)."""
+    if not hasattr(_floor_kernels, "fns"):
+        import torch
+
+        s2 = 1.4426950408889634  # log2(e): exponentials as exp2, as the ops compute them
+        blk = 256
+
+        def expsum(x, _ref):
+            c, n = x.shape
+            q = n // blk
+            main = torch.exp2(x[:, : q * blk].reshape(c, q, blk).float() * s2).sum(-1).sum(-1)
+            return main + torch.exp2(x[:, q * blk :].float() * s2).sum(-1)
+
+        def expwrite(x, _ref):
+            return (torch.exp2(x.float() * s2) * 0.5).to(x.dtype)
+
+        def read(_x, ref):
+            return ref.float().sum(-1)
+
+        fns = {"floor_expsum": expsum, "floor_expwrite": expwrite, "floor_read": read}
+        _floor_kernels.fns = {k: torch.compile(f, dynamic=False) for k, f in fns.items()}
+    return _floor_kernels.fns
 
 
 def _prepare(method, x):
@@ -188,7 +228,7 @@ def _bench_rank(cfg):
     v_local = cfg["vocab"] // tp
     vocab_size = cfg["vocab"]
     T, T_naive = cfg["tokens"], cfg["naive_tokens"]
-    res = {"time": {}, "user": {}, "sys": {}, "mem": {}, "grad_mib": {}, "scan": {}, "phase_s": {}}
+    res = {"time": {}, "user": {}, "sys": {}, "mem": {}, "grad_mib": {}, "scan": {}, "phase_s": {}, "floor_user": {}}
     clock = time.perf_counter()
 
     def phase(name):
@@ -227,13 +267,16 @@ def _bench_rank(cfg):
     for dname in cfg["dtypes"]:
         dtype = getattr(torch, dname)
         x, ref = _inputs(T, v_local, dtype, seed=100 + rank)
-        tokens = {m: (T_naive if m == "naive_all4" else T) for m in cfg["methods"]}
-        times = {m: [] for m in cfg["methods"]}
-        users = {m: [] for m in cfg["methods"]}
-        syss = {m: [] for m in cfg["methods"]}
+        timed = list(cfg["methods"]) + list(cfg["floors"])
+        tokens = {m: (T_naive if m == "naive_all4" else T) for m in timed}
+        times = {m: [] for m in timed}
+        users = {m: [] for m in timed}
+        syss = {m: [] for m in timed}
+        for m in cfg["floors"]:  # compile outside the timed repeats
+            run(m, x, ref, T)
         # Round-robin over the methods inside each repeat, so that a change in machine load hits all alike.
         for i in range(cfg["warmup"] + cfg["repeats"]):
-            for method in cfg["methods"]:
+            for method in timed:
                 if method == "naive_all4":
                     continue  # the slow reference is timed by its one memory-profiled run below (no time target)
                 t = tokens[method]
@@ -248,6 +291,8 @@ def _bench_rank(cfg):
                     users[method].append(u1 - u0)
                     syss[method].append(s1 - s0)
         phase(f"timed runs {dname}")
+        for method in cfg["floors"]:
+            res["floor_user"][f"{method}/{dname}"] = users[method]
         for method in cfg["methods"]:
             key = f"{method}/{dname}"
             t = tokens[method]
@@ -312,6 +357,9 @@ def _aggregate(per_rank, cfg):
             peak_mib=max(r["mem"][key] for r in per_rank) / MiB,
             grad_mib=per_rank[0]["grad_mib"][key],
         )
+    for key in per_rank[0]["floor_user"]:  # slowest rank per repeat, best repeat (as the methods' user time)
+        n_rep = len(per_rank[0]["floor_user"][key])
+        out.setdefault("_floors", {})[key] = min(max(r["floor_user"][key][i] for r in per_rank) for i in range(n_rep))
     for key in per_rank[0]["mem"]:
         if "@naive_T" in key:
             out[key] = dict(peak_mib=max(r["mem"][key] for r in per_rank) / MiB)
@@ -385,6 +433,19 @@ def _report(agg, scan, scan_grad, cfg, wall):
                 kv[f"all4_vs_logprob{clock}{sfx}_{dname}"] = t(a4, what=what) / t(lp, what=what)
         if has_compiled and has_eager:
             kv[f"all4_compiled_vs_eager_logprob_{dname}"] = t("compiled_all4") / t("fused_logprob")
+        floors = agg.get("_floors", {})
+        if f"floor_expsum/{dname}" in floors:
+            f_es, f_ew, f_rd = (max(floors[f"floor_{k}/{dname}"], 1e-6) for k in ("expsum", "expwrite", "read"))
+            lp_floor, a4_floor = f_es + f_ew, 2 * f_es + f_ew + f_rd
+            print(
+                f"\nfloors ({dname}, user s): expsum {f_es:.3f}, expwrite {f_ew:.3f}, read {f_rd:.3f}; log-prob >= "
+                f"{lp_floor:.3f}, all four >= {a4_floor:.3f}: all4_vs_logprob >= {a4_floor / lp_floor:.3f} for an "
+                "exact implementation whose log-prob runs at its floor"
+            )
+            kv[f"all4_vs_logprob_floor_{dname}"] = a4_floor / lp_floor
+            lp_m, a4_m = impls[0][0] + "logprob", impls[0][0] + "all4"
+            kv[f"logprob_vs_floor_{dname}"] = t(lp_m) / lp_floor
+            kv[f"all4_vs_floor_{dname}"] = t(a4_m) / a4_floor
         mem_ref = "fused_all4" if has_eager else "compiled_all4"
         fused_key = f"{mem_ref}@naive_T/{dname}" if cfg["naive_tokens"] != cfg["tokens"] else f"{mem_ref}/{dname}"
         kv[f"naive_mem_over_fused_{dname}"] = agg[f"naive_all4/{dname}"]["peak_mib"] / agg[fused_key]["peak_mib"]
@@ -393,6 +454,9 @@ def _report(agg, scan, scan_grad, cfg, wall):
             kv[f"{base}{sfx}"] = max(kv[f"{base}{sfx}_{d}"] for d in cfg["dtypes"])
         kv[f"all4_vs_megatron{sfx}"] = max(kv[f"all4_vs_megatron{sfx}_{d}"] for d in cfg["dtypes"])
     kv["naive_mem_over_fused"] = min(kv[f"naive_mem_over_fused_{d}"] for d in cfg["dtypes"])
+    if all(f"all4_vs_logprob_floor_{d}" in kv for d in cfg["dtypes"]):
+        for base in ("all4_vs_logprob_floor", "logprob_vs_floor", "all4_vs_floor"):
+            kv[base] = max(kv[f"{base}_{d}"] for d in cfg["dtypes"])
     if "_compile" in agg:
         c = agg["_compile"]
         print(
@@ -463,6 +527,7 @@ def build_config(argv=None) -> dict:
         help="implementation(s) of the fused op to measure (the headline ratios use compiled when measured)",
     )
     ap.add_argument("--quick", action="store_true", help="tiny shapes (smoke run)")
+    ap.add_argument("--no-floors", action="store_true", help="skip the one-pass floor primitives")
     args = ap.parse_args(argv)
     if args.quick:
         args.tokens, args.vocab, args.repeats, args.warmup, args.scan_tokens = 64, 4096, 1, 0, (32, 128)
@@ -481,6 +546,7 @@ def build_config(argv=None) -> dict:
         scan_dtype="bfloat16",
         dtypes=list(args.dtypes),
         methods=_methods(args.impl),
+        floors=() if args.no_floors else _FLOORS,
         system_malloc=args.system_malloc,
     )
 

@@ -21,12 +21,9 @@ merged exactly to the row max M (the log-sum-exp merge, as across TP ranks: ``s 
 sums two-level (blocks of 256, then <= V/256 blocks): accurate without a cascade sum.
 Rows where w overflows or underflows against x's shift (w far from x) are redone by the eager path, which retries
 with w's own max. The top-2 margin uses the block maxima: top-2 among them plus the runner-up inside the winning
-block (`vocab_parallel._row_top2`).
-
-On the CPU that forward runs as two kernels (`forward`): `_maxima` takes the block maxima, then the `_m` variant of
-the kernel sums with every block's shift known, which streams faster than one loop nest that waits on each block's
-max (see the comment above `_maxima`). Log-prob alone needs no max at all: `_fwd_lse0` sums ``2^(x log2(e) / T)``
-unshifted, and only a chunk with a row that over- or underflows takes the shifted kernels (as the eager path does).
+block (`vocab_parallel._row_top2`). Log-prob alone needs no max: `_fwd_lse0` sums ``2^(x log2(e) / T)`` unshifted in
+one streaming pass, and only a chunk with a row that over- or underflows takes the shifted kernel (as the eager path
+does).
 
 Backward: ``grad = p (alpha + beta log p + gamma log q) - klr q`` with ``log p = (x - T lse) / T`` (and ``grad_w``
 likewise) evaluated per element in one pass and rounded once into the logits' dtype; `patch_gradient` then adds the
@@ -70,12 +67,11 @@ _MIN_CHUNK_ROWS = 8
 
 
 # ------------------------------------------------------------------------------------------------------- kernels
-def _block_stats(xb: torch.Tensor, wb: torch.Tensor | None, s2: torch.Tensor, ent: bool, rev: bool, m=None):
-    """Per-block partials of ``xb [c, k, b]`` (and ``wb``) relative to each block's max (``m [c, k]`` if already
-    computed, else here); sums over the last dim."""
+def _block_stats(xb: torch.Tensor, wb: torch.Tensor | None, s2: torch.Tensor, ent: bool, rev: bool):
+    """Per-block partials of ``xb [c, k, b]`` (and ``wb``) relative to each block's max; sums over the last dim."""
     cd = s2.dtype
     xf = xb.to(cd)
-    m = xf.amax(-1, keepdim=True) if m is None else m.to(cd).unsqueeze(-1)
+    m = xf.amax(-1, keepdim=True)
     d = (xf - m) * s2  # exact difference first, then the scale: full relative precision near the max
     e = torch.exp2(d)
     out = {"m": m.squeeze(-1), "s": e.sum(-1)}
@@ -92,27 +88,23 @@ def _block_stats(xb: torch.Tensor, wb: torch.Tensor | None, s2: torch.Tensor, en
     return out
 
 
-def _row_partials(x: torch.Tensor, w: torch.Tensor | None, s2: torch.Tensor, ent: bool, rev: bool, maxima=None):
+def _row_partials(x: torch.Tensor, w: torch.Tensor | None, s2: torch.Tensor, ent: bool, rev: bool):
     """Block partials of ``x [c, n]`` merged to the row max; returns [c] sums (base-2 units), the row max, the
     maxima of the full blocks ``block_max [c, q]`` and of the tail block ``tail_max [c]`` (logits units, exact
-    elements of x). ``maxima``: those two maxima from `_maxima` (the two-pass forward), else computed here."""
+    elements of x)."""
     c, n = x.shape
     # q full blocks and a tail of 1..BLOCK columns (never empty: one graph whether or not BLOCK divides n; the
-    # same block layout as `vocab_parallel._row_top2`'s). With the maxima given, q is read off their shape, so the
-    # graph needs no guard relating their size to n.
-    q = (n - 1) // BLOCK if maxima is None else maxima[0].shape[1]  # >= 1: narrower shards run eager (MIN_COLUMNS)
-    bm, tm = (None, None) if maxima is None else (maxima[0], maxima[1].unsqueeze(1))
+    # same block layout as `vocab_parallel._row_top2`'s)
+    q = (n - 1) // BLOCK  # >= 1: narrower shards take the eager path (`MIN_COLUMNS`)
     main = _block_stats(
         x[:, : q * BLOCK].reshape(c, q, BLOCK),
         None if w is None else w[:, : q * BLOCK].reshape(c, q, BLOCK),
         s2,
         ent,
         rev,
-        bm,
     )
     tail_w = None if w is None else w[:, q * BLOCK :].unsqueeze(1)
-    tail_stats = _block_stats(x[:, q * BLOCK :].unsqueeze(1), tail_w, s2, ent, rev, tm)
-    tail = {k: v.squeeze(1) for k, v in tail_stats.items()}
+    tail = {k: v.squeeze(1) for k, v in _block_stats(x[:, q * BLOCK :].unsqueeze(1), tail_w, s2, ent, rev).items()}
     # The full blocks and the tail are merged without concatenating their partials: a torch.cat copies the block
     # maxima into a new buffer in a loop vectorised along the blocks, and that extra loop stops inductor from fusing
     # the block max and the block sums into one loop nest (it then makes two passes over the logits: measured 0.21
@@ -143,11 +135,13 @@ def _row_partials(x: torch.Tensor, w: torch.Tensor | None, s2: torch.Tensor, ent
 # One top-level function per variant: dynamo keeps its compiled graphs per code object (recompile limit 8 each), so
 # separate functions keep every variant x dtype within the limit without touching global dynamo settings.
 def _fwd_lse0(x, s2):
-    """log-prob only, first try: ``s = sum 2^(x log2(e) / T)`` with no shift at all, so no max (and no block-max
-    dependency before the sums) is computed: one streaming pass of exponentials, summed two-level (blocks of
-    `BLOCK`, then the blocks and the tail) for accuracy. Rows whose sum over- or underflows (logits beyond ~88 or
-    all below ~-69) are redone by the caller with the shifted `_fwd_lse`, as the eager path does (`_sum_ok`).
-    Relative error of each term ~eps |x| log2(e), the precision fp32 logits of that size carry anyway."""
+    """log-prob only, first try: ``s = sum 2^(x log2(e) / T)`` with no shift at all. The shifted kernels below
+    wait on each block's max before its exponentials (a max loop, a horizontal reduction, then the exponential
+    loop, block after block); with no max this is one streaming pass of exponentials, summed two-level (blocks of
+    `BLOCK`, then the blocks and the tail) for accuracy: 0.035-0.041 s against 0.067-0.080 s for `_fwd_lse` on a
+    [2048, 75968] fp32 shard, 1 thread, AVX-512. Chunks with a row whose sum over- or underflows (logits beyond ~88,
+    or all below ~-69) are redone by the caller with the shifted `_fwd_lse`, as the eager path does (`_sum_ok`).
+    Each term's relative error is ~eps |x| log2(e), the precision fp32 logits of that size carry anyway."""
     c, n = x.shape
     q = (n - 1) // BLOCK
     cd = s2.dtype
@@ -156,7 +150,8 @@ def _fwd_lse0(x, s2):
 
 
 def _fwd_lse(x, s2):
-    """log-prob only, shifted: the log-sum-exp partials relative to the row max (rows `_fwd_lse0` cannot take)."""
+    """log-prob only, shifted: the log-sum-exp partials relative to the row max (chunks `_fwd_lse0` cannot take);
+    also the margin's block maxima when the margin is wanted without entropy or KL."""
     return _row_partials(x, None, s2, ent=False, rev=False)
 
 
@@ -173,40 +168,6 @@ def _fwd_kl(x, w, s2):
 def _fwd_kl_rev(x, w, s2):
     """+ sum q (w - m), sum q (z - m): KL(q || pi)."""
     return _row_partials(x, w, s2, ent=True, rev=True)
-
-
-# The two-pass forward (CPU). In the one-pass kernels above, each block's sums wait on that block's max: inductor's
-# C++ runs the max loop, a horizontal reduction, then the exponential loop, block after block, and the CPU cannot
-# overlap one block's exponentials with the next block's loads. A first kernel that only takes the block maxima and a
-# second that only sums (every block's shift already known) run at streaming speed, and together cost less than the
-# one-pass kernel despite reading the logits twice: 0.020 + 0.077 s against 0.110 s for the KL variant on a
-# [2048, 75968] fp32 shard, 1 thread, AVX-512 (docs/performance.md). On a GPU the logits' second read from HBM
-# would cost more than it saves, so CUDA tensors keep the one-pass kernels (`fwd_name`).
-def _maxima(x):
-    """``block_max [c, q]`` and ``tail_max [c]`` of ``x [c, n]``: exact elements of x, its dtype."""
-    c, n = x.shape
-    q = (n - 1) // BLOCK
-    return x[:, : q * BLOCK].reshape(c, q, BLOCK).amax(-1), x[:, q * BLOCK :].amax(-1)
-
-
-def _fwd_lse_m(x, bm, tm, s2):
-    """`_fwd_lse` with the maxima given."""
-    return _row_partials(x, None, s2, ent=False, rev=False, maxima=(bm, tm))
-
-
-def _fwd_ent_m(x, bm, tm, s2):
-    """`_fwd_ent` with the maxima given."""
-    return _row_partials(x, None, s2, ent=True, rev=False, maxima=(bm, tm))
-
-
-def _fwd_kl_m(x, w, bm, tm, s2):
-    """`_fwd_kl` with the maxima given."""
-    return _row_partials(x, w, s2, ent=True, rev=False, maxima=(bm, tm))
-
-
-def _fwd_kl_rev_m(x, w, bm, tm, s2):
-    """`_fwd_kl_rev` with the maxima given."""
-    return _row_partials(x, w, s2, ent=True, rev=True, maxima=(bm, tm))
 
 
 def _log2p(x, lse_x, s2):
@@ -290,11 +251,7 @@ def patch_gradient(name, grads, inputs, args, n_valid, rows=None, cols=None, lp=
 
 _KERNELS = {
     f.__name__: f
-    for f in (
-        *(_fwd_lse0, _fwd_lse, _fwd_ent, _fwd_kl, _fwd_kl_rev),
-        *(_maxima, _fwd_lse_m, _fwd_ent_m, _fwd_kl_m, _fwd_kl_rev_m),
-        *(_bwd_gz_x, _bwd_gz_xw, _bwd_gz_xwq, _bwd_both),
-    )
+    for f in (_fwd_lse0, _fwd_lse, _fwd_ent, _fwd_kl, _fwd_kl_rev, _bwd_gz_x, _bwd_gz_xw, _bwd_gz_xwq, _bwd_both)
 }
 
 
@@ -413,16 +370,6 @@ def fwd_name(want: set[str]) -> str:
     if want - {"logprob", "margin"}:
         return "_fwd_ent"
     return "_fwd_lse"
-
-
-def forward(name: str, x: torch.Tensor, w: torch.Tensor | None, s2: torch.Tensor):
-    """Forward variant `name` (`fwd_name`) on one row chunk ``x [c, n]`` (and ``w``): two passes on the CPU
-    (`_maxima`, then the variant's `_m` kernel), the one-pass kernel elsewhere. None if the compiled path is off."""
-    xs = (x,) if w is None else (x, w)
-    if x.device.type != "cpu":
-        return run(name, *xs, s2)
-    maxima = run("_maxima", x)
-    return None if maxima is None else run(f"{name}_m", *xs, *maxima, s2)
 
 
 def scale2(plan, dtype, device) -> torch.Tensor:

@@ -587,7 +587,8 @@ def _partial_keys(plan: _Plan) -> list[str]:
 def _local_partials_compiled(logits, other, ids, plan: _Plan):
     """`_local_partials` through the compiled forward kernel (`megatron_rlvr.ops.compiled`), row chunk by row
     chunk; chunks where the second distribution over/underflows against the first one's shift take the eager path
-    (which retries with its own max). None if the compiled path is unavailable (the caller runs eager)."""
+    (which retries with its own max). Log-prob alone tries the unshifted `_fwd_lse0` first (m_z = 0, as on the
+    eager path). None if the compiled path is unavailable (the caller runs eager)."""
     T, n = logits.shape[0], plan.n_valid
     if T < 2 or n < _compiled.MIN_COLUMNS:
         return None
@@ -607,13 +608,11 @@ def _local_partials_compiled(logits, other, ids, plan: _Plan):
                 return None
             if bool(_sum_ok(out["s_z"]).all()):
                 c = b - a
-                part = {"m_z": torch.zeros(c, dtype=dt, device=dev), "s_z": out["s_z"]}
-                part["no_overflow"] = torch.ones(c, dtype=torch.bool, device=dev)
-                for k in keys:
-                    if k != "z_y":
-                        pieces[k].append(part[k])
+                pieces["m_z"].append(torch.zeros(c, dtype=dt, device=dev))
+                pieces["s_z"].append(out["s_z"])
+                pieces["no_overflow"].append(torch.ones(c, dtype=torch.bool, device=dev))
                 continue
-        out = _compiled.forward(name, x, None if other is None else other[a:b, :n], s2)
+        out = _compiled.run(name, x, s2) if other is None else _compiled.run(name, x, other[a:b, :n], s2)
         if out is None:
             return None
         if plan.need_kl and not bool(_sum_ok(out["s_w"]).all()):
