@@ -52,15 +52,16 @@ By default the ranks run with PyTorch's documented CPU setting ``THP_MEM_ALLOC_E
 every method; ``--system-malloc`` measures with 4 KiB pages instead. Memory numbers do not depend on this. (A glibc
 "never return memory" heap was tried and rejected: it fragments under the naive path's multi-GiB tensors.)
 
-Floors: in the same round-robin, three compiled primitives that each make one pass over the shard, timed like the
-methods: ``floor_expsum`` (read x, one exponential per element, a two-level sum: the least a log-sum-exp does),
-``floor_expwrite`` (read x, one exponential per element, write a new [T, V/tp] tensor: the least a gradient does) and
-``floor_read`` (read the reference logits once). Log-prob cannot do less than expsum + expwrite (its forward's
-normaliser and its backward's gradient); all four statistics cannot do less than that plus an exponential pass over
-the reference logits (the KL needs their log-sum-exp) plus their second read (the KL gradient needs log q):
-2 x expsum + expwrite + read, without counting the margin's max or any sum beyond the normaliser. Their ratio,
-``all4_vs_logprob_floor``, is the least ``all4_vs_logprob`` any exact implementation can show on this machine once
-log-prob itself runs at its floor; ``logprob_vs_floor`` and ``all4_vs_floor`` say how far each op is from its own.
+Floors: in the same run, after the methods' repeats (in repeats of their own), three compiled primitives that each
+make one pass over the shard, timed like the methods: ``floor_expsum`` (read x, one exponential per element, a
+two-level sum: the least a log-sum-exp does), ``floor_expwrite`` (read x, one exponential per element, write a new
+[T, V/tp] tensor: the least a gradient does) and ``floor_read`` (read the reference logits once). Log-prob cannot do
+less than expsum + expwrite (its forward's normaliser and its backward's gradient); all four statistics cannot do
+less than that plus an exponential pass over the reference logits (the KL needs their log-sum-exp) plus their second
+read (the KL gradient needs log q): 2 x expsum + expwrite + read, without counting the margin's max or any sum beyond
+the normaliser. Their ratio, ``all4_vs_logprob_floor``, is the least ``all4_vs_logprob`` an exact implementation
+made of passes as fast as these can show on this machine once its log-prob runs at its floor; ``logprob_vs_floor``
+and ``all4_vs_floor`` say how far each op is from its own.
 
 The LAST line printed is ``key=value`` pairs: ``logprob_vs_megatron`` (time (a)/(d), lower is better),
 ``all4_vs_logprob`` (time (b)/(a)), ``all4_vs_megatron`` (time (b)/(d): all four statistics against megatron's
@@ -274,9 +275,13 @@ def _bench_rank(cfg):
         syss = {m: [] for m in timed}
         for m in cfg["floors"]:  # compile outside the timed repeats
             run(m, x, ref, T)
-        # Round-robin over the methods inside each repeat, so that a change in machine load hits all alike.
-        for i in range(cfg["warmup"] + cfg["repeats"]):
-            for method in timed:
+        # Round-robin over the methods inside each repeat, so that a change in machine load hits all alike; then the
+        # floors, round-robin among themselves in repeats of their own (their fresh [T, V/tp] outputs between the
+        # methods would change the methods' memory state, so they do not run inside the methods' repeats).
+        schedule = [list(cfg["methods"])] * (cfg["warmup"] + cfg["repeats"])
+        schedule += [list(cfg["floors"])] * ((cfg["warmup"] + cfg["repeats"]) if cfg["floors"] else 0)
+        for i, group_methods in enumerate(schedule):
+            for method in group_methods:
                 if method == "naive_all4":
                     continue  # the slow reference is timed by its one memory-profiled run below (no time target)
                 t = tokens[method]
@@ -286,7 +291,7 @@ def _bench_rank(cfg):
                 grad = run(method, xm, ref[:t], t)
                 dt, (u1, s1) = time.perf_counter() - t0, _user_sys()
                 del grad, xm
-                if i >= cfg["warmup"]:
+                if i % (cfg["warmup"] + cfg["repeats"]) >= cfg["warmup"]:
                     times[method].append(dt)
                     users[method].append(u1 - u0)
                     syss[method].append(s1 - s0)
@@ -440,7 +445,7 @@ def _report(agg, scan, scan_grad, cfg, wall):
             print(
                 f"\nfloors ({dname}, user s): expsum {f_es:.3f}, expwrite {f_ew:.3f}, read {f_rd:.3f}; log-prob >= "
                 f"{lp_floor:.3f}, all four >= {a4_floor:.3f}: all4_vs_logprob >= {a4_floor / lp_floor:.3f} for an "
-                "exact implementation whose log-prob runs at its floor"
+                "exact implementation whose log-prob runs at its floor (passes as fast as these)"
             )
             kv[f"all4_vs_logprob_floor_{dname}"] = a4_floor / lp_floor
             lp_m, a4_m = impls[0][0] + "logprob", impls[0][0] + "all4"
