@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_ops_math import ALL, grads_of, make_case, reference_stats
 
-from megatron_rlvr.ops import set_fused_statistics, vocab_parallel_token_stats
+from megatron_rlvr.ops import get_fused_statistics, set_fused_statistics, vocab_parallel_token_stats
 
 
 def _shard(t, rank, tp):
@@ -97,6 +97,32 @@ def _megatron_reference(group, rank, tp, dtype, errs):
     errs[f"megatron_{dtype}/grad"] = _grad_err(xo.grad, xm.grad.double())
 
 
+def _logprob_alone(group, rank, tp, errs):
+    """Log-prob alone (the compiled path's unshifted first try, `_fwd_lse0`, on shards of 320 > 256 columns) equals
+    the fp64 reference when the ranks take different shifts for the same rows: row 3 is +95 on shard 0 only (exp
+    overflows there, so rank 0 redoes rows 2-3 shifted by their max while the other ranks keep shift 0) and row 6 is
+    -120 on every shard (all ranks redo it shifted). Chunks of 2 rows, temperature 0.8."""
+    from megatron_rlvr.ops import compiled
+
+    T, V = 10, 320 * tp
+    x, _, ids, wt = make_case(T, V, torch.float32, seed=31)
+    x[3, :320] += 95.0
+    x[6] -= 120.0
+    before = compiled.compile_stats()["calls_by_kernel"].get("_fwd_lse0", 0)
+    xs = _shard(x, rank, tp).clone().requires_grad_(True)
+    out = vocab_parallel_token_stats(
+        xs, tp_group=group, token_ids_T=ids, want=("logprob",), temperature=0.8, chunk_size=2
+    )
+    xr = x.double().requires_grad_(True)
+    ref = reference_stats(xr, None, ids, 0.8, V)
+    errs["fp32_lp_alone/logprob"] = (out["logprob"].double() - ref["logprob"].detach()).abs().max().item()
+    (gx,) = grads_of(out, wt, (xs,))
+    (rx,) = grads_of({"logprob": ref["logprob"]}, wt, (xr,))
+    errs["fp32_lp_alone/grad_logits"] = _grad_err(gx, _shard(rx, rank, tp))
+    used = compiled.compile_stats()["calls_by_kernel"].get("_fwd_lse0", 0) > before
+    errs["lp_alone_lse0_unused"] = float(get_fused_statistics() == "compiled" and not used)
+
+
 def _tp_checks(impl="eager"):
     from megatron_rlvr.ops import compiled
 
@@ -138,6 +164,7 @@ def _tp_checks_body():
     errs["ranks_agree"] = max((g - lp).abs().max().item() for g in gathered)
     _megatron_reference(group, rank, tp, torch.float32, errs)
     _megatron_reference(group, rank, tp, torch.bfloat16, errs)
+    _logprob_alone(group, rank, tp, errs)
     return errs
 
 
@@ -150,6 +177,7 @@ EXACT = (
     "ranks_agree",
     "compiled_disabled",
     "compiled_unused",
+    "lse0_unused",
 )
 
 
@@ -168,7 +196,8 @@ def test_vocab_parallel_stats_match_full_vocab_reference(dist_pool, tp, impl):
     full-vocabulary reference (fp32, bf16, fp64 inputs; temperature != 1; padded vocab incl. an all-padding shard;
     cross-shard and in-shard top-2 ties give margin exactly 0; masked tokens get zero gradient; inputs unchanged;
     chunked == unchunked; all TP ranks agree) and log-probs and their gradient equal megatron-core's
-    vocab_parallel_cross_entropy. With impl="compiled" the compiled kernels must really have run."""
+    vocab_parallel_cross_entropy; log-prob alone is exact when the ranks shift the same rows differently. With
+    impl="compiled" the compiled kernels must really have run."""
     results = dist_pool.run(_tp_checks, tp=tp, args=(impl,), timeout=600)
     failures = []
     for rank, errs in enumerate(results):

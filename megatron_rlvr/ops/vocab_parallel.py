@@ -598,8 +598,10 @@ def _local_partials_compiled(logits, other, ids, plan: _Plan):
     s2 = _compiled.scale2(plan, dt, dev)
     keys = _partial_keys(plan)
     pieces: dict[str, list[torch.Tensor]] = {k: [] for k in keys}
-    # log-prob alone needs no max (the margin does): unshifted sums first, as on the eager path
-    unshifted_first = set(plan.want) == {"logprob"}
+    # Log-prob alone needs no max (the margin does): on the CPU, unshifted sums first, as on the eager path (there the
+    # shifted kernel's wait on each block's max costs more than the per-chunk check). A GPU keeps the one-pass
+    # shifted kernel: its block max costs no extra read there, and the check would sync the host once per chunk.
+    unshifted_first = set(plan.want) == {"logprob"} and dev.type == "cpu"
     for a, b in _compiled._chunk_bounds(T, n, plan.user_chunk_rows):
         x = logits[a:b, :n]
         if unshifted_first:
