@@ -21,9 +21,9 @@ merged exactly to the row max M (the log-sum-exp merge, as across TP ranks: ``s 
 sums two-level (blocks of 256, then <= V/256 blocks): accurate without a cascade sum.
 Rows where w overflows or underflows against x's shift (w far from x) are redone by the eager path, which retries
 with w's own max. The top-2 margin uses the block maxima: top-2 among them plus the runner-up inside the winning
-block (`vocab_parallel._row_top2`). Log-prob alone needs no max: `_fwd_lse0` sums ``2^(x log2(e) / T)`` unshifted in
-one streaming pass, and only a chunk with a row that over- or underflows takes the shifted kernel (as the eager path
-does).
+block (`vocab_parallel._row_top2`). Log-prob alone needs no max: on the CPU, `_fwd_lse0` sums ``2^(x log2(e) / T)``
+unshifted in one streaming pass, and only a chunk with a row that over- or underflows takes the shifted kernel (as
+the eager path does).
 
 Backward: ``grad = p (alpha + beta log p + gamma log q) - klr q`` with ``log p = (x - T lse) / T`` (and ``grad_w``
 likewise) evaluated per element in one pass and rounded once into the logits' dtype; `patch_gradient` then adds the

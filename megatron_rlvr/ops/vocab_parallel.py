@@ -587,8 +587,8 @@ def _partial_keys(plan: _Plan) -> list[str]:
 def _local_partials_compiled(logits, other, ids, plan: _Plan):
     """`_local_partials` through the compiled forward kernel (`megatron_rlvr.ops.compiled`), row chunk by row
     chunk; chunks where the second distribution over/underflows against the first one's shift take the eager path
-    (which retries with its own max). Log-prob alone tries the unshifted `_fwd_lse0` first (m_z = 0, as on the
-    eager path). None if the compiled path is unavailable (the caller runs eager)."""
+    (which retries with its own max). On the CPU, log-prob alone tries the unshifted `_fwd_lse0` first (m_z = 0,
+    as on the eager path). None if the compiled path is unavailable (the caller runs eager)."""
     T, n = logits.shape[0], plan.n_valid
     if T < 2 or n < _compiled.MIN_COLUMNS:
         return None
