@@ -273,33 +273,33 @@ def _bench_rank(cfg):
         times = {m: [] for m in timed}
         users = {m: [] for m in timed}
         syss = {m: [] for m in timed}
-        # Round-robin over the methods inside each repeat, so that a change in machine load hits all alike; then the
-        # floors, round-robin among themselves in repeats of their own (their fresh [T, V/tp] outputs between the
-        # methods would change the methods' memory state, so they do not run inside the methods' repeats).
-        n_rep = cfg["warmup"] + cfg["repeats"]
-        schedule = [list(cfg["methods"])] * n_rep + ([list(cfg["floors"])] * n_rep if cfg["floors"] else [])
-        for i, group_methods in enumerate(schedule):
-            if i == n_rep:  # the floors' first repeat: compile them first, outside the timing
+
+        # Round-robin: each repeat runs every method once, so that a change in machine load hits all alike. Then the
+        # floors, in repeats of their own: their fresh [T, V/tp] outputs between the methods would change the
+        # methods' memory state. They are compiled first, outside the timing; without a working compiler, no floors.
+        for stage in (cfg["methods"], cfg["floors"]):
+            if stage is cfg["floors"] and stage:
                 try:
-                    for m in group_methods:
+                    for m in stage:
                         run(m, x, ref, T)
-                except Exception as e:  # no working compiler: report the methods without floors
+                except Exception as e:
                     res["floor_error"] = f"{type(e).__name__}: {str(e).strip()[:200]}"
                     break
-            for method in group_methods:
-                if method == "naive_all4":
-                    continue  # the slow reference is timed by its one memory-profiled run below (no time target)
-                t = tokens[method]
-                xm = _prepare(method, x[:t])
-                dist.barrier(group=group)
-                t0, (u0, s0) = time.perf_counter(), _user_sys()
-                grad = run(method, xm, ref[:t], t)
-                dt, (u1, s1) = time.perf_counter() - t0, _user_sys()
-                del grad, xm
-                if i % (cfg["warmup"] + cfg["repeats"]) >= cfg["warmup"]:
-                    times[method].append(dt)
-                    users[method].append(u1 - u0)
-                    syss[method].append(s1 - s0)
+            for i in range(cfg["warmup"] + cfg["repeats"]):
+                for method in stage:
+                    if method == "naive_all4":
+                        continue  # the slow reference is timed by its one memory-profiled run below (no time target)
+                    t = tokens[method]
+                    xm = _prepare(method, x[:t])
+                    dist.barrier(group=group)
+                    t0, (u0, s0) = time.perf_counter(), _user_sys()
+                    grad = run(method, xm, ref[:t], t)
+                    dt, (u1, s1) = time.perf_counter() - t0, _user_sys()
+                    del grad, xm
+                    if i >= cfg["warmup"]:
+                        times[method].append(dt)
+                        users[method].append(u1 - u0)
+                        syss[method].append(s1 - s0)
         phase(f"timed runs {dname}")
         for method in cfg["floors"]:
             if users[method]:
