@@ -8,7 +8,7 @@ import os
 import pytest
 import yaml
 
-from megatron_rlvr.cli import main
+from megatron_rlvr.commands.cli import main
 
 
 def _train(tmp_path, *args):

@@ -87,7 +87,7 @@ def test_probe_and_ratio_stats_are_logged_by_a_training_run(tmp_path):
         "logging.plot_at_end=false",
     ]
     proc = subprocess.run(
-        [sys.executable, "-m", "megatron_rlvr.cli", "train", *args],
+        [sys.executable, "-m", "megatron_rlvr.commands.cli", "train", *args],
         cwd=REPO,
         env=env,
         capture_output=True,

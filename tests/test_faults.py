@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import pytest
 import trainer_helpers
 
-from megatron_rlvr.trainer import run_lock
-from megatron_rlvr.trainer.run_lock import RunDirLocked, acquire, holder_is_stale
+from megatron_rlvr.rundir import lock as run_lock
+from megatron_rlvr.rundir.lock import RunDirLocked, acquire, holder_is_stale
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS_DIR)
@@ -30,7 +30,7 @@ PY_ENV = dict(
 
 def _start_holder(run_dir):
     code = (
-        "import sys, time; from megatron_rlvr.trainer.run_lock import acquire; lock = acquire(sys.argv[1]); "
+        "import sys, time; from megatron_rlvr.rundir.lock import acquire; lock = acquire(sys.argv[1]); "
         "print('locked', flush=True); time.sleep(600)"
     )
     p = subprocess.Popen([sys.executable, "-c", code, str(run_dir)], stdout=subprocess.PIPE, text=True, env=PY_ENV)
@@ -41,7 +41,7 @@ def _start_holder(run_dir):
 def test_second_run_is_refused_with_the_holders_pid_and_host_and_a_dead_holder_is_taken_over(tmp_path, capsys):
     """Item 1: a live run's directory is refused (pid + host in the message, also through `train`); once the holder
     is SIGKILLed the lock is taken over, naming the dead holder."""
-    from megatron_rlvr.cli import main
+    from megatron_rlvr.commands.cli import main
 
     run = tmp_path / "run"
     holder = _start_holder(run)
@@ -69,7 +69,7 @@ def test_ranks_keep_the_launchers_lock_after_the_launcher_dies(tmp_path):
     run = tmp_path / "run"
     lock = acquire(str(run))
     code = (
-        "import os, sys, time; from megatron_rlvr.trainer.run_lock import inherited; "
+        "import os, sys, time; from megatron_rlvr.rundir.lock import inherited; "
         "print(inherited(sys.argv[1]), flush=True); time.sleep(600)"
     )
     env = dict(PY_ENV, **{run_lock.FD_ENV: str(lock.fd)})
@@ -104,7 +104,7 @@ def test_a_lock_that_cannot_be_written_is_refused_on_every_rank(tmp_path, monkey
     sent = []
     with pytest.raises(RunDirLocked, match="No space left on device"):
         run_lock.hold_collective(str(run), 0, lambda obj: sent.append(obj) or obj)
-    assert sent and "No space left" in sent[0][0]  # the error went through the broadcast
+    assert sent and "No space left" in sent[0]  # the error went through the broadcast
     monkeypatch.undo()
     acquire(str(run)).release()  # nothing left holding it
 
@@ -144,17 +144,17 @@ def _fake_checkpoint(run_dir, step, files=None):
 
 
 def _prepare(config, overrides):
-    from megatron_rlvr.cli import prepare_run
+    from megatron_rlvr.commands.train_cli import prepare_run
 
-    cfg, run_dir, path, _ = prepare_run(config, overrides)
-    run_lock.release(run_dir)
-    return cfg, path
+    run = prepare_run(config, overrides)
+    run.lock.release()
+    return run.cfg, run.config_path
 
 
 def test_one_off_resume_path_is_not_persisted(tmp_path):
     """Item 2: checkpoint.resume=PATH acts once; config.yaml keeps 'auto' (a later plain resume continues from the
     newest checkpoint, not from PATH), and the ranks get the one-off on their command line."""
-    from megatron_rlvr.cli import one_off_overrides
+    from megatron_rlvr.commands.train_cli import one_off_overrides
 
     run = tmp_path / "run"
     old = _fake_checkpoint(str(run), 3)
@@ -169,7 +169,7 @@ def test_one_off_resume_path_is_not_persisted(tmp_path):
 def test_changed_options_on_resume_are_applied_or_refused(tmp_path, capsys):
     """Item 3: on a run dir with checkpoints, algorithm.preset=dapo is refused loudly (naming the option and both
     values), applied with checkpoint.allow_changes=true; schedule.steps is applied and listed."""
-    from megatron_rlvr.trainer.resume import ResumeError
+    from megatron_rlvr.rundir.resume import ResumeError
 
     run = tmp_path / "run"
     _, path = _prepare(None, [f"logging.run_dir={run}"])
@@ -190,7 +190,7 @@ def test_resume_of_a_run_dir_written_before_an_option_existed(tmp_path, capsys):
     for them when they hold their defaults (nothing was changed); a non-default value is still a refused change."""
     import yaml
 
-    from megatron_rlvr.trainer.resume import ResumeError
+    from megatron_rlvr.rundir.resume import ResumeError
 
     run = tmp_path / "run"
     _, path = _prepare(None, [f"logging.run_dir={run}"])
@@ -212,7 +212,8 @@ def test_an_unreadable_config_yaml_on_resume_is_refused_on_every_rank(tmp_path):
     """Under torchrun / srun rank 0 reads the run's config.yaml: a YAML error there must reach every rank as a
     ResumeError naming the file (raised on rank 0 alone, the others would wait in the broadcast forever)."""
     from megatron_rlvr.config import load_run_config
-    from megatron_rlvr.trainer.resume import ResumeError, prepare_run_dir_on_ranks
+    from megatron_rlvr.rundir.checkpointer import ResumeError
+    from megatron_rlvr.rundir.prepare import prepare_run_dir_on_ranks
 
     run = tmp_path / "run"
     _fake_checkpoint(str(run), 3)
@@ -241,7 +242,7 @@ def test_preset_override_on_a_resolved_config_takes_effect(tmp_path):
 def test_corrupt_newest_checkpoint_is_named_and_the_previous_one_used(tmp_path):
     """Item 4: a truncated shard in the newest checkpoint is reported by path, the previous complete one is chosen;
     with fallback off the error names the folder and both ways out."""
-    from megatron_rlvr.trainer.resume import ResumeError, candidates, choose_checkpoint
+    from megatron_rlvr.rundir.checkpointer import ResumeError, candidates, choose_checkpoint
 
     run = str(tmp_path / "run")
     _fake_checkpoint(run, 1)
@@ -263,7 +264,7 @@ def test_after_a_fallback_the_damaged_step_is_saved_again(tmp_path, monkeypatch)
     that never happened and every later resume fell back to step 1). Re-saving the step that was resumed from stays
     a no-op."""
     from megatron_rlvr.models import checkpointing
-    from megatron_rlvr.trainer import checkpointer as ckpt
+    from megatron_rlvr.rundir import checkpointer as ckpt
 
     run = str(tmp_path / "run")
     _fake_checkpoint(run, 1)
@@ -336,7 +337,7 @@ def test_a_hanging_function_is_reported_at_its_first_timeout():
 
 def test_too_many_failed_rewards_fail_the_step_and_counts_show_on_the_progress_line():
     from megatron_rlvr.rewards.manager import RewardFailure, check_failure_fraction
-    from megatron_rlvr.trainer.step_metrics import RunLogger
+    from megatron_rlvr.rundir.metrics_log import RunLogger
 
     check_failure_fraction({"reward/n_items": 10, "reward/n_error": 5}, 0.5, "f")  # exactly the limit: fine
     with pytest.raises(RewardFailure, match=r"6 of 10 rewards.*errors 3, timeouts 2, non-finite 1.*max_error_frac"):
@@ -354,7 +355,7 @@ def test_too_many_failed_rewards_fail_the_step_and_counts_show_on_the_progress_l
 
 def test_user_errors_are_one_line_naming_the_input(tmp_path, capsys):
     """Item 10: train / eval / convert / plan errors are one line, exit 2; no traceback."""
-    from megatron_rlvr.cli import main
+    from megatron_rlvr.commands.cli import main
 
     blocker = tmp_path / "file"
     blocker.write_text("x")
@@ -372,7 +373,7 @@ def test_user_errors_are_one_line_naming_the_input(tmp_path, capsys):
 
 
 def test_unexpected_errors_keep_their_traceback_in_a_file_and_debug_shows_it(monkeypatch, capsys):
-    from megatron_rlvr import cli
+    from megatron_rlvr.commands import cli
 
     def boom(ns):
         raise RuntimeError("internal bug")
@@ -394,7 +395,7 @@ def test_unexpected_errors_keep_their_traceback_in_a_file_and_debug_shows_it(mon
 
 def test_launcher_names_the_dead_rank_and_its_signal(monkeypatch, capsys):
     """Item 10: a rank killed by SIGKILL is named with its pid and signal; the survivor is stopped (fail fast)."""
-    from megatron_rlvr.trainer import spawn as launch
+    from megatron_rlvr.rundir import local_ranks as launch
 
     monkeypatch.setattr(launch, "FAIL_FAST_GRACE_S", 0.5)
     dead = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
@@ -408,7 +409,7 @@ def test_launcher_names_the_dead_rank_and_its_signal(monkeypatch, capsys):
 def test_ranks_import_the_launchers_installation_not_a_checkout_in_the_cwd(tmp_path):
     """Item 13: a `megatron_rlvr` folder in the cwd shadowed the installation under `python -m`; the rank command
     imports the launcher's package (and the cwd still serves user modules)."""
-    from megatron_rlvr.trainer.spawn import rank_command
+    from megatron_rlvr.rundir.local_ranks import rank_command
 
     shadow = tmp_path / "megatron_rlvr"
     shadow.mkdir()
@@ -417,7 +418,10 @@ def test_ranks_import_the_launchers_installation_not_a_checkout_in_the_cwd(tmp_p
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
     before = subprocess.run(
-        [sys.executable, "-m", "megatron_rlvr.cli", "plot", "--help"], cwd=tmp_path, env=env, capture_output=True
+        [sys.executable, "-m", "megatron_rlvr.commands.cli", "plot", "--help"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
     )
     assert b"SHADOW" in before.stdout  # the old launch command: the cwd's copy wins
     out = subprocess.run(rank_command(["plot", "--help"]), cwd=tmp_path, env=env, capture_output=True, text=True)
@@ -430,8 +434,8 @@ def test_ranks_import_the_launchers_installation_not_a_checkout_in_the_cwd(tmp_p
 def test_eval_refuses_a_folder_without_tokenizer_and_uses_the_runs_settings(tmp_path, capsys):
     """Item 7: no silently empty tokenizer; a run directory's reward / extraction / template are eval's defaults
     (explicit flags still win)."""
-    from megatron_rlvr.cli import main
-    from megatron_rlvr.trainer.eval_cli import resolve_settings
+    from megatron_rlvr.commands.cli import main
+    from megatron_rlvr.commands.eval_cli import resolve_settings
 
     hf = tmp_path / "run" / "hf"
     hf.mkdir(parents=True)
@@ -453,7 +457,8 @@ def test_eval_refuses_a_folder_without_tokenizer_and_uses_the_runs_settings(tmp_
 
 def test_convert_accepts_a_run_dir_and_names_the_overwrite_flag(tmp_path):
     """Item 8: `--ckpt RUN_DIR` resolves to its newest checkpoint; an existing --out names `--overwrite`."""
-    from megatron_rlvr.models.convert import convert_main, resolve_checkpoint
+    from megatron_rlvr.commands.convert_cli import convert_main
+    from megatron_rlvr.models.convert import resolve_checkpoint
 
     run = str(tmp_path / "run")
     _fake_checkpoint(run, 4)
@@ -500,8 +505,8 @@ def _trainer_faults(root, overrides):
     from megatron_rlvr.config import load_run_config
     from megatron_rlvr.models.convert import to_hf_on_rank
     from megatron_rlvr.rewards.manager import RewardFailure
-    from megatron_rlvr.trainer.resume import ResumeError
-    from megatron_rlvr.trainer.train import rl_step, setup, teardown, train
+    from megatron_rlvr.rundir.resume import ResumeError
+    from megatron_rlvr.trainer.colocated import rl_step, setup, teardown, train
 
     sys.path.insert(0, TESTS_DIR)  # trainer_helpers' reward functions
     out = {}

@@ -62,7 +62,7 @@ def _tensors(folder):
 def test_hf_megatron_hf_roundtrip_and_cli(dist_pool, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from megatron_rlvr.models.convert import convert_main
+    from megatron_rlvr.commands.convert_cli import convert_main
 
     hf, run = str(tmp_path / "hf"), str(tmp_path / "run")
     source = _hf_source(hf)
@@ -90,7 +90,7 @@ def test_hf_megatron_hf_roundtrip_and_cli(dist_pool, tmp_path):
 
 
 def test_cli_rejects_bad_layouts_and_paths(tmp_path):
-    from megatron_rlvr.models.convert import convert_main
+    from megatron_rlvr.commands.convert_cli import convert_main
 
     hf = str(tmp_path / "hf")
     _hf_source(hf)

@@ -42,8 +42,8 @@ def test_decision_table():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU behaviour")
 def test_all_fusions_off_on_cpu():
     """On CPU the built TransformerConfig has every fusion off, whatever ``fusions`` asks."""
+    from megatron_rlvr.families.tiny import tiny_hf_config
     from megatron_rlvr.models.hf_config import megatron_model_args
-    from megatron_rlvr.models.tiny import tiny_hf_config
 
     assert detect() == FusionSupport(cuda=False, transformer_engine=None, apex=False)
     assert fusion_flags() == {k: False for k in FUSION_FLAGS}
@@ -56,10 +56,10 @@ def _gpu_child() -> dict:
     """One training step of the tiny model twice, fusions off then on (same start weights, same batch)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+    from megatron_rlvr.families.tiny import tiny_hf_config
     from megatron_rlvr.megatron.parallel import init_distributed
     from megatron_rlvr.megatron.policy import ModelSource, build_model, wrap_ddp
     from megatron_rlvr.models.build import unwrap
-    from megatron_rlvr.models.tiny import tiny_hf_config
     from megatron_rlvr.ops import vocab_parallel_token_stats
 
     d = init_distributed(1, 1, 0)

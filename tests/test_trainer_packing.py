@@ -103,7 +103,7 @@ def _packed_vs_rows(run_root, runs, overrides):
     """Per run (name: (preset, extra overrides)): step 1 twice on one trainer, one sequence per row then packed rows
     (trainer_helpers.step_once_per_setting: same weights, prompts and rollouts)."""
     from megatron_rlvr.config import load_run_config
-    from megatron_rlvr.trainer.train import setup
+    from megatron_rlvr.trainer.colocated import setup
 
     sys.path.insert(0, TESTS_DIR)  # reward.fn=trainer_helpers:...
     out = {}

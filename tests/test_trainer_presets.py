@@ -31,7 +31,7 @@ def _records(run_dir):
 def _train_presets(run_root, runs, overrides):
     """``runs``: {run name: extra overrides}."""
     from megatron_rlvr.config import load_run_config
-    from megatron_rlvr.trainer.train import train
+    from megatron_rlvr.trainer.colocated import train
 
     codes = {}
     for name, extra in runs.items():
@@ -47,7 +47,7 @@ def _engine_checksum(t):
 def _one_step(run_dir, overrides):
     """Step 1 at this layout: (its metrics, a checksum of the updated weights as the engine received them)."""
     from megatron_rlvr.config import load_run_config
-    from megatron_rlvr.trainer.train import rl_step, setup, teardown
+    from megatron_rlvr.trainer.colocated import rl_step, setup, teardown
 
     sys.path.insert(0, TESTS_DIR)  # reward.fn=trainer_helpers:...
     t = setup(load_run_config(None, overrides), run_dir)
@@ -64,7 +64,7 @@ def _bad_inputs(run_root, overrides):
     from megatron_rlvr.config import load_run_config
     from megatron_rlvr.megatron.policy import params_checksum
     from megatron_rlvr.trainer import token_loss as loss_mod
-    from megatron_rlvr.trainer.train import rl_step, setup, teardown
+    from megatron_rlvr.trainer.colocated import rl_step, setup, teardown
 
     out = {}
     sys.path.insert(0, TESTS_DIR)  # reward.fn=trainer_helpers:...
@@ -113,7 +113,7 @@ def _bad_inputs(run_root, overrides):
 
 def _flaky_rewards(run_dir, overrides):
     from megatron_rlvr.config import load_run_config
-    from megatron_rlvr.trainer.train import train
+    from megatron_rlvr.trainer.colocated import train
 
     sys.path.insert(0, TESTS_DIR)  # the reward workers import trainer_helpers by dotted path
     cfg = load_run_config(

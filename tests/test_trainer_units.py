@@ -16,10 +16,10 @@ from megatron_rlvr.config import (
     load_run_config,
     resolved_dict,
 )
-from megatron_rlvr.trainer.evaluation import format_table, pass_at_k, summarize
+from megatron_rlvr.eval.benchmarks import format_table, pass_at_k, summarize
+from megatron_rlvr.rundir.signals import exit_code_for
+from megatron_rlvr.trainer.loss_metrics import LossMetrics
 from megatron_rlvr.trainer.microbatch import Sequence, build_microbatch, pack, response_values
-from megatron_rlvr.trainer.signals import exit_code_for
-from megatron_rlvr.trainer.step_metrics import LossMetrics
 
 # ------------------------------------------------------------------------------------------------ config
 
@@ -239,7 +239,7 @@ def test_signal_exit_code_contract():
 
 
 def test_second_ctrl_c_interrupts_immediately():
-    from megatron_rlvr.trainer.signals import StopSignals
+    from megatron_rlvr.rundir.signals import StopSignals
 
     s = StopSignals()
     s._handle(signal.SIGTERM, None)
@@ -278,7 +278,7 @@ def test_summary_table():
 def test_tiny_tokenizer_is_character_level_and_round_trips(tmp_path):
     from transformers import AutoTokenizer
 
-    from megatron_rlvr.models.tiny import save_tiny_tokenizer, tiny_hf_config, tiny_tokenizer
+    from megatron_rlvr.families.tiny import save_tiny_tokenizer, tiny_hf_config, tiny_tokenizer
 
     tok = tiny_tokenizer()
     ids = tok("12+3=", add_special_tokens=False)["input_ids"]
@@ -334,7 +334,7 @@ def test_every_rank_of_a_rollout_tp_group_calls_generate():
     """vLLM with rollout TP > 1 is SPMD: a non-leader rank must enter generate with its leader (or the leader hangs),
     but it neither scores nor contributes the outputs (the leader does, once)."""
     from megatron_rlvr.rollout.engine import SamplingParams
-    from megatron_rlvr.trainer.generation import engine_info, generate_groups
+    from megatron_rlvr.rollout.groups import engine_info, generate_groups
 
     calls = []
 

@@ -33,7 +33,7 @@ if importlib.util.find_spec("vllm") is None:
 
 
 def _cmd(*args):
-    return [sys.executable, "-m", "megatron_rlvr.cli", *args]
+    return [sys.executable, "-m", "megatron_rlvr.commands.cli", *args]
 
 
 def _env():

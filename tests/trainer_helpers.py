@@ -75,7 +75,7 @@ def step_once_per_setting(t, settings, apply, spy):
 
     ``apply(t, setting)`` switches the setting; ``spy(record)`` starts recording into a list and returns its undo.
     Returns {setting: (metrics without NOT_COMPARED keys, recorded gradients, the spy's record)}."""
-    from megatron_rlvr.trainer.train import rl_step, teardown
+    from megatron_rlvr.trainer.colocated import rl_step, teardown
 
     grads = []
 

@@ -63,7 +63,7 @@ def main(argv=None) -> int:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from megatron_rlvr.models.gguf import cached_hf_folder, smollm2_gguf_path
+    from megatron_rlvr.families.gguf import cached_hf_folder, smollm2_gguf_path
     from megatron_rlvr.rollout.engine import SamplingParams
     from megatron_rlvr.rollout.hf_engine import HFEngineConfig, HFRolloutEngine
     from megatron_rlvr.rollout.vllm_engine import VLLMEngineConfig, VLLMRolloutEngine

@@ -62,7 +62,7 @@ def prepare(workdir: str) -> None:
     """config.json + tokenizer folder + prompts.jsonl (the procedural single-digit addition task) in ``workdir``."""
     sys.path.insert(0, REPO)
     from megatron_rlvr.data.procedural import ProceduralConfig, generate_examples
-    from megatron_rlvr.models.tiny import save_tiny_tokenizer, tiny_tokenizer
+    from megatron_rlvr.families.tiny import save_tiny_tokenizer, tiny_tokenizer
 
     tok = tiny_tokenizer()
     save_tiny_tokenizer(os.path.join(workdir, "tok"))
@@ -135,7 +135,7 @@ def run_ours(workdir: str, tp: int, steps: int, warmup: int, index: int, repo: s
     """``repo``: the checkout whose trainer runs (``--baseline-repo`` compares another commit in the same run)."""
     tag = "ours" if repo == REPO else "base"
     run_dir = os.path.join(workdir, f"{tag}-tp{tp}-{index}")
-    cmd = [sys.executable, "-m", "megatron_rlvr.cli", "train", os.path.join(repo, "configs", "tiny.yaml")]
+    cmd = [sys.executable, "-m", "megatron_rlvr.commands.cli", "train", os.path.join(repo, "configs", "tiny.yaml")]
     cmd += ours_overrides(workdir, run_dir, tp, steps)
     env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("OMP_NUM_THREADS", None)  # launch.threads_per_rank decides

@@ -12,7 +12,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_rlvr.models.convert import convert_main  # noqa: E402
+from megatron_rlvr.commands.convert_cli import convert_main  # noqa: E402
 
 if __name__ == "__main__":
     if "--debug" in sys.argv or os.environ.get("RLVR_DEBUG", "") not in ("", "0"):

@@ -28,7 +28,7 @@ def main() -> int:
     import torch
 
     from megatron_rlvr.config import load_run_config
-    from megatron_rlvr.trainer.train import rl_step, setup, teardown
+    from megatron_rlvr.trainer.colocated import rl_step, setup, teardown
 
     work = a.out or tempfile.mkdtemp(prefix="profile_step-")
     os.makedirs(work, exist_ok=True)

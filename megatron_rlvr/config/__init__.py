@@ -1,5 +1,5 @@
 """The one run-config tree shared by ``train``, ``plan``, ``eval`` and the launchers (see config/run.py for the
-sections, config/loader.py for how a file becomes a validated ``RunConfig``, config/specs.py for the model
+sections, config/loader.py for how a file becomes a validated ``RunConfig``, families/table.py for the model
 families and shape specs)."""
 
 from megatron_rlvr.config.loader import (

@@ -35,9 +35,9 @@ class ModelConfig:
     """Which policy model to train."""
 
     name: str | None = "tiny"
-    """``tiny``: the built-in 2-layer Qwen2 with a character tokenizer (megatron_rlvr/models/tiny.py), built from a
+    """``tiny``: the built-in 2-layer Qwen2 with a character tokenizer (megatron_rlvr/families/tiny.py), built from a
     config, no download. Otherwise a label, and hf_path / hf_config / gguf say what to load; a built-in spec name
-    (``qwen2.5-7b``, see config/specs.py) also lets ``plan`` size the job before the checkpoint is on disk."""
+    (``qwen2.5-7b``, see families/table.py) also lets ``plan`` size the job before the checkpoint is on disk."""
     hf_path: str | None = None
     """HF model folder (config.json + safetensors, and the tokenizer unless ``tokenizer`` is set): the start weights."""
     hf_config: str | None = None

@@ -33,11 +33,11 @@ def resolve_model_source(cfg: ModelConfig) -> ModelSource:
     from megatron_rlvr.models.hf_config import load_hf_config
 
     if cfg.is_tiny:
-        from megatron_rlvr.models.tiny import tiny_hf_config
+        from megatron_rlvr.families.tiny import tiny_hf_config
 
         return ModelSource(tiny_hf_config(), None, cfg.tokenizer, True)
     if cfg.gguf:
-        from megatron_rlvr.models import gguf
+        from megatron_rlvr.families import gguf
 
         path = gguf.smollm2_gguf_path() if cfg.gguf == "smollm2" else cfg.gguf
         folder = gguf.cached_hf_folder(path)
@@ -49,7 +49,7 @@ def resolve_model_source(cfg: ModelConfig) -> ModelSource:
 
 def load_tokenizer(source: ModelSource):
     if source.tokenizer_dir is None:
-        from megatron_rlvr.models.tiny import tiny_tokenizer
+        from megatron_rlvr.families.tiny import tiny_tokenizer
 
         return tiny_tokenizer()
     from transformers import AutoTokenizer

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from megatron_rlvr.config.specs import FAMILIES, padded_vocab
+from megatron_rlvr.families.table import FAMILIES, padded_vocab
 from megatron_rlvr.models.mapping import ModelDims
 
 

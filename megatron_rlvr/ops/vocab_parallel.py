@@ -59,7 +59,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from megatron_rlvr.ops import compiled as _compiled
+import megatron_rlvr.ops.compiled as _compiled
 
 __all__ = [
     "FUSED_STATISTICS_MODES",

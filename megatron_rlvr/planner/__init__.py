@@ -2,7 +2,7 @@
 
 No Megatron import and no GPU: it runs on a login node. Split by concern: ``inputs`` (a run config -> what is
 planned), ``memory`` (layout validation and the memory model), ``report`` (the table, the search, the CLI); the
-model shapes are ``megatron_rlvr.config.specs``.
+model shapes are ``megatron_rlvr.families.table``.
 
     megatron-rlvr plan CONFIG [--gpus-per-node 8] [--gpu-mem-gb 80] [--nodes N] [--search] [key=value ...]
 
@@ -36,7 +36,7 @@ Memory model (per GPU, bytes; GiB = 2**30). Every term is a formula of the confi
 """
 
 from megatron_rlvr.config.sections import ClusterConfig, ParallelConfig, RolloutConfig, TrainConfig
-from megatron_rlvr.config.specs import (
+from megatron_rlvr.families.table import (
     BUILTIN_SPECS,
     MEGATRON_VOCAB_DIVISIBLE_BY,
     ModelSpec,

@@ -18,7 +18,7 @@ from megatron_rlvr.config import (
     load_run_config,
     model_hf_config,
 )
-from megatron_rlvr.config.specs import BUILTIN_SPECS, ModelSpec, get_model_spec, model_spec_from_hf_config
+from megatron_rlvr.families.table import BUILTIN_SPECS, ModelSpec, get_model_spec, model_spec_from_hf_config
 from megatron_rlvr.planner.memory import PlanConfig
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatron_rlvr.config.sections import ClusterConfig, ParallelConfig, RolloutConfig, TrainConfig
-from megatron_rlvr.config.specs import ModelSpec
+from megatron_rlvr.families.table import ModelSpec
 
 GIB = 1024**3
 

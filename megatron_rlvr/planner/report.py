@@ -7,7 +7,7 @@ import dataclasses
 import sys
 from collections.abc import Sequence
 
-from megatron_rlvr.config.specs import MEGATRON_VOCAB_DIVISIBLE_BY
+from megatron_rlvr.families.table import MEGATRON_VOCAB_DIVISIBLE_BY
 from megatron_rlvr.planner.inputs import load_plan_config, run_dir_config
 from megatron_rlvr.planner.memory import GIB, LOGITS_CHUNK_FACTOR, MemoryPlan, PlanConfig, estimate_memory
 

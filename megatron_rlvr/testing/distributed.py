@@ -93,15 +93,11 @@ def init_megatron_parallel(tp: int, pp: int, seed: int = 1234) -> frozenset:
 
 def _worker(rank: int, world_size: int, port: int, tasks, results, parent_pid: int, pg_timeout_s: float) -> None:
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        # 2 cores shared by up to 4 ranks: more intra-op threads only thrash.
-        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-    )
+    from megatron_rlvr.rundir.local_ranks import rank_environment
+
+    # 2 cores shared by up to 4 ranks: more intra-op threads only thrash.
+    threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
+    os.environ.update(rank_environment(rank, world_size, "127.0.0.1", port, threads))
     try:
         import torch
 

@@ -18,7 +18,7 @@ from megatron_rlvr.algorithms import (
     shape_rewards,
 )
 from megatron_rlvr.megatron.cpu_shims import native_torch
-from megatron_rlvr.trainer.generation import Group
+from megatron_rlvr.rollout.groups import Group
 from megatron_rlvr.trainer.microbatch import Sequence
 
 

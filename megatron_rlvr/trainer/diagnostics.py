@@ -94,9 +94,8 @@ def forgetting_probe(t, groups, step: int) -> dict[str, float]:
 
     from megatron_rlvr.algorithms import mastered_rollouts
     from megatron_rlvr.megatron.parallel import all_gather_objects
+    from megatron_rlvr.rollout.groups import generate_groups, sampling_params
     from megatron_rlvr.trainer.batch import reward_tensors
-    from megatron_rlvr.trainer.generation import generate_groups
-    from megatron_rlvr.trainer.train import sampling_params
 
     t0 = time.perf_counter()
     shaped, correct, _ = reward_tensors(groups, t.algo)
@@ -104,7 +103,7 @@ def forgetting_probe(t, groups, step: int) -> dict[str, float]:
     chosen = probe_selection(mastered_G, cfg.forgetting_prompts)
     if not chosen:
         return {"forget/probe_prompts": 0.0}
-    params = sampling_params(t.cfg)
+    params = sampling_params(t.cfg.rollout)
     params = type(params)(**{**params.__dict__, "n": cfg.forgetting_rollouts})
     probed, _ = generate_groups(
         t.engine,

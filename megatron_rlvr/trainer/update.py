@@ -18,8 +18,8 @@ from megatron_rlvr.algorithms import AlgorithmConfig, LossNormalizers
 from megatron_rlvr.data import shard_range
 from megatron_rlvr.megatron.parallel import all_reduce_max
 from megatron_rlvr.megatron.schedule import run_microbatches
+from megatron_rlvr.trainer.loss_metrics import LossMetrics
 from megatron_rlvr.trainer.microbatch import Sequence, build_microbatch, pack, pack_packed, response_values
-from megatron_rlvr.trainer.step_metrics import LossMetrics
 from megatron_rlvr.trainer.token_loss import StatsSpec, logprob_fn, policy_loss_fn
 
 

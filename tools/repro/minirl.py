@@ -48,8 +48,8 @@ from megatron_rlvr.algorithms import (  # noqa: E402
     mastered_rollouts,
     preset,
 )
+from megatron_rlvr.eval.benchmarks import pass_at_k  # noqa: E402
 from megatron_rlvr.trainer.diagnostics import forgetting_metrics, ratio_quantile_metrics  # noqa: E402
-from megatron_rlvr.trainer.evaluation import pass_at_k  # noqa: E402
 from tools.repro.common import fmt_ci, mean_ci, pyplot, write_json  # noqa: E402
 
 VOCAB = list("0123456789+=") + ["<eos>"]

@@ -57,12 +57,12 @@ def by_digits(examples, pp: list[float]) -> dict[str, list]:
 def evaluate(ns) -> dict:
     import torch
 
+    from megatron_rlvr.commands.eval_cli import resolve_model_dir
     from megatron_rlvr.data import DataConfig, load_dataset
+    from megatron_rlvr.eval.benchmarks import pass_at_k
     from megatron_rlvr.rewards import RewardConfig, RewardManager
     from megatron_rlvr.rollout.engine import SamplingParams
-    from megatron_rlvr.trainer.eval_cli import resolve_model_dir
-    from megatron_rlvr.trainer.evaluation import pass_at_k
-    from megatron_rlvr.trainer.generation import round_seed, tokenize_prompts
+    from megatron_rlvr.rollout.groups import round_seed, tokenize_prompts
 
     torch.set_num_threads(ns.threads)
     model_dir = resolve_model_dir(ns.model)

@@ -29,116 +29,6 @@ def _quiet() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def _split_config_and_overrides(items: list[str]) -> tuple[str | None, list[str]]:
-    if items and "=" not in items[0]:
-        path = items[0]
-        if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.yaml")):
-            path = os.path.join(path, "config.yaml")  # a run directory: resume it
-        return path, items[1:]
-    return None, items
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# train
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def prepare_run(config: str | None, overrides: list[str], world_size: int | None = None):
-    """Load + validate the config (including the layout for ``world_size`` ranks and the data files), choose the
-    run directory, lock it (megatron_rlvr/trainer/run_lock.py), check a resume against the run's config.yaml
-    (megatron_rlvr/trainer/resume.py), write the resolved config there. Returns (cfg, run_dir, config_path,
-    world_size); the lock stays held by this process (``run_lock.release(run_dir)`` frees it)."""
-    from megatron_rlvr.config import check_layout, default_world_size, dump_yaml, load_run_config
-    from megatron_rlvr.trainer import run_lock
-    from megatron_rlvr.trainer.resume import check_resume_changes
-    from megatron_rlvr.trainer.train import resolve_run_dir
-
-    cfg = load_run_config(config, overrides)
-    world = world_size or default_world_size(cfg)
-    check_layout(cfg, world)
-    if cfg.data.train_files:  # malformed rows are reported (file:line) now, not after the ranks started
-        from megatron_rlvr.data import build_train_dataset
-
-        build_train_dataset(cfg.data)
-    run_dir = resolve_run_dir(cfg)
-    cfg.logging.run_dir = run_dir
-    lock = run_lock.hold(run_dir)  # before anything in the run dir is written: a live run's config stays intact
-    try:
-        if lock is not None and lock.takeover_note():
-            print(lock.takeover_note(), flush=True)
-        for line in check_resume_changes(cfg, run_dir):
-            print(f"megatron-rlvr: resuming with a changed option: {line}", flush=True)
-        path = os.path.join(run_dir, "config.yaml")
-        try:
-            dump_yaml(cfg, path)
-        except OSError as e:
-            raise ValueError(f"cannot write {path}: {e.strerror}; choose a writable logging.run_dir") from None
-    except BaseException:
-        run_lock.release(run_dir)
-        raise
-    return cfg, run_dir, path, world
-
-
-def one_off_overrides(cfg) -> list[str]:
-    """The one-off options of this invocation (not in config.yaml) as overrides for the ranks' command line."""
-    from megatron_rlvr.config import ONE_OFF_OPTIONS
-
-    out = []
-    for (section, key), default in ONE_OFF_OPTIONS.items():
-        value = getattr(getattr(cfg, section), key)
-        if value != default:
-            out.append(f"{section}.{key}={str(value).lower() if isinstance(value, bool) else value}")
-    return out
-
-
-def cmd_train(ns: argparse.Namespace) -> int:
-    from megatron_rlvr.megatron.parallel import env_rank_info
-    from megatron_rlvr.trainer import run_lock
-
-    config, overrides = _split_config_and_overrides(ns.args)
-    joined = env_rank_info()
-    if joined is not None:
-        return _train_as_rank(config, overrides, joined)
-    cfg, run_dir, path, world = prepare_run(config, overrides)
-    if ns.dry_run:
-        run_lock.release(run_dir)
-        print(f"config OK: {world} rank(s), run dir {run_dir}, resolved config {path}")
-        return 0
-    if world == 1:
-        from megatron_rlvr.trainer.train import train
-
-        _quiet()
-        return train(cfg, run_dir)
-    from megatron_rlvr.trainer.spawn import launch_local
-
-    threads = cfg.launch.threads_per_rank or max(1, (os.cpu_count() or 1) // world)
-    print(f"megatron-rlvr: launching {world} ranks ({cfg.launch.backend} backend), run dir {run_dir}", flush=True)
-    lock = run_lock._HELD.get(os.path.realpath(run_dir))
-    return launch_local(
-        path,
-        world,
-        master_addr=cfg.launch.master_addr,
-        master_port=cfg.launch.master_port,
-        threads=threads,
-        overrides=one_off_overrides(cfg),
-        lock_fd=lock.fd if lock is not None else None,
-    )
-
-
-def _train_as_rank(config: str | None, overrides: list[str], joined: dict) -> int:
-    """This process is one rank of a launched job (our launcher, torchrun or srun)."""
-    from megatron_rlvr.config import check_layout, load_run_config
-    from megatron_rlvr.trainer.spawn import start_parent_watchdog
-    from megatron_rlvr.trainer.train import train
-
-    _quiet()
-    start_parent_watchdog()
-    cfg = load_run_config(config, overrides)
-    check_layout(cfg, joined["world_size"])
-    code = train(cfg, cfg.logging.run_dir)
-    return code
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # other subcommands
 # ----------------------------------------------------------------------------------------------------------------
@@ -146,7 +36,7 @@ def _train_as_rank(config: str | None, overrides: list[str], joined: dict) -> in
 
 def cmd_plot(ns: argparse.Namespace) -> int:
     try:
-        from megatron_rlvr.trainer.plot import plot_runs
+        from megatron_rlvr.rundir.plot import plot_runs
     except ImportError as e:
         print(f"megatron-rlvr plot: needs matplotlib ({e}): pip install matplotlib", file=sys.stderr)
         return 2
@@ -159,8 +49,15 @@ def cmd_plot(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(ns: argparse.Namespace) -> int:
+    from megatron_rlvr.commands.train_cli import train_main
+
+    _quiet()
+    return train_main(ns.args, dry_run=ns.dry_run)
+
+
 def cmd_eval(ns: argparse.Namespace) -> int:
-    from megatron_rlvr.trainer.eval_cli import eval_main
+    from megatron_rlvr.commands.eval_cli import eval_main
 
     return eval_main(ns)
 
@@ -172,7 +69,7 @@ def cmd_plan(argv: list[str]) -> int:
 
 
 def cmd_convert(argv: list[str]) -> int:
-    from megatron_rlvr.models.convert import convert_main  # in the installed package (tools/ is a thin wrapper)
+    from megatron_rlvr.commands.convert_cli import convert_main
 
     return int(convert_main(argv) or 0)
 
@@ -223,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _user_errors() -> tuple:
     """Exceptions that are the user's to fix: their message names the file, field or option and the fix."""
     from megatron_rlvr.rewards.manager import RewardFailure
-    from megatron_rlvr.trainer.run_lock import RunDirLocked
+    from megatron_rlvr.rundir.lock import RunDirLocked
 
     return (
         ValueError,
@@ -243,8 +140,8 @@ def _report(command: str, e: BaseException) -> None:
 
     msg = str(e).strip() or type(e).__name__
     from megatron_rlvr.rewards.manager import RewardFailure
-    from megatron_rlvr.trainer.resume import ResumeError
-    from megatron_rlvr.trainer.run_lock import RunDirLocked
+    from megatron_rlvr.rundir.checkpointer import ResumeError
+    from megatron_rlvr.rundir.lock import RunDirLocked
 
     collective = (RewardFailure, ResumeError, RunDirLocked)  # raised identically on every rank: rank 0 says it
     if isinstance(e, collective) and os.environ.get("RANK", "0") != "0":

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from megatron_rlvr.trainer.step_metrics import read_metrics
+from megatron_rlvr.rundir.metrics_log import read_metrics
 
 PANELS: list[tuple[str, list[tuple[str, str]]]] = [
     ("training reward", [("reward/mean", "reward"), ("reward/accuracy", "accuracy")]),

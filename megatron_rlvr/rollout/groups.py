@@ -44,6 +44,18 @@ class EngineInfo:
     leader: bool
 
 
+def sampling_params(rollout) -> SamplingParams:
+    """The training rollouts' sampling parameters from the run's ``rollout`` section."""
+    return SamplingParams(
+        n=rollout.n,
+        temperature=rollout.temperature,
+        top_p=rollout.top_p,
+        top_k=rollout.top_k,
+        max_tokens=rollout.max_response_len,
+        stop=tuple(rollout.stop),
+    )
+
+
 def engine_info(rank: int, world_size: int, rollout_tp: int) -> EngineInfo:
     return EngineInfo(index=rank // rollout_tp, count=world_size // rollout_tp, leader=rank % rollout_tp == 0)
 

@@ -83,9 +83,9 @@ def eval_main(ns) -> int:
     import torch
 
     from megatron_rlvr.data import DataConfig, load_dataset
+    from megatron_rlvr.eval.benchmarks import bench_name, evaluate_examples, format_table, summarize
     from megatron_rlvr.rewards import RewardConfig, RewardManager
     from megatron_rlvr.rollout.hf_engine import HFEngineConfig, HFRolloutEngine
-    from megatron_rlvr.trainer.evaluation import bench_name, evaluate_examples, format_table, summarize
 
     try:
         model_dir = resolve_model_dir(ns.model)

@@ -18,6 +18,7 @@ from megatron_rlvr.algorithms import AlgorithmConfig
 from megatron_rlvr.algorithms.reductions import reduction_of
 from megatron_rlvr.config import RunConfig
 from megatron_rlvr.data import PromptLoader, build_train_dataset, build_train_loader
+from megatron_rlvr.eval.benchmarks import PeriodicEval
 from megatron_rlvr.megatron.cpu_shims import native_torch
 from megatron_rlvr.megatron.parallel import (
     DistInfo,
@@ -41,19 +42,18 @@ from megatron_rlvr.models.build import takes_block_attention_mask
 from megatron_rlvr.models.fusions import detect
 from megatron_rlvr.models.hf_config import MegatronModelArgs
 from megatron_rlvr.rewards import RewardManager
-from megatron_rlvr.rollout.engine import RolloutEngine, SamplingParams
+from megatron_rlvr.rollout.engine import RolloutEngine
+from megatron_rlvr.rollout.groups import EngineInfo, engine_info, generate_groups, sampling_params, tokenize_prompts
 from megatron_rlvr.rollout.mismatch import mismatch_metrics as token_mismatch
+from megatron_rlvr.rundir.checkpointer import Checkpointer, PolicyState, export_hf_folder
+from megatron_rlvr.rundir.lock import RunLock
+from megatron_rlvr.rundir.metrics_log import RunLogger, read_metrics
+from megatron_rlvr.rundir.plot import plot_runs
+from megatron_rlvr.rundir.prepare import prepare_run_dir_on_ranks, resolve_run_dir
+from megatron_rlvr.rundir.signals import StopSignals, exit_code_for
 from megatron_rlvr.trainer.batch import batch_metrics, build_sequences, informative, warn_all_too_long
-from megatron_rlvr.trainer.checkpointer import Checkpointer, PolicyState, export_hf_folder
 from megatron_rlvr.trainer.diagnostics import forgetting_probe
 from megatron_rlvr.trainer.engine_setup import build_engine, engine_sleeps, sleep_engine, wake_all, wake_weights
-from megatron_rlvr.trainer.evaluation import PeriodicEval
-from megatron_rlvr.trainer.generation import EngineInfo, engine_info, generate_groups, tokenize_prompts
-from megatron_rlvr.trainer.plot import plot_runs
-from megatron_rlvr.trainer.resume import prepare_run_dir_on_ranks
-from megatron_rlvr.trainer.run_lock import release
-from megatron_rlvr.trainer.signals import StopSignals, exit_code_for
-from megatron_rlvr.trainer.step_metrics import RunLogger, read_metrics
 from megatron_rlvr.trainer.token_loss import StatsSpec
 from megatron_rlvr.trainer.update import UpdateContext, compute_logprobs, my_sequence_ids, policy_update, recompute_ids
 from megatron_rlvr.trainer.weights import sync_weights
@@ -108,6 +108,8 @@ class Trainer:
     """The run's evaluation benchmarks."""
     ref_model: GPTModel | None = None
     """Frozen reference policy (reference-KL algorithms)."""
+    lock: RunLock | None = None
+    """The run directory's lock when this process holds it (None: another rank or the launcher does)."""
     step: int = 0
     """The step being run."""
     start_step: int = 0
@@ -184,7 +186,7 @@ def collect_groups(t: Trainer, step: int):
     (at most train.dynamic_sampling_max_rounds rounds). Returns (all groups generated, kept groups, metrics)."""
 
     cfg, need = t.cfg, t.cfg.train.prompts_per_step
-    params = sampling_params(cfg)
+    params = sampling_params(cfg.rollout)
     all_groups, kept, m = [], [], {"data/prompts_too_long": 0.0, "rollout/rounds": 0.0}
     for round_idx in range(cfg.train.dynamic_sampling_max_rounds if t.algo.dapo.dynamic_sampling else 1):
         examples = t.loader.next_batch(need)
@@ -298,19 +300,6 @@ def ref_logits_fn(t: Trainer):
     return fn
 
 
-def sampling_params(cfg: RunConfig):
-
-    r = cfg.rollout
-    return SamplingParams(
-        n=r.n,
-        temperature=r.temperature,
-        top_p=r.top_p,
-        top_k=r.top_k,
-        max_tokens=r.max_response_len,
-        stop=tuple(r.stop),
-    )
-
-
 def current_lr(t: Trainer) -> float:
 
     return optimizer_lr(t.optimizer)
@@ -321,10 +310,11 @@ def current_lr(t: Trainer) -> float:
 # ------------------------------------------------------------------------------------------------------------------
 
 
-def train(cfg: RunConfig, run_dir: str | None = None) -> int:
-    """Run (or resume) training on this rank; returns the process exit code (0 done, else a signal's code)."""
+def train(cfg: RunConfig, run_dir: str | None = None, lock: RunLock | None = None) -> int:
+    """Run (or resume) training on this rank; returns the process exit code (0 done, else a signal's code).
+    ``lock``: the run directory's lock when this process already holds it (a single-process run prepared it)."""
 
-    t = setup(cfg, run_dir)
+    t = setup(cfg, run_dir, lock)
     try:
         for step in range(t.start_step + 1, cfg.schedule.steps + 1):
             t.step = step
@@ -353,7 +343,7 @@ def train(cfg: RunConfig, run_dir: str | None = None) -> int:
         teardown(t)
 
 
-def setup(cfg: RunConfig, run_dir: str | None) -> Trainer:
+def setup(cfg: RunConfig, run_dir: str | None, lock: RunLock | None = None) -> Trainer:
     """Build every component on this rank and resume from the newest checkpoint when there is one."""
 
     signals = StopSignals().install()
@@ -365,7 +355,8 @@ def setup(cfg: RunConfig, run_dir: str | None) -> Trainer:
 
     # torchrun / srun (no launcher of ours): rank 0 locks the run dir, checks a resume's changed options, writes
     # config.yaml; after `megatron-rlvr train` launched us, the launcher has done all three
-    prepare_run_dir_on_ranks(cfg, run_dir, d.rank, broadcast_object)
+    if lock is None:
+        lock = prepare_run_dir_on_ranks(cfg, run_dir, d.rank, broadcast_object)
     # local rank 0 first: a GGUF model is converted (and cached) once per node, not by every rank at once
     if d.local_rank == 0:
         source = resolve_model_source(cfg.model)
@@ -436,6 +427,7 @@ def setup(cfg: RunConfig, run_dir: str | None) -> Trainer:
         ),
         evaluator=PeriodicEval(cfg.eval, cfg.data, 0, 0),  # loaded below, inside the clean-up guard
         ref_model=ref_model,
+        lock=lock,
     )
     try:
         t.evaluator = PeriodicEval.from_run_config(cfg)
@@ -482,14 +474,6 @@ def cpu_threads(cfg: RunConfig, world_size: int) -> int:
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():
         return max(1, int(os.environ["OMP_NUM_THREADS"]))
     return max(1, (os.cpu_count() or 1) // max(1, local_world_size(world_size)))
-
-
-def resolve_run_dir(cfg: RunConfig) -> str:
-    if cfg.logging.run_dir:
-        return cfg.logging.run_dir
-    if os.environ.get("RLVR_RUN_DIR"):
-        return os.environ["RLVR_RUN_DIR"]
-    return os.path.join("runs", f"{cfg.logging.name or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
 def run_eval(t: Trainer) -> dict[str, float]:
@@ -550,7 +534,8 @@ def summary(t: Trainer, ckpt_path, hf_dir, plot_path) -> str:
 
 def teardown(t: Trainer) -> None:
 
-    release(t.run_dir)
+    if t.lock is not None:
+        t.lock.release()
     if t.reward_manager is not None:
         t.reward_manager.close()
     if t.engine is not None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 
-from megatron_rlvr.models.checkpointing import checkpoint_problem
+from megatron_rlvr.rundir.checkpointer import ResumeError, checkpoint_dir
 
 APPLIED_ON_RESUME = (
     "schedule.steps",
@@ -32,10 +32,6 @@ APPLIED_ON_RESUME = (
     "reward.max_error_frac",
 )
 """Prefixes of dotted options a resumed run may change; they take effect from the resumed step on."""
-
-
-class ResumeError(ValueError):
-    """A resume that cannot proceed as asked (changed options, corrupt checkpoint without fallback)."""
 
 
 def _flatten(d, prefix=""):
@@ -94,7 +90,6 @@ def _not_a_change(key: str, old, new) -> bool:
 
 def will_resume(cfg, run_dir: str) -> bool:
     from megatron_rlvr.models.checkpointing import list_checkpoints
-    from megatron_rlvr.trainer.checkpointer import checkpoint_dir
 
     how = cfg.checkpoint.resume
     return how != "never" and (how != "auto" or bool(list_checkpoints(checkpoint_dir(run_dir))))
@@ -125,59 +120,3 @@ def check_resume_changes(cfg, run_dir: str) -> list[str]:
             "pass checkpoint.allow_changes=true to apply them to the resumed run"
         )
     return [f"{k}: {a!r} -> {b!r}" for k, a, b in applied + refused]
-
-
-def prepare_run_dir_on_ranks(cfg, run_dir: str, rank: int, broadcast) -> None:
-    """In every rank (torchrun / srun / in-process): rank 0 locks ``run_dir``; if it took the lock now (no launcher
-    of ours did), it also checks a resume's changed options and writes config.yaml, as ``prepare_run`` does for a
-    launched run. Errors are raised on every rank."""
-    from megatron_rlvr.config import dump_yaml
-    from megatron_rlvr.trainer.run_lock import hold_collective, release
-
-    if not hold_collective(run_dir, rank, broadcast):
-        return
-    err = None
-    if rank == 0:
-        try:
-            cfg.logging.run_dir = run_dir
-            for line in check_resume_changes(cfg, run_dir):
-                print(f"megatron-rlvr: resuming with a changed option: {line}", flush=True)
-            dump_yaml(cfg, os.path.join(run_dir, "config.yaml"))
-        except Exception as e:  # on rank 0 alone: it must reach every rank, or they wait in the broadcast forever
-            err = e if isinstance(e, ResumeError) else ResumeError(f"{run_dir}/config.yaml: {type(e).__name__}: {e}")
-    err = broadcast(err)
-    if err is not None:
-        if rank == 0:
-            release(run_dir)
-        raise err
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Checkpoint integrity
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def candidates(save_dir: str) -> list[str]:
-    """Complete checkpoints, newest first."""
-    from megatron_rlvr.models.checkpointing import list_checkpoints
-
-    return [p for _, p in reversed(list_checkpoints(save_dir))]
-
-
-def choose_checkpoint(paths: list[str], fallback: bool, warn=print) -> tuple[str | None, list[str]]:
-    """The first of ``paths`` (newest first) without a problem; ``warn`` gets one line per skipped checkpoint.
-    Returns (path or None, skipped paths). Without fallback a problem with the newest raises ResumeError."""
-    skipped = []
-    for p in paths:
-        problem = checkpoint_problem(p)
-        if problem is None:
-            return p, skipped
-        if not fallback:
-            raise ResumeError(
-                f"checkpoint {p} is corrupt or incomplete ({problem}); checkpoint.fallback=false, so not resuming "
-                "from an older one. Delete that folder (or set checkpoint.fallback=true) to resume from the previous "
-                "complete checkpoint"
-            )
-        skipped.append(p)
-        warn(f"megatron-rlvr: WARNING: checkpoint {p} is corrupt or incomplete ({problem}); trying the previous one")
-    return None, skipped

@@ -17,9 +17,13 @@ from megatron_rlvr.data import PromptLoader
 from megatron_rlvr.megatron.parallel import all_gather_objects, broadcast_object
 from megatron_rlvr.models import checkpointing
 from megatron_rlvr.models.build import unwrap
+from megatron_rlvr.models.checkpointing import checkpoint_problem
 from megatron_rlvr.models.export import export_hf
 from megatron_rlvr.models.hf_config import MegatronModelArgs
-from megatron_rlvr.trainer.resume import ResumeError, candidates, choose_checkpoint
+
+
+class ResumeError(ValueError):
+    """A resume that cannot proceed as asked (changed options, corrupt checkpoint without fallback)."""
 
 
 def checkpoint_dir(run_dir: str) -> str:
@@ -66,7 +70,7 @@ class Checkpointer:
     def save(self, step: int, policy: PolicyState, loader: PromptLoader) -> str:
         """Save step ``step``; a no-op returning the path if that step is the checkpoint this run resumed from (e.g.
         the final save of a run resumed at its last step). Rank 0 then records every file's size
-        (megatron_rlvr/trainer/resume.py: a truncated shard is found on resume)."""
+        (``checkpoint_problem``: a truncated shard is found on resume)."""
         path = os.path.join(self.save_dir, checkpointing.step_dir_name(step))
         # Only the resumed-from step is known to hold this state: a newer step_N folder that the resume skipped as
         # corrupt (checkpoint.fallback) must be replaced when the run reaches that step again, not kept.
@@ -190,3 +194,36 @@ def export_hf_folder(run_dir: str, policy: PolicyState, source, tokenizer, pg, w
     if write_tokenizer and source_dir is None:  # built-in tokenizer: write its files next to the weights
         tokenizer.save_pretrained(out)
     return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Checkpoint integrity
+# ----------------------------------------------------------------------------------------------------------------
+
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def candidates(save_dir: str) -> list[str]:
+    """Complete checkpoints, newest first."""
+    from megatron_rlvr.models.checkpointing import list_checkpoints
+
+    return [p for _, p in reversed(list_checkpoints(save_dir))]
+
+
+def choose_checkpoint(paths: list[str], fallback: bool, warn=print) -> tuple[str | None, list[str]]:
+    """The first of ``paths`` (newest first) without a problem; ``warn`` gets one line per skipped checkpoint.
+    Returns (path or None, skipped paths). Without fallback a problem with the newest raises ResumeError."""
+    skipped = []
+    for p in paths:
+        problem = checkpoint_problem(p)
+        if problem is None:
+            return p, skipped
+        if not fallback:
+            raise ResumeError(
+                f"checkpoint {p} is corrupt or incomplete ({problem}); checkpoint.fallback=false, so not resuming "
+                "from an older one. Delete that folder (or set checkpoint.fallback=true) to resume from the previous "
+                "complete checkpoint"
+            )
+        skipped.append(p)
+        warn(f"megatron-rlvr: WARNING: checkpoint {p} is corrupt or incomplete ({problem}); trying the previous one")
+    return None, skipped

@@ -108,7 +108,7 @@ def evaluate_examples(
     """Generate ``k`` samples per example on this engine's share, score, gather: (correct, lengths) per example,
     in example order, on every rank. Prompts longer than ``max_prompt_len`` count as wrong."""
     from megatron_rlvr.rollout.engine import SamplingParams
-    from megatron_rlvr.trainer.generation import round_seed, tokenize_prompts
+    from megatron_rlvr.rollout.groups import round_seed, tokenize_prompts
 
     share = shard_range(len(examples), engine_index, engine_count)
     local: list[tuple[int, list[bool], list[int]]] = []

@@ -1,9 +1,10 @@
-"""Local launch: ``megatron-rlvr train`` on one machine starts its own ranks as child processes (the torchrun model:
+"""Local launch: ``megatron-rlvr train`` (and ``convert``) on one machine starts its own ranks as child processes
+(the torchrun model:
 RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT in their environment) running the same command on the
 resolved config, and supervises them:
 
 - SIGTERM, SIGUSR1 and SIGINT sent to the launcher are forwarded to every rank (they checkpoint and exit with the
-  signal's code, see megatron_rlvr/trainer/signals.py); the ranks live in their own process group, so a Ctrl-C in
+  signal's code, see megatron_rlvr/rundir/signals.py); the ranks live in their own process group, so a Ctrl-C in
   the terminal reaches them once, through the launcher;
 - fail fast: when a rank exits with an error, the others get a few seconds to exit, then are killed (they would
   otherwise wait forever in a collective); the launcher exits with the first non-zero code;
@@ -11,7 +12,7 @@ resolved config, and supervises them:
 - the dead rank is named: "rank 1 (pid 4242) was killed by SIGKILL", not only the survivors' gloo errors;
 - ranks import the launcher's own ``megatron_rlvr`` (its installation is put first on ``sys.path``), never a
   checkout that happens to sit in the current directory (``python -m`` would put the cwd first);
-- the run-directory lock (megatron_rlvr/trainer/run_lock.py) is inherited by every rank.
+- the run-directory lock (megatron_rlvr/rundir/lock.py) is inherited by every rank.
 """
 
 from __future__ import annotations
@@ -51,11 +52,11 @@ def _repo_root() -> str:
     return os.path.dirname(os.path.dirname(os.path.abspath(megatron_rlvr.__file__)))
 
 
-# ``python -m megatron_rlvr.cli`` would import megatron_rlvr from the cwd first (sys.path[0] = cwd). The rank's
+# ``python -m megatron_rlvr.commands.cli`` would import megatron_rlvr from the cwd first (sys.path[0] = cwd). The rank's
 # bootstrap puts the launcher's installation in front instead; the cwd stays on the path (after it) for user modules
 # such as a reward function next to the config.
 _RANK_BOOTSTRAP = (
-    "import sys; sys.path.insert(0, sys.argv.pop(1)); from megatron_rlvr.cli import main; sys.exit(main())"
+    "import sys; sys.path.insert(0, sys.argv.pop(1)); from megatron_rlvr.commands.cli import main; sys.exit(main())"
 )
 
 
@@ -73,19 +74,35 @@ def describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
+def rank_environment(rank: int, world_size: int, master_addr: str, master_port: int, threads: int) -> dict[str, str]:
+    """The torchrun-style variables of one local rank (what ``megatron_rlvr.megatron.parallel.env_rank_info`` reads):
+    every way this package starts local ranks (``launch_local``, the test harness) sets exactly these."""
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+        "OMP_NUM_THREADS": str(threads),
+    }
+
+
 def launch_local(
-    config_path: str,
+    args: list[str],
     world_size: int,
     *,
     master_addr: str,
     master_port: int,
     threads: int,
-    overrides: list[str] | None = None,
     lock_fd: int | None = None,
+    extra_env: dict[str, str] | None = None,
+    timeout_s: float | None = None,
 ) -> int:
-    """Run ``megatron-rlvr train <config_path> [overrides]`` as ``world_size`` ranks; returns the launcher's exit
-    code. ``lock_fd``: the held run-directory lock, inherited by every rank."""
-    from megatron_rlvr.trainer.run_lock import FD_ENV
+    """Run ``megatron-rlvr ARGS`` (e.g. ``train CONFIG k=v``, ``convert to-hf ...``) as ``world_size`` local ranks;
+    returns the launcher's exit code. ``lock_fd``: a held run-directory lock, inherited by every rank;
+    ``timeout_s``: the ranks are killed after that long (exit code 124)."""
+    from megatron_rlvr.rundir.lock import FD_ENV
 
     port = master_port or free_port()
     env_base = dict(os.environ)
@@ -94,19 +111,13 @@ def launch_local(
     if lock_fd is not None:
         os.set_inheritable(lock_fd, True)
         env_base[FD_ENV] = str(lock_fd)
-    env_base.update(
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR=master_addr,
-        MASTER_PORT=str(port),
-        OMP_NUM_THREADS=str(threads),
-        **{PARENT_ENV: str(os.getpid())},
-    )
-    cmd = rank_command(["train", config_path, *(overrides or [])])
+    env_base.update(extra_env or {})
+    env_base[PARENT_ENV] = str(os.getpid())
+    cmd = rank_command(list(args))
     procs: list[subprocess.Popen] = []
     fds = (lock_fd,) if lock_fd is not None else ()
     for rank in range(world_size):
-        env = dict(env_base, RANK=str(rank), LOCAL_RANK=str(rank))
+        env = dict(env_base, **rank_environment(rank, world_size, master_addr, port, threads))
         procs.append(subprocess.Popen(cmd, env=env, process_group=0, pass_fds=fds))
 
     signalled: list[int] = []
@@ -122,7 +133,7 @@ def launch_local(
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
     try:
-        return _supervise(procs, signalled)
+        return _supervise(procs, signalled, timeout_s)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
@@ -132,10 +143,19 @@ def launch_local(
                 p.wait()
 
 
-def _supervise(procs: list[subprocess.Popen], signalled: list[int] | None = None) -> int:
+def _supervise(procs: list[subprocess.Popen], signalled: list[int] | None = None, timeout_s=None) -> int:
     first_bad: int | None = None
     bad_since = None
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
+        if deadline is not None and time.monotonic() > deadline:
+            print(f"megatron-rlvr: the ranks ran longer than {timeout_s:.0f} s; stopping them", file=sys.stderr)
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            for p in procs:
+                p.wait()
+            return 124
         codes = [p.poll() for p in procs]
         for rank, c in enumerate(codes):
             if c is not None and c != 0 and first_bad is None:

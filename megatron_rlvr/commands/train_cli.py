@@ -1,0 +1,117 @@
+"""``megatron-rlvr train [CONFIG | RUN_DIR] [key=value ...]``: validate the whole config before any rank starts,
+prepare the run directory (``megatron_rlvr.rundir.prepare``), then train in this process (one rank), start
+``launch.nproc`` local ranks (``megatron_rlvr.rundir.local_ranks``), or, under torchrun / srun (RANK / WORLD_SIZE or
+SLURM_PROCID set), be one of the ranks."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megatron_rlvr.config import RunConfig
+    from megatron_rlvr.rundir.lock import RunLock
+
+
+def split_config_and_overrides(items: list[str]) -> tuple[str | None, list[str]]:
+    """(config path or None, overrides); a run directory stands for its config.yaml (resume it)."""
+    if items and "=" not in items[0]:
+        path = items[0]
+        if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.yaml")):
+            path = os.path.join(path, "config.yaml")
+        return path, items[1:]
+    return None, items
+
+
+def load_checked(config: str | None, overrides: list[str], world_size: int | None = None, check_data: bool = True):
+    """Load + validate the config, including the layout for ``world_size`` ranks (default: the launch's) and, with
+    ``check_data``, the training data (malformed rows are reported as file:line before any rank starts). Returns
+    (cfg, world)."""
+    from megatron_rlvr.config import check_layout, default_world_size, load_run_config
+
+    cfg = load_run_config(config, overrides)
+    world = world_size or default_world_size(cfg)
+    check_layout(cfg, world)
+    if check_data and cfg.data.train_files:
+        from megatron_rlvr.data import build_train_dataset
+
+        build_train_dataset(cfg.data)
+    return cfg, world
+
+
+def one_off_overrides(cfg) -> list[str]:
+    """The one-off options of this invocation (not in config.yaml) as overrides for the ranks' command line."""
+    from megatron_rlvr.config import ONE_OFF_OPTIONS
+
+    out = []
+    for (section, key), default in ONE_OFF_OPTIONS.items():
+        value = getattr(getattr(cfg, section), key)
+        if value != default:
+            out.append(f"{section}.{key}={str(value).lower() if isinstance(value, bool) else value}")
+    return out
+
+
+@dataclass
+class PreparedRun:
+    """A validated config and its prepared run directory (locked, config.yaml written)."""
+
+    cfg: RunConfig
+    run_dir: str
+    config_path: str
+    """``run_dir/config.yaml``: what the ranks are started on."""
+    world_size: int
+    lock: RunLock | None
+    """This process's lock of the run directory (None: its launcher holds it); release it when done."""
+
+
+def prepare_run(config: str | None, overrides: list[str], world_size: int | None = None) -> PreparedRun:
+    """Load and validate the config, then prepare its run directory (megatron_rlvr.rundir.prepare)."""
+    from megatron_rlvr.rundir.prepare import prepare_run_dir, resolve_run_dir
+
+    cfg, world = load_checked(config, overrides, world_size)
+    run_dir = resolve_run_dir(cfg)
+    lock = prepare_run_dir(cfg, run_dir)
+    return PreparedRun(cfg, run_dir, os.path.join(run_dir, "config.yaml"), world, lock)
+
+
+def train_main(args: list[str], dry_run: bool = False) -> int:
+    from megatron_rlvr.megatron.parallel import env_rank_info
+
+    config, overrides = split_config_and_overrides(args)
+    joined = env_rank_info()
+    if joined is not None:
+        return _train_as_rank(config, overrides, joined)
+    run = prepare_run(config, overrides)
+    cfg, run_dir, path, world, lock = run.cfg, run.run_dir, run.config_path, run.world_size, run.lock
+    if dry_run:
+        if lock is not None:
+            lock.release()
+        print(f"config OK: {world} rank(s), run dir {run_dir}, resolved config {path}")
+        return 0
+    if world == 1:
+        from megatron_rlvr.trainer.colocated import train
+
+        return train(cfg, run_dir, lock=lock)
+    from megatron_rlvr.rundir.local_ranks import launch_local
+
+    threads = cfg.launch.threads_per_rank or max(1, (os.cpu_count() or 1) // world)
+    print(f"megatron-rlvr: launching {world} ranks ({cfg.launch.backend} backend), run dir {run_dir}", flush=True)
+    return launch_local(
+        ["train", path, *one_off_overrides(cfg)],
+        world,
+        master_addr=cfg.launch.master_addr,
+        master_port=cfg.launch.master_port,
+        threads=threads,
+        lock_fd=lock.fd if lock is not None else None,
+    )
+
+
+def _train_as_rank(config: str | None, overrides: list[str], joined: dict) -> int:
+    """This process is one rank of a launched job (our launcher, torchrun or srun)."""
+    from megatron_rlvr.rundir.local_ranks import start_parent_watchdog
+    from megatron_rlvr.trainer.colocated import train
+
+    start_parent_watchdog()
+    cfg, _ = load_checked(config, overrides, joined["world_size"], check_data=False)
+    return train(cfg, cfg.logging.run_dir)
