@@ -5,6 +5,7 @@ TP = 2 x DP = 2 and TP = 2 x PP = 2: for every algorithm preset one step with pa
 gradients of the same step with one sequence per row, to float32 noise. The reference is the unpacked path, whose
 exactness the rest of the suite establishes (fp64 full-vocabulary references, layout invariance)."""
 
+import dataclasses
 import os
 import sys
 
@@ -58,10 +59,10 @@ def test_packed_microbatch_matches_a_hand_worked_case():
     assert rows == [[0], [1, 2]]
     packed = build_microbatch(seqs, 3, 5, pad_id=0, old_logp=old, ids=[10, 11, 12], rows=rows)
     flat = build_microbatch(seqs, 3, 5, pad_id=0, old_logp=old, ids=[10, 11, 12])
-    assert packed["tokens"].tolist() == [[1, 2, 3, 4, 0], [5, 6, 7, 8, 9], [0, 0, 0, 0, 0]]
-    assert packed["position_ids"].tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 0, 1], [0, 1, 2, 3, 4]]
-    assert packed["labels"].tolist() == [[2, 3, 4, 0, 0], [6, 7, 0, 9, 0], [0, 0, 0, 0, 0]]
-    attends = ~packed["attention_mask"][:, 0]  # [b, s, s]: query row x key column
+    assert packed.tokens.tolist() == [[1, 2, 3, 4, 0], [5, 6, 7, 8, 9], [0, 0, 0, 0, 0]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 0, 1], [0, 1, 2, 3, 4]]
+    assert packed.labels.tolist() == [[2, 3, 4, 0, 0], [6, 7, 0, 9, 0], [0, 0, 0, 0, 0]]
+    attends = ~packed.attention_mask[:, 0]  # [b, s, s]: query row x key column
     assert attends[1].int().tolist() == [
         [1, 0, 0, 0, 0],
         [1, 1, 0, 0, 0],
@@ -70,11 +71,11 @@ def test_packed_microbatch_matches_a_hand_worked_case():
         [0, 0, 0, 1, 1],
     ]
     assert attends[0].int().tolist()[4] == [0, 0, 0, 0, 1]  # padding attends to padding only
-    assert packed["unpack"].tolist() == [[0, 1, 2, 3, 0], [5, 6, 7, 0, 0], [8, 9, 0, 0, 0]]
+    assert packed.unpack.tolist() == [[0, 1, 2, 3, 0], [5, 6, 7, 0, 0], [8, 9, 0, 0, 0]]
     for key in ("mask", "adv", "mastered", "rollout_logp", "old_logp", "ref_logp", "seq_ids"):
-        assert torch.equal(packed[key], flat[key]), key
-    got = unpack_values(packed["labels"], packed)
-    assert torch.equal(got[flat["mask"]], flat["labels"][flat["mask"]])
+        assert torch.equal(getattr(packed, key), getattr(flat, key)), key
+    got = unpack_values(packed.labels, packed)
+    assert torch.equal(got[flat.mask], flat.labels[flat.mask])
     with pytest.raises(ValueError, match="exactly once"):
         build_microbatch(seqs, 3, 5, pad_id=0, rows=[[0], [1]])
     with pytest.raises(ValueError, match="needs 6 tokens"):
@@ -90,9 +91,9 @@ def _spy_packing(record):
     def spy(*a, **k):
         mbs, members = real(*a, **k)
         for mb, chosen in zip(mbs, members):
-            if "unpack" in mb:
-                s = mb["tokens"].shape[1]
-                record.append((len(chosen), len(set((mb["unpack"][:, 0] // s).tolist()))))
+            if mb.unpack is not None:
+                s = mb.tokens.shape[1]
+                record.append((len(chosen), len(set((mb.unpack[:, 0] // s).tolist()))))
         return mbs, members
 
     update._microbatches = spy
@@ -110,11 +111,11 @@ def _packed_vs_rows(run_root, runs, overrides):
     for name, (preset, extra) in runs.items():
         over = [*overrides, f"algorithm.preset={preset}", *extra]
         t = setup(load_run_config(None, over), os.path.join(run_root, name))
-        assert t.update_ctx.pack_rows  # the CPU model takes the block mask
+        assert t.update_settings.pack_rows  # the CPU model takes the block mask
         layout = (t.dist.tp_size, t.dist.pp_size)
 
         def apply(t, packed):
-            t.update_ctx.pack_rows = packed
+            t.update_settings = dataclasses.replace(t.update_settings, pack_rows=packed)
 
         out[name] = trainer_helpers.step_once_per_setting(t, (False, True), apply, _spy_packing)
         out[name]["layout"] = layout

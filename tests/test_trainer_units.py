@@ -17,6 +17,7 @@ from megatron_rlvr.config import (
     resolved_dict,
 )
 from megatron_rlvr.eval.benchmarks import format_table, pass_at_k, summarize
+from megatron_rlvr.rollout.mismatch import MismatchCorrectionConfig
 from megatron_rlvr.rundir.signals import exit_code_for
 from megatron_rlvr.trainer.loss_metrics import LossMetrics
 from megatron_rlvr.trainer.microbatch import Sequence, build_microbatch, pack, response_values
@@ -110,17 +111,17 @@ def test_microbatch_scores_response_tokens_at_the_previous_position():
     q = Sequence(tokens=[5, 6, 7, 8, 9], prompt_len=3, adv=0.5, mastered=True, rollout_logprobs=[-0.1, -0.2])
     empty = Sequence(tokens=[5, 6], prompt_len=2)  # no response: contributes nothing
     mb = build_microbatch([q, empty], 3, 6, pad_id=0, old_logp=[torch.tensor([-1.0, -2.0]), None], ids=[4, 7])
-    assert mb["tokens"].tolist() == [[5, 6, 7, 8, 9, 0], [5, 6, 0, 0, 0, 0], [0] * 6]
-    assert mb["labels"][0].tolist() == [6, 7, 8, 9, 0, 0]
-    assert mb["mask"].tolist() == [[False, False, True, True, False, False], [False] * 6, [False] * 6]
-    assert mb["old_logp"][0].tolist() == [0, 0, -1.0, -2.0, 0, 0]
-    assert mb["rollout_logp"][0, 2:4].tolist() == pytest.approx([-0.1, -0.2])
-    assert mb["adv"].tolist() == [0.5, 0.0, 0.0] and mb["mastered"].tolist() == [True, False, False]
-    assert mb["seq_ids"].tolist() == [4, 7, -1]
-    back = response_values(mb["old_logp"], [q])
+    assert mb.tokens.tolist() == [[5, 6, 7, 8, 9, 0], [5, 6, 0, 0, 0, 0], [0] * 6]
+    assert mb.labels[0].tolist() == [6, 7, 8, 9, 0, 0]
+    assert mb.mask.tolist() == [[False, False, True, True, False, False], [False] * 6, [False] * 6]
+    assert mb.old_logp[0].tolist() == [0, 0, -1.0, -2.0, 0, 0]
+    assert mb.rollout_logp[0, 2:4].tolist() == pytest.approx([-0.1, -0.2])
+    assert mb.adv.tolist() == [0.5, 0.0, 0.0] and mb.mastered.tolist() == [True, False, False]
+    assert mb.seq_ids.tolist() == [4, 7, -1]
+    back = response_values(mb.old_logp, [q])
     assert back[0].tolist() == [-1.0, -2.0]
     frozen = Sequence(tokens=[5, 6, 7, 8], prompt_len=3, train=False)  # e.g. truncated under DAPO overlong filtering
-    assert not build_microbatch([frozen], 1, 4, pad_id=0)["mask"].any()
+    assert not build_microbatch([frozen], 1, 4, pad_id=0).mask.any()
 
 
 def test_microbatch_refuses_values_longer_than_the_row():
@@ -142,7 +143,7 @@ def test_normalizer_counts_from_lengths_equal_the_loss_mask_counts():
         seqs.append(Sequence(tokens=[1] * (P + R), prompt_len=P, mastered=rng.random() < 0.4, train=rng.random() < 0.8))
     s = max(q.length for q in seqs)
     mb = build_microbatch(seqs, len(seqs), s, pad_id=0)
-    expected = local_normalizer_counts(mb["mask"], mb["mastered"])
+    expected = local_normalizer_counts(mb.mask, mb.mastered)
     got = normalizer_counts(seqs)
     assert got.dtype == torch.float64 and got.tolist() == expected.tolist()
     assert 0 < got[2] < got[1] < got[0]  # the random case exercises all three counts
@@ -175,8 +176,9 @@ def test_token_stats_use_the_configured_implementation(monkeypatch):
 
 def test_truncated_importance_weights_are_capped_ratios():
     q = Sequence(tokens=[1, 2, 3, 4], prompt_len=2, rollout_logprobs=[-1.0, -1.0])
-    mb = build_microbatch([q], 1, 4, 0, old_logp=[torch.tensor([-0.5, -2.0])], tis_cap=1.5)
-    w = mb["tis_weight"][0].tolist()
+    correction = MismatchCorrectionConfig(tis_cap=1.5)
+    mb = build_microbatch([q], 1, 4, 0, old_logp=[torch.tensor([-0.5, -2.0])], correction=correction)
+    w = mb.is_weight[0].tolist()
     assert w[1] == pytest.approx(min(math.exp(0.5), 1.5)) and w[2] == pytest.approx(math.exp(-1.0))
     assert w[0] == 1.0 and w[3] == 1.0  # outside the response
 
@@ -378,12 +380,12 @@ def test_hinge_kl_with_dynamic_sampling_is_refused():
 
 
 def test_grads_finite_is_exact_through_the_sum_shortcut():
-    """update._grads_finite tests sums first: a NaN or inf anywhere is caught, and finite values whose sum
+    """grads_finite tests sums first: a NaN or inf anywhere is caught, and finite values whose sum
     overflows fp32 are still finite (the per-element fallback); megatron DDP's flat buffers are read when present,
     never nn.Module.buffers (a method on a plain module)."""
     from types import SimpleNamespace
 
-    from megatron_rlvr.trainer.update import _grads_finite
+    from megatron_rlvr.megatron.optimizer_step import grads_finite as _grads_finite
 
     lin = torch.nn.Linear(4, 3)
     lin.weight.grad = torch.ones(3, 4)

@@ -20,16 +20,17 @@ from megatron_rlvr.megatron.cpu_shims import native_torch
 
 def run_microbatches(
     model,
-    microbatches: list[dict[str, torch.Tensor]],
-    loss_fn: Callable[[dict[str, torch.Tensor], torch.Tensor], tuple[torch.Tensor, dict]],
+    microbatches: list,
+    loss_fn: Callable[[object, torch.Tensor], tuple[torch.Tensor, dict]],
     *,
     pg,
     forward_only: bool,
     device: torch.device,
 ) -> list[dict]:
     """Forward (and backward unless ``forward_only``) over ``microbatches``; returns, on the last pipeline stage,
-    the info dict of each micro-batch (in order), and [] on other stages. A micro-batch's ``attention_mask``
-    ([b, 1, s, s] bool, True = not attended; packed rows) goes to the model; without one the model is causal.
+    the info dict of each micro-batch (in order), and [] on other stages. A micro-batch has ``tokens`` and
+    ``position_ids`` [b, s] and ``attention_mask`` ([b, 1, s, s] bool, True = not attended; packed rows) or None
+    (causal), as the trainer's MicroBatch does.
 
     ``loss_fn(mb, logits_bsv)`` gets the micro-batch and this TP rank's logits shard [b, s, V/tp] and returns (this
     micro-batch's sum-reduced loss, info). Every micro-batch must have the same [b, s] when PP > 1.
@@ -39,9 +40,9 @@ def run_microbatches(
     if not microbatches:
         return []
     n_micro = len(microbatches)
-    b, s = microbatches[0]["tokens"].shape
+    b, s = microbatches[0].tokens.shape
     pp_size = pg.pp.size()
-    if pp_size > 1 and any(tuple(mb["tokens"].shape) != (b, s) for mb in microbatches):
+    if pp_size > 1 and any(tuple(mb.tokens.shape) != (b, s) for mb in microbatches):
         raise ValueError("with pipeline parallelism every micro-batch must have the same [b, s]")
     scale = float(n_micro * pg.dp.size())
 
@@ -53,9 +54,9 @@ def run_microbatches(
 
     def forward_step(data_iterator, model_chunk):
         mb = next(data_iterator)
-        tokens = mb["tokens"].to(device)
-        position_ids = mb["position_ids"].to(device)
-        mask = mb.get("attention_mask")  # packed rows: block-diagonal causal (None: megatron's causal mask)
+        tokens = mb.tokens.to(device)
+        position_ids = mb.position_ids.to(device)
+        mask = mb.attention_mask  # packed rows: block-diagonal causal (None: megatron's causal mask)
         mask = None if mask is None else mask.to(device)
         with native_torch():  # the model forward makes no CUDA call (cpu_shims: causal masks): skip the redirect
             output = model_chunk(tokens, position_ids, mask)

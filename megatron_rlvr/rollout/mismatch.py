@@ -118,15 +118,16 @@ def mismatch_metrics(
 
 
 @torch.no_grad()
-def mismatch_correction(
+def correction_weights(
     logp_train_BT: torch.Tensor,
     logp_rollout_BT: torch.Tensor,
     mask_BT: torch.Tensor,
     config: MismatchCorrectionConfig,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """(token weights [B, T], new mask [B, T], metrics). Weights are detached: multiply them into the per-token
+    """The corrections' math without input checks (the trainer's log-probs may be non-finite in a step that is then
+    skipped): (token weights [B, T], new mask [B, T], metrics). Weights are detached: multiply them into the per-token
     policy-gradient loss. Disabled corrections leave weights at 1 and the mask unchanged."""
-    m = _check(logp_train_BT, logp_rollout_BT, mask_BT)
+    m = mask_BT.bool()
     n = m.sum()
     ratio = (logp_train_BT.double() - logp_rollout_BT.double()).exp()
     weights = torch.ones_like(ratio)
@@ -145,5 +146,17 @@ def mismatch_correction(
         "mismatch/masked_frac": ((m & ~keep).sum() / n.clamp(min=1)).float(),
         "mismatch/weight_mean": _masked_mean(weights, keep, keep.sum()).float(),
     }
-    out_mask = keep.to(mask_BT.dtype)
-    return weights.to(logp_train_BT.dtype), out_mask, metrics
+    return weights.to(logp_train_BT.dtype), keep.to(mask_BT.dtype), metrics
+
+
+@torch.no_grad()
+def mismatch_correction(
+    logp_train_BT: torch.Tensor,
+    logp_rollout_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    config: MismatchCorrectionConfig,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`correction_weights` after checking the inputs (finite, log-probs <= 0 on the mask): (token weights
+    [B, T], new mask [B, T], metrics)."""
+    _check(logp_train_BT, logp_rollout_BT, mask_BT)
+    return correction_weights(logp_train_BT, logp_rollout_BT, mask_BT, config)

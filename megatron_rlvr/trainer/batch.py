@@ -1,12 +1,17 @@
-"""Groups of samples -> the step's training sequences: reward shaping, dynamic-sampling filter, group advantages,
-mastered prompts, truncation masking (all the algorithm's pure functions), plus the batch's metrics.
+"""The step's batches and the pure functions between them (no Megatron; identical on every rank, which holds the
+global batch after the rollout all-gather):
 
-Runs identically on every rank on the global batch (every rank holds all groups after the rollout all-gather).
+``RolloutBatch`` (prompt groups with rewards and engine log-probs, the policy version that generated them)
+-> :func:`group_rewards` (shaped rewards, correctness, lengths: once per step) -> :func:`advantages_and_sequences`
+(the algorithm's group advantages, mastered prompts, truncation masking: once per step) -> ``TrainBatch`` (sequences
+with advantages, and, once the log-prob stage has run, behaviour and reference log-probs).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,37 +27,113 @@ from megatron_rlvr.rollout.groups import Group
 from megatron_rlvr.trainer.microbatch import Sequence
 
 
-def reward_tensors(groups: list[Group], algo: AlgorithmConfig):
-    """(shaped rewards [G, n] float64, correct [G, n] bool, lengths [G, n] long) — groups must share n."""
+@dataclass(frozen=True)
+class GroupRewards:
+    """Rewards of a list of groups as tensors (groups share n)."""
+
+    shaped_G_n: torch.Tensor
+    """[G, n] float64: verifier rewards after the algorithm's shaping (DAPO overlong penalty)."""
+    correct_G_n: torch.Tensor
+    """[G, n] bool: the raw reward is closer to reward_correct than to reward_wrong."""
+    lengths_G_n: torch.Tensor
+    """[G, n] long: response lengths."""
+
+    def rows(self, index: list[int]) -> GroupRewards:
+        """The rewards of the groups ``index`` (in that order)."""
+        i = torch.tensor(index, dtype=torch.long)
+        return GroupRewards(self.shaped_G_n[i], self.correct_G_n[i], self.lengths_G_n[i])
+
+
+def group_rewards(groups: list[Group], algo: AlgorithmConfig) -> GroupRewards:
     n = len(groups[0].rewards)
     if any(len(g.rewards) != n for g in groups):
         raise ValueError("every group must have the same number of samples")
-    raw = torch.tensor([g.rewards for g in groups], dtype=torch.float64)
-    lengths = torch.tensor([[len(r) for r in g.response_ids] for g in groups], dtype=torch.long)
-    correct = raw >= 0.5 * (algo.advantage.reward_correct + algo.advantage.reward_wrong)
-    shaped = shape_rewards(algo.dapo, raw, lengths)
-    return shaped, correct, lengths
+    with native_torch():  # tiny CPU tensor ops, no CUDA call: skip the CPU shims' per-call handler
+        raw = torch.tensor([g.rewards for g in groups], dtype=torch.float64)
+        lengths = torch.tensor([[len(r) for r in g.response_ids] for g in groups], dtype=torch.long)
+        correct = raw >= 0.5 * (algo.advantage.reward_correct + algo.advantage.reward_wrong)
+        return GroupRewards(shape_rewards(algo.dapo, raw, lengths), correct, lengths)
 
 
-def informative(groups: list[Group], algo: AlgorithmConfig) -> list[bool]:
+@dataclass(frozen=True)
+class RolloutBatch:
+    """What the rollout stage hands on: every group generated this step (all dynamic-sampling rounds), which of them
+    are kept for training, their rewards, and the rollout's metrics."""
+
+    groups: list[Group]
+    """Every group generated this step, in generation order (the batch metrics and the forgetting probe read all)."""
+    kept: list[int]
+    """Indices into ``groups`` of the groups trained on (all of them without dynamic sampling)."""
+    rewards: GroupRewards | None
+    """Rewards of ``groups`` (None when no group was generated)."""
+    policy_version: int
+    """The last step whose update the generating weights include (0: the initial weights; step - 1 when
+    synchronous)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Rollout metrics: prompts skipped as too long, rounds, generation and reward times, reward failures."""
+
+
+def informative(rewards: GroupRewards) -> list[bool]:
     """Dynamic sampling (DAPO Sec. 3.2): keep groups whose (shaped) rewards are not all equal."""
-    if not groups:
-        return []
-    shaped, _, _ = reward_tensors(groups, algo)
-    return [bool(k) for k in dynamic_sampling_keep(shaped)]
+    with native_torch():
+        return [bool(k) for k in dynamic_sampling_keep(rewards.shaped_G_n)]
 
 
-def build_sequences(groups: list[Group], algo: AlgorithmConfig) -> tuple[list[Sequence], dict[str, float]]:
-    """Training sequences (group-major order) of the kept groups, and their advantage metrics (``adv/*``,
-    ``focal/*``, ``mcpo/*``)."""
-    if not groups:
-        return [], {}
+@dataclass(frozen=True)
+class TrainBatch:
+    """The training batch of one step (every rank holds all of it; each trains on its data-parallel share)."""
+
+    sequences: tuple[Sequence, ...]
+    """Group-major training sequences with their advantages and mastered flags."""
+    old_logprobs: Mapping[int, torch.Tensor] = field(default_factory=dict)
+    """Behaviour log-probs [R] of this rank's sequences, by index; the first mini-batch's are absent when
+    ``old_from_first_forward`` (the first update's forward gives them)."""
+    ref_logprobs: Mapping[int, torch.Tensor] | None = None
+    """Reference-policy log-probs [R] of this rank's sequences (None: no reference KL from log-probs)."""
+    old_from_first_forward: bool = False
+    """The first mini-batch's behaviour log-probs come from the first update's own forward (exact: the policy IS
+    the behaviour policy before the first optimizer step)."""
+    policy_version: int = 0
+    """The policy version that generated the sequences (see RolloutBatch)."""
+
+    @property
+    def trains(self) -> bool:
+        """Some sequence carries loss (an empty or all-truncated batch has nothing to learn from)."""
+        return any(s.train for s in self.sequences)
+
+
+def advantages_and_sequences(
+    rollout: RolloutBatch, algo: AlgorithmConfig
+) -> tuple[tuple[Sequence, ...], dict[str, float]]:
+    """Training sequences (group-major) of the kept groups and the batch's metrics: the algorithm's advantages,
+    mastered prompts and truncation masking, computed once; reward / accuracy / group / length curves of everything
+    generated (``batch_metrics``)."""
+    if not rollout.groups:
+        return (), {"batch/groups_generated": 0.0}
+    kept_groups = [rollout.groups[i] for i in rollout.kept]
+    everything = rollout.rewards
+    all_kept = len(rollout.kept) == len(rollout.groups)
     with native_torch():  # ~150 tiny CPU tensor ops, no CUDA call: skip the CPU shims' per-call handler
-        shaped, correct, _ = reward_tensors(groups, algo)
-        adv, adv_metrics = compute_advantages(algo, shaped, correct_G_n=correct)
-        mastered = mastered_rollouts(algo, shaped, correct_G_n=correct)
-        adv_rows, mastered_rows = adv.tolist(), mastered.tolist()  # one conversion, not two torch calls per sequence
-        adv_metrics = {k: float(v) for k, v in adv_metrics.items()}
+        m: dict[str, float] = {}
+        seqs: list[Sequence] = []
+        if kept_groups:
+            kept = everything if all_kept else everything.rows(rollout.kept)
+            adv, adv_metrics = compute_advantages(algo, kept.shaped_G_n, correct_G_n=kept.correct_G_n)
+            mastered = mastered_rollouts(algo, kept.shaped_G_n, correct_G_n=kept.correct_G_n)
+            adv_rows, mastered_rows = adv.tolist(), mastered.tolist()  # one conversion, not two per sequence
+            m.update({k: float(v) for k, v in adv_metrics.items() if k.split("/")[0] in ("adv", "focal", "mcpo")})
+            seqs = _sequences(kept_groups, adv_rows, mastered_rows, algo)
+            m["batch/sequences"] = float(len(seqs))
+            m["batch/trained_frac"] = sum(s.train for s in seqs) / len(seqs)
+        if all_kept and kept_groups:
+            group_metrics = adv_metrics
+        else:  # dynamic sampling: the reward curves describe everything generated, not the kept groups
+            _, group_metrics = compute_advantages(algo, everything.shaped_G_n, correct_G_n=everything.correct_G_n)
+        m.update(batch_metrics(rollout.groups, everything, group_metrics))
+    return tuple(seqs), _finite(m)
+
+
+def _sequences(groups: list[Group], adv_rows, mastered_rows, algo: AlgorithmConfig) -> list[Sequence]:
     seqs: list[Sequence] = []
     for gi, g in enumerate(groups):
         for j, resp in enumerate(g.response_ids):
@@ -67,58 +148,36 @@ def build_sequences(groups: list[Group], algo: AlgorithmConfig) -> tuple[list[Se
                     rollout_logprobs=list(g.logprobs[j]),
                 )
             )
-    m = {k: float(v) for k, v in adv_metrics.items() if k.split("/")[0] in ("adv", "focal", "mcpo")}
-    m["batch/sequences"] = float(len(seqs))
-    m["batch/trained_frac"] = sum(s.train for s in seqs) / len(seqs)
-    return seqs, _finite(m)
+    return seqs
 
 
-def batch_metrics(groups: list[Group], algo: AlgorithmConfig) -> dict[str, float]:
+def batch_metrics(groups: list[Group], rewards: GroupRewards, group_metrics: dict) -> dict[str, float]:
     """What RL researchers watch, over ALL groups generated this step (before any dynamic-sampling filter): reward
     and accuracy (overall, by difficulty bucket easy/medium/hard and by the data's level), mastered / all-wrong /
-    zero-variance group fractions, response lengths and truncation."""
-    if not groups:
-        return {"batch/groups_generated": 0.0}
-    with native_torch():  # tiny CPU tensor ops only (see build_sequences)
-        shaped, correct, lengths = reward_tensors(groups, algo)
-        _, adv_metrics = compute_advantages(algo, shaped, correct_G_n=correct)
-        m = {k: float(v) for k, v in adv_metrics.items() if k.split("/")[0] in ("reward", "groups")}
-        lf = lengths.double()
-        truncated = sum(r == "length" for g in groups for r in g.finish_reasons)
-        m.update(
-            {
-                "reward/raw_mean": float(torch.tensor([g.rewards for g in groups], dtype=torch.float64).mean()),
-                "reward/accuracy": float(correct.double().mean()),
-                "response/length_mean": float(lf.mean()),
-                "response/length_max": float(lf.max()),
-                "response/length_min": float(lf.min()),
-                "response/truncated_frac": truncated / lengths.numel(),
-                "batch/groups_generated": float(len(groups)),
-            }
-        )
-        correct_rows = correct.tolist()
+    zero-variance group fractions (``group_metrics``: the advantage estimator's metrics over all groups), response
+    lengths and truncation."""
+    m = {k: float(v) for k, v in group_metrics.items() if k.split("/")[0] in ("reward", "groups")}
+    lf = rewards.lengths_G_n.double()
+    truncated = sum(r == "length" for g in groups for r in g.finish_reasons)
+    m.update(
+        {
+            "reward/raw_mean": float(torch.tensor([g.rewards for g in groups], dtype=torch.float64).mean()),
+            "reward/accuracy": float(rewards.correct_G_n.double().mean()),
+            "response/length_mean": float(lf.mean()),
+            "response/length_max": float(lf.max()),
+            "response/length_min": float(lf.min()),
+            "response/truncated_frac": truncated / rewards.lengths_G_n.numel(),
+            "batch/groups_generated": float(len(groups)),
+        }
+    )
     by_level: dict[str, list[float]] = {}
-    for g, row in zip(groups, correct_rows):
+    for g, row in zip(groups, rewards.correct_G_n.tolist()):
         if g.example.level is not None:
             by_level.setdefault(str(g.example.level), []).extend(float(c) for c in row)
     for lvl, cs in sorted(by_level.items()):
         m[f"accuracy/level_{lvl}"] = sum(cs) / len(cs)
-    return _finite(m)
+    return m
 
 
 def _finite(m: dict[str, float]) -> dict[str, float]:
     return {k: (v if math.isfinite(v) else 0.0) for k, v in m.items()}
-
-
-def warn_all_too_long(t, step: int, m: dict) -> None:
-    """Every prompt of the step was longer than rollout.max_prompt_len: say so once per run (rank 0), with the fix;
-    the step is skipped (``train/skipped_all_too_long``)."""
-    if getattr(t, "_warned_too_long", False) or not t.dist.is_logger:
-        return
-    t._warned_too_long = True
-    print(
-        f"megatron-rlvr: WARNING: step {step}: all {m['data/prompts_too_long']:.0f} prompts are longer than "
-        f"rollout.max_prompt_len={t.cfg.rollout.max_prompt_len} tokens (after the prompt template), so the step "
-        "trains on nothing; raise rollout.max_prompt_len (every such step is skipped)",
-        flush=True,
-    )

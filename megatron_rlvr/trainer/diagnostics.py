@@ -21,11 +21,15 @@ glue.
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 from torch import Tensor
 
+from megatron_rlvr.algorithms import mastered_rollouts
 from megatron_rlvr.algorithms.reductions import declare
+from megatron_rlvr.megatron.parallel import all_gather_objects
+from megatron_rlvr.rollout.groups import generate_groups, sampling_params
 
 declare("max", "ratio/abs_log_ratio_max")
 
@@ -84,22 +88,16 @@ def probe_selection(mastered_G: Tensor, max_prompts: int) -> list[int]:
     return idx[:max_prompts]
 
 
-def forgetting_probe(t, groups, step: int) -> dict[str, float]:
-    """Trainer glue: re-sample this step's mastered prompts with the updated engine weights (every rank calls it with
-    the same ``groups``; generation is split over the engines like the rollout). Returns {} when not due."""
-    cfg = getattr(t.cfg, "diagnostics", None)
-    if cfg is None or not cfg.probe_due(step) or not groups:
+def forgetting_probe(t, rolled, step: int) -> dict[str, float]:
+    """Trainer glue: re-sample this step's mastered prompts (of ``rolled``, the step's RolloutBatch) with the updated
+    engine weights (every rank calls it with the same batch; generation is split over the engines like the
+    rollout). Returns {} when not due."""
+    cfg = t.cfg.diagnostics
+    groups = rolled.groups
+    if not cfg.probe_due(step) or not groups:
         return {}
-    import time
-
-    from megatron_rlvr.algorithms import mastered_rollouts
-    from megatron_rlvr.megatron.parallel import all_gather_objects
-    from megatron_rlvr.rollout.groups import generate_groups, sampling_params
-    from megatron_rlvr.trainer.batch import reward_tensors
-
     t0 = time.perf_counter()
-    shaped, correct, _ = reward_tensors(groups, t.algo)
-    mastered_G = mastered_rollouts(t.algo, shaped, correct_G_n=correct).any(dim=1)
+    mastered_G = mastered_rollouts(t.algo, rolled.rewards.shaped_G_n, correct_G_n=rolled.rewards.correct_G_n).any(1)
     chosen = probe_selection(mastered_G, cfg.forgetting_prompts)
     if not chosen:
         return {"forget/probe_prompts": 0.0}

@@ -20,13 +20,19 @@ tests/test_trainer_packing.py checks it against unpacked rows). The model's work
 the longest. Everything the loss reads stays in the one-sequence-per-row layout [n_seq, s]: the micro-batch carries
 ``unpack`` [n_seq, s], the flat packed position of every (sequence, position), and the token statistics are gathered
 through it right after the vocab-parallel ops.
+
+A micro-batch is a :class:`MicroBatch` (typed fields, shapes in their docstrings); what is optional is None, never a
+missing key.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
+
+from megatron_rlvr.rollout.mismatch import MismatchCorrectionConfig, correction_weights
 
 
 @dataclass
@@ -54,6 +60,40 @@ class Sequence:
     @property
     def response_len(self) -> int:
         return len(self.tokens) - self.prompt_len
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """The tensors of one micro-batch (CPU; moved to the device by the consumer). ``b`` model rows of length ``s``;
+    ``n`` sequences (``n == b`` unless rows are packed)."""
+
+    tokens: torch.Tensor
+    """[b, s] long: input token ids (right-padded; packed rows hold several sequences)."""
+    position_ids: torch.Tensor
+    """[b, s] long: positions (restart at 0 for each sequence of a packed row)."""
+    labels: torch.Tensor
+    """[b, s] long: the next token of every model position."""
+    mask: torch.Tensor
+    """[n, s] bool: response tokens that carry loss (one sequence per row)."""
+    adv: torch.Tensor
+    """[n] float32: advantage of each sequence (0 for dummy rows)."""
+    mastered: torch.Tensor
+    """[n] bool: the sequence's prompt is mastered (MCPO hinge-KL)."""
+    rollout_logp: torch.Tensor
+    """[n, s] float32: the engine's log-probs of the response tokens (0 elsewhere)."""
+    old_logp: torch.Tensor
+    """[n, s] float32: behaviour log-probs (0 where unknown, e.g. taken from the first update's own forward)."""
+    ref_logp: torch.Tensor
+    """[n, s] float32: reference-policy log-probs (0 where unknown)."""
+    seq_ids: torch.Tensor
+    """[n] long: the sequences' indices in the step's batch (-1 for dummy rows)."""
+    is_weight: torch.Tensor | None = None
+    """[n, s] float32: truncated importance-sampling weights min(pi_old / pi_rollout, C) from ``old_logp`` (None:
+    no correction, or computed in the loss from the forward's own log-probs)."""
+    attention_mask: torch.Tensor | None = None
+    """[b, 1, s, s] bool, True = not attended: block-diagonal causal mask of packed rows (None: causal)."""
+    unpack: torch.Tensor | None = None
+    """[n, s] long: flat position in the packed [b * s] model output of each (sequence, position) (None: unpacked)."""
 
 
 def pack(lengths: list[int], budget: int | None, uniform: bool, multiple: int = 1) -> list[tuple[list[int], int, int]]:
@@ -148,23 +188,20 @@ def build_microbatch(
     old_logp: list[torch.Tensor | None] | None = None,
     ref_logp: list[torch.Tensor | None] | None = None,
     ids: list[int] | None = None,
-    tis_cap: float | None = None,
+    correction: MismatchCorrectionConfig | None = None,
     rows: list[list[int]] | None = None,
-) -> dict[str, torch.Tensor]:
-    """Tensors of one micro-batch: tokens/position_ids/labels [b, s] long, mask [b, s] bool, adv [b], mastered [b],
-    rollout_logp / old_logp / ref_logp [b, s] float32 (0 where unknown), seq_ids [b] (-1 for dummy rows), and
-    tis_weight [b, s] when ``tis_cap`` is set and old log-probs are given.
+) -> MicroBatch:
+    """One micro-batch of ``seqs`` in ``b`` rows of length ``s`` (see :class:`MicroBatch`); ``correction`` (with
+    ``old_logp``): the importance weights of the train/inference mismatch correction.
 
     Rows are assembled as Python lists and converted once per field: a step builds hundreds of sequences, and
     per-sequence tensor writes cost more than the lists (on CPU each torch call also passes the CPU shims).
 
     ``rows`` (row packing, see the module docstring): indices into ``seqs``, the sequences of each of the b model
-    rows. The model inputs tokens / position_ids / labels [b, s] and ``attention_mask`` [b, 1, s, s] (True = not
-    attended) are then packed, and everything else is in the one-sequence-per-row layout [len(seqs), s], with
-    ``unpack`` [len(seqs), s] the packed flat position of each entry (0 past a sequence's end: masked there)."""
+    rows; the model inputs are then packed, everything else stays one sequence per row."""
     if rows is not None:
         return _packed_microbatch(
-            seqs, rows, b, s, pad_id, old_logp=old_logp, ref_logp=ref_logp, ids=ids, tis_cap=tis_cap
+            seqs, rows, b, s, pad_id, old_logp=old_logp, ref_logp=ref_logp, ids=ids, correction=correction
         )
     if len(seqs) > b:
         raise ValueError(f"build_microbatch: {len(seqs)} sequences do not fit micro-batch size {b}")
@@ -182,32 +219,38 @@ def build_microbatch(
         ref.append(_response_row(None if ref_logp is None else ref_logp[r], P - 1, s, "reference log-probs"))
     dummy = b - len(seqs)
     zeros = [0.0] * s
-    out = {
-        "tokens": torch.tensor(tokens + [[pad_id] * s] * dummy, dtype=torch.long).reshape(b, s),
-        "position_ids": torch.arange(s, dtype=torch.long).unsqueeze(0).expand(b, s).contiguous(),
-        "labels": torch.tensor(labels + [[pad_id] * s] * dummy, dtype=torch.long).reshape(b, s),
-        "mask": torch.tensor(mask + [[False] * s] * dummy, dtype=torch.bool).reshape(b, s),
-        "adv": torch.tensor([float(q.adv) for q in seqs] + [0.0] * dummy, dtype=torch.float32),
-        "mastered": torch.tensor([bool(q.mastered) for q in seqs] + [False] * dummy, dtype=torch.bool),
-        "rollout_logp": torch.tensor(rollout + [zeros] * dummy, dtype=torch.float32).reshape(b, s),
-        "old_logp": torch.tensor(old + [zeros] * dummy, dtype=torch.float32).reshape(b, s),
-        "ref_logp": torch.tensor(ref + [zeros] * dummy, dtype=torch.float32).reshape(b, s),
-        "seq_ids": torch.tensor(
+    mask_t = torch.tensor(mask + [[False] * s] * dummy, dtype=torch.bool).reshape(b, s)
+    rollout_t = torch.tensor(rollout + [zeros] * dummy, dtype=torch.float32).reshape(b, s)
+    old_t = torch.tensor(old + [zeros] * dummy, dtype=torch.float32).reshape(b, s)
+    weight = None
+    if correction is not None and correction.enabled and old_logp is not None:
+        weight = importance_weights(old_t, rollout_t, mask_t, correction)
+    return MicroBatch(
+        tokens=torch.tensor(tokens + [[pad_id] * s] * dummy, dtype=torch.long).reshape(b, s),
+        position_ids=torch.arange(s, dtype=torch.long).unsqueeze(0).expand(b, s).contiguous(),
+        labels=torch.tensor(labels + [[pad_id] * s] * dummy, dtype=torch.long).reshape(b, s),
+        mask=mask_t,
+        adv=torch.tensor([float(q.adv) for q in seqs] + [0.0] * dummy, dtype=torch.float32),
+        mastered=torch.tensor([bool(q.mastered) for q in seqs] + [False] * dummy, dtype=torch.bool),
+        rollout_logp=rollout_t,
+        old_logp=old_t,
+        ref_logp=torch.tensor(ref + [zeros] * dummy, dtype=torch.float32).reshape(b, s),
+        seq_ids=torch.tensor(
             ([-1] * len(seqs) if ids is None else [int(i) for i in ids[: len(seqs)]]) + [-1] * dummy, dtype=torch.long
         ),
-    }
-    if tis_cap is not None and old_logp is not None:
-        out["tis_weight"] = tis_weights(out["old_logp"], out["rollout_logp"], out["mask"], tis_cap)
-    return out
+        is_weight=weight,
+    )
 
 
-def _packed_microbatch(seqs, rows, b, s, pad_id, *, old_logp, ref_logp, ids, tis_cap) -> dict[str, torch.Tensor]:
+def _packed_microbatch(seqs, rows, b, s, pad_id, *, old_logp, ref_logp, ids, correction) -> MicroBatch:
     if len(rows) > b:
         raise ValueError(f"build_microbatch: {len(rows)} packed rows do not fit micro-batch size {b}")
     placed = sorted(j for row in rows for j in row)
     if placed != list(range(len(seqs))):
         raise ValueError("build_microbatch: rows must place every sequence exactly once")
-    out = build_microbatch(seqs, len(seqs), s, pad_id, old_logp=old_logp, ref_logp=ref_logp, ids=ids, tis_cap=tis_cap)
+    flat = build_microbatch(
+        seqs, len(seqs), s, pad_id, old_logp=old_logp, ref_logp=ref_logp, ids=ids, correction=correction
+    )
     tokens = [[pad_id] * s for _ in range(b)]
     labels = [[pad_id] * s for _ in range(b)]
     positions = [list(range(s)) for _ in range(b)]
@@ -227,29 +270,32 @@ def _packed_microbatch(seqs, rows, b, s, pad_id, *, old_logp, ref_logp, ids, tis
             o += L
     seg = torch.tensor(segment, dtype=torch.long)
     causal = torch.ones(s, s, dtype=torch.bool).tril()
-    out["attention_mask"] = ~((seg[:, :, None] == seg[:, None, :]) & causal)[:, None]
-    out["tokens"] = torch.tensor(tokens, dtype=torch.long).reshape(b, s)
-    out["labels"] = torch.tensor(labels, dtype=torch.long).reshape(b, s)
-    out["position_ids"] = torch.tensor(positions, dtype=torch.long).reshape(b, s)
-    out["unpack"] = torch.tensor(unpack, dtype=torch.long).reshape(len(seqs), s)
-    return out
+    return dataclasses.replace(
+        flat,
+        tokens=torch.tensor(tokens, dtype=torch.long).reshape(b, s),
+        labels=torch.tensor(labels, dtype=torch.long).reshape(b, s),
+        position_ids=torch.tensor(positions, dtype=torch.long).reshape(b, s),
+        attention_mask=~((seg[:, :, None] == seg[:, None, :]) & causal)[:, None],
+        unpack=torch.tensor(unpack, dtype=torch.long).reshape(len(seqs), s),
+    )
 
 
-def unpack_values(values_bs: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Per-position values of the model rows [b, s] in the one-sequence-per-row layout [n_seq, s] of the rest of
-    ``mb`` (identity for an unpacked micro-batch). Differentiable (a gather)."""
-    idx = mb.get("unpack")
-    if idx is None:
+def unpack_values(values_bs: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+    """Per-position values of the model rows [b, s] in the one-sequence-per-row layout [n, s] of the rest of ``mb``
+    (identity for an unpacked micro-batch). Differentiable (a gather)."""
+    if mb.unpack is None:
         return values_bs
-    return values_bs.reshape(-1)[idx.to(values_bs.device)]
+    return values_bs.reshape(-1)[mb.unpack.to(values_bs.device)]
 
 
-def tis_weights(old_bs: torch.Tensor, rollout_bs: torch.Tensor, mask_bs: torch.Tensor, cap: float) -> torch.Tensor:
-    """Truncated importance sampling (Yao et al., "Your efficient RL framework secretly brings you off-policy RL
-    training", 2025): w = min(pi_train_old / pi_rollout, C) per token (1 off the mask), folded into the advantage
-    (every policy loss here is positively homogeneous in A, so w * loss(A) == loss(w * A))."""
-    w = torch.exp((old_bs - rollout_bs).clamp(max=20.0)).clamp(max=cap)
-    return torch.where(mask_bs, w, torch.ones_like(w))
+def importance_weights(
+    old_bs: torch.Tensor, rollout_bs: torch.Tensor, mask_bs: torch.Tensor, correction: MismatchCorrectionConfig
+) -> torch.Tensor:
+    """[b, s] float32 weights of the train/inference mismatch correction (megatron_rlvr.rollout.mismatch: truncated
+    IS min(pi_old / pi_rollout, C), Yao et al. 2025), 1 off the mask, folded into the advantage (every policy loss
+    here is positively homogeneous in A, so w * loss(A) == loss(w * A))."""
+    w, _, _ = correction_weights(old_bs, rollout_bs, mask_bs, correction)
+    return torch.where(mask_bs, w.float(), torch.ones_like(w, dtype=torch.float32))
 
 
 def response_values(values_bs: torch.Tensor, seqs: list[Sequence]) -> list[torch.Tensor]:

@@ -12,8 +12,9 @@ from megatron_rlvr.algorithms import AlgorithmConfig, LossNormalizers, PolicyLos
 from megatron_rlvr.algorithms.reductions import declare
 from megatron_rlvr.megatron.cpu_shims import native_torch
 from megatron_rlvr.ops import vocab_parallel_token_stats
+from megatron_rlvr.rollout.mismatch import MismatchCorrectionConfig
 from megatron_rlvr.trainer.diagnostics import ratio_quantile_metrics
-from megatron_rlvr.trainer.microbatch import tis_weights, unpack_values
+from megatron_rlvr.trainer.microbatch import MicroBatch, importance_weights, unpack_values
 
 declare("max", "train/nonfinite")  # one non-finite micro-batch flags the step
 
@@ -74,12 +75,12 @@ def _nonfinite(x: torch.Tensor, mask: torch.Tensor) -> bool:
 def logprob_fn(spec: StatsSpec, with_entropy: bool):
     """Forward-only statistics: returns (0, {"logp": [b, s], "entropy": [b, s]?, "nonfinite": 0/1})."""
 
-    def fn(mb, logits_bsv):
+    def fn(mb: MicroBatch, logits_bsv):
         want = ("logprob", "entropy") if with_entropy else ("logprob",)
         with native_torch():  # no CUDA calls in here: skip the CPU shims' per-call handler
-            st, bad = token_stats(logits_bsv, mb["labels"], spec, want)
+            st, bad = token_stats(logits_bsv, mb.labels, spec, want)
             st = {k: unpack_values(v, mb) for k, v in st.items()}  # packed rows -> one sequence per row
-        mask = mb["mask"].to(logits_bsv.device)
+        mask = mb.mask.to(logits_bsv.device)
         info = {
             "logp": st["logprob"].detach().float().cpu(),
             "nonfinite": float(bad or _nonfinite(st["logprob"], mask)),
@@ -98,7 +99,7 @@ def policy_loss_fn(
     ref_logits_fn=None,
     *,
     old_from_forward: bool = False,
-    tis_cap: float | None = None,
+    correction: MismatchCorrectionConfig | None = None,
 ):
     """The training loss of one micro-batch: (sum-reduced loss, metrics incl. ``train/nonfinite``).
 
@@ -107,12 +108,12 @@ def policy_loss_fn(
     ``old_from_forward``: the behaviour policy IS the policy being updated (recomputed old log-probs, first
     mini-batch of the first epoch: no optimizer step yet), so the old log-probs are this forward's own log-probs,
     detached -- what a separate no-grad recompute pass gives (up to float noise), without that pass. The
-    info then also holds them as ``logp`` [b, s] (cpu, float32) for later epochs and the mismatch metrics, and
-    ``tis_cap`` (truncated IS) is applied from them (else from ``mb["tis_weight"]``).
+    info then also holds them as ``logp`` [b, s] (cpu, float32) for later epochs and the mismatch metrics, and the
+    mismatch ``correction`` (truncated IS) is computed from them (else its weights come with the micro-batch).
     """
     exact_kl = algo.ref_kl.coef > 0 and algo.ref_kl.estimator == "exact"
 
-    def fn(mb, logits_bsv):
+    def fn(mb: MicroBatch, logits_bsv):
         want = ["logprob", "entropy"]
         if algo.margin_credit.enabled:
             want.append("margin")
@@ -123,39 +124,46 @@ def policy_loss_fn(
         with native_torch():  # the statistics and the loss make no CUDA calls (the reference forward above may)
             return _policy_loss(mb, logits_bsv, want, other)
 
-    def _policy_loss(mb, logits_bsv, want, other):
+    def _policy_loss(mb: MicroBatch, logits_bsv, want, other):
         dev = logits_bsv.device
-        st, bad_logits = token_stats(logits_bsv, mb["labels"], spec, want, other)
+        st, bad_logits = token_stats(logits_bsv, mb.labels, spec, want, other)
         st = {k: unpack_values(v, mb) for k, v in st.items()}  # packed rows -> one sequence per row
-        mask = mb["mask"].to(dev)
+        mask = mb.mask.to(dev)
         logp = st["logprob"]
+        rollout_BT = mb.rollout_logp.to(dev)
         if old_from_forward:
             # zeros off the mask, as the recompute path's scatter leaves them (padding is masked anyway)
             old_BT = torch.where(mask, logp.detach().float(), torch.zeros((), dtype=torch.float32, device=dev))
-            tis_BT = None if tis_cap is None else tis_weights(old_BT, mb["rollout_logp"].to(dev), mask, tis_cap)
+            corrected = correction is not None and correction.enabled
+            is_BT = importance_weights(old_BT, rollout_BT, mask, correction) if corrected else None
         else:
-            old_BT = mb["old_logp"].to(dev)
-            tis_BT = mb["tis_weight"].to(dev) if "tis_weight" in mb else None
-        if tis_BT is not None:
-            adv_B, adv_BT = None, mb["adv"].to(dev)[:, None] * tis_BT
+            old_BT = mb.old_logp.to(dev)
+            is_BT = None if mb.is_weight is None else mb.is_weight.to(dev)
+        if is_BT is not None:
+            adv_B, adv_BT = None, mb.adv.to(dev)[:, None] * is_BT
         else:
-            adv_B, adv_BT = mb["adv"].to(dev), None
+            adv_B, adv_BT = mb.adv.to(dev), None
         inputs = PolicyLossInputs(
             logp_BT=logp,
             old_logp_BT=old_BT,
             mask_BT=mask,
             adv_B=adv_B,
             adv_BT=adv_BT,
-            ref_logp_BT=mb["ref_logp"].to(dev) if algo.ref_kl.coef > 0 and not exact_kl else None,
+            ref_logp_BT=mb.ref_logp.to(dev) if algo.ref_kl.coef > 0 and not exact_kl else None,
             ref_kl_BT=st.get("kl"),
             entropy_BT=st["entropy"],
             margin_BT=st.get("margin"),
-            mastered_B=mb["mastered"].to(dev),
+            mastered_B=mb.mastered.to(dev),
         )
         loss, metrics = compute_policy_loss(algo, inputs, norms)
         bad = bad_logits or _nonfinite(logp, mask) or not bool(torch.isfinite(loss))
         info = {k: float(v) for k, v in metrics.items()}
         info.update(ratio_quantile_metrics(logp, inputs.old_logp_BT, mask))  # diagnostics: ratio dynamics (CPGD)
+        if is_BT is not None:  # how much the mismatch correction reweights (token-weighted over the step)
+            info["mismatch/is_weight_mean"] = float(is_BT[mask].double().mean()) if bool(mask.any()) else 1.0
+            cap = correction.tis_cap if correction is not None else None
+            clipped = (is_BT[mask] >= cap).double().mean() if cap is not None and bool(mask.any()) else 0.0
+            info["mismatch/tis_clip_frac"] = float(clipped)
         info["train/nonfinite"] = float(bad)
         if bad:
             # keep the backward finite-or-not as it is: the step is skipped after the all-reduce of this flag
