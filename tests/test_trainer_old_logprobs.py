@@ -37,9 +37,9 @@ def _assert_same_metrics(m_fused: dict, m_ref: dict, where: str) -> None:
 
 
 def _spy_recompute(record):
-    """Wrap compute_logprobs where the trainer calls it (trainer.step imports it from trainer.update) to record
+    """Wrap compute_logprobs where the trainer calls it (trainer.stages imports it from trainer.update) to record
     which ids it recomputes with the policy (the DDP-wrapped model; the frozen reference model is not wrapped)."""
-    from megatron_rlvr.trainer import step as train
+    from megatron_rlvr.trainer import stages as train
     from megatron_rlvr.trainer import update
 
     real = update.compute_logprobs

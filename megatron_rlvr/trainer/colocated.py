@@ -1,11 +1,12 @@
-"""The synchronous colocated schedule: every rank holds the policy and a rollout engine, and each step runs
-rollout, then training, then the weight sync (``megatron_rlvr.trainer.step.rl_step``). ``train(cfg)`` runs on every
-rank (SPMD) and wraps the steps with the run's life: stop signals (checkpoint, documented exit code), periodic
-evaluation and checkpoints, the final checkpoint, HF export and plot."""
+"""The synchronous colocated schedule: every rank holds the policy and a rollout engine, and ``rl_step`` runs the
+stages of ``megatron_rlvr.trainer.stages`` in order: rollout, then training (the engine asleep), then the weight sync.
+``train(cfg)`` runs on every rank (SPMD) and wraps the steps with the run's life: stop signals (checkpoint, documented
+exit code), periodic evaluation and checkpoints, the final checkpoint, HF export and plot."""
 
 from __future__ import annotations
 
 import os
+import time
 
 from megatron_rlvr.config import RunConfig
 from megatron_rlvr.megatron.parallel import all_reduce_max
@@ -15,7 +16,40 @@ from megatron_rlvr.rundir.metrics_log import read_metrics
 from megatron_rlvr.rundir.plot import plot_runs
 from megatron_rlvr.rundir.signals import StopSignals, exit_code_for
 from megatron_rlvr.trainer.components import Trainer, setup, teardown
-from megatron_rlvr.trainer.step import rl_step
+from megatron_rlvr.trainer.diagnostics import forgetting_probe
+from megatron_rlvr.trainer.engine_setup import sleep_engine
+from megatron_rlvr.trainer.stages import publish_weights, rollout, train_batch, update, update_mismatch_metrics
+
+
+def rl_step(t: Trainer, step: int) -> dict[str, float]:
+    """One synchronous colocated RL step; returns the step's metrics (identical on every rank)."""
+    t0 = time.perf_counter()
+    rolled = rollout(t, step)
+    sleep_engine(t.engine, t.cfg.rollout.sleep_level)  # GPU: the engine frees its memory while the trainer runs
+    batch, m = train_batch(t, rolled)
+    if not batch.trains:  # empty or all-truncated batch: nothing to learn from
+        m.update(publish_weights(t, updated=False))
+        m.update({"train/skipped": 1.0, "train/skipped_empty": 1.0, "time/step_s": time.perf_counter() - t0})
+        if not rolled.groups and m.get("data/prompts_too_long", 0) > 0:
+            m["train/skipped_all_too_long"] = 1.0
+            warn_all_too_long(t, step, m)
+        return m
+    t1 = time.perf_counter()
+    result = update(t, batch)
+    m.update(result.metrics)
+    m["logprobs/nonfinite"] = max(m.get("logprobs/nonfinite", 0.0), result.first_forward_nonfinite)
+    m.update(update_mismatch_metrics(t, batch, result))
+    m["time/update_s"] = time.perf_counter() - t1
+    t.scheduler.step(increment=1)
+    m.update(publish_weights(t, updated=m.get("train/updates", 0) > 0))
+    t.policy_version = step  # the engines now hold the weights after this step's update
+    m.update(forgetting_probe(t, rolled, step))  # diagnostics: this step's mastered prompts, updated policy
+    m["train/skipped"] = float(m.get("train/updates", 0) == 0)
+    m["optim/lr"] = t.current_lr()
+    m["time/step_s"] = time.perf_counter() - t0
+    m["perf/tokens_per_s"] = sum(s.length for s in batch.sequences) / max(m["time/step_s"], 1e-9)
+    m["perf/generated_tokens"] = float(sum(s.response_len for s in batch.sequences))
+    return m
 
 
 def train(cfg: RunConfig, run_dir: str | None = None, lock: RunLock | None = None) -> int:
@@ -105,3 +139,17 @@ def summary(t: Trainer, ckpt_path, hf_dir, plot_path) -> str:
     if plot_path:
         lines.append(f"  curves:      {plot_path}")
     return "\n".join(lines)
+
+
+def warn_all_too_long(t: Trainer, step: int, m: dict) -> None:
+    """Every prompt of the step was longer than rollout.max_prompt_len: say so once per run (rank 0), with the fix;
+    the step is skipped (``train/skipped_all_too_long``)."""
+    if t.warned_all_too_long or not t.dist.is_logger:
+        return
+    t.warned_all_too_long = True
+    print(
+        f"megatron-rlvr: WARNING: step {step}: all {m['data/prompts_too_long']:.0f} prompts are longer than "
+        f"rollout.max_prompt_len={t.cfg.rollout.max_prompt_len} tokens (after the prompt template), so the step "
+        "trains on nothing; raise rollout.max_prompt_len (every such step is skipped)",
+        flush=True,
+    )

@@ -1,12 +1,13 @@
-"""One RL step as stages with typed hand-offs (every rank runs every stage, SPMD):
+"""The stages of one RL step, with typed hand-offs (every rank runs every stage, SPMD):
 
     rollout(t, step)              -> RolloutBatch   prompts -> samples -> rewards (+ dynamic-sampling refill)
     train_batch(t, rollout)       -> TrainBatch     group advantages; behaviour and reference log-probs
     update(t, batch)              -> UpdateResult   mini-batches x epochs of forward/backward + optimizer steps
     publish_weights(t, updated)   -> metrics        the new policy into the rollout engines
 
-A schedule orders the stages: ``rl_step`` is the synchronous colocated one (the engines sleep while the trainer
-runs); ``megatron_rlvr.trainer.colocated`` runs it in a loop with checkpoints, signals and evaluation.
+A schedule orders them: ``megatron_rlvr.trainer.colocated`` is the synchronous colocated one (rollout, then
+training, then the weight sync, the engines asleep while the trainer runs). The stages hold no schedule state: a
+schedule that overlaps rollout with training composes the same functions.
 """
 
 from __future__ import annotations
@@ -28,42 +29,9 @@ from megatron_rlvr.trainer.batch import (
     informative,
 )
 from megatron_rlvr.trainer.components import Trainer
-from megatron_rlvr.trainer.diagnostics import forgetting_probe
-from megatron_rlvr.trainer.engine_setup import engine_sleeps, sleep_engine, wake_all, wake_weights
+from megatron_rlvr.trainer.engine_setup import engine_sleeps, wake_all, wake_weights
 from megatron_rlvr.trainer.update import UpdateResult, compute_logprobs, my_sequence_ids, policy_update, recompute_ids
 from megatron_rlvr.trainer.weights import sync_weights
-
-
-def rl_step(t: Trainer, step: int) -> dict[str, float]:
-    """One synchronous colocated RL step; returns the step's metrics (identical on every rank)."""
-    t0 = time.perf_counter()
-    rolled = rollout(t, step)
-    sleep_engine(t.engine, t.cfg.rollout.sleep_level)  # GPU: the engine frees its memory while the trainer runs
-    batch, m = train_batch(t, rolled)
-    if not batch.trains:  # empty or all-truncated batch: nothing to learn from
-        m.update(publish_weights(t, updated=False))
-        m.update({"train/skipped": 1.0, "train/skipped_empty": 1.0, "time/step_s": time.perf_counter() - t0})
-        if not rolled.groups and m.get("data/prompts_too_long", 0) > 0:
-            m["train/skipped_all_too_long"] = 1.0
-            warn_all_too_long(t, step, m)
-        return m
-    t1 = time.perf_counter()
-    result = update(t, batch)
-    m.update(result.metrics)
-    m["logprobs/nonfinite"] = max(m.get("logprobs/nonfinite", 0.0), result.first_forward_nonfinite)
-    m.update(update_mismatch_metrics(t, batch, result))
-    m["time/update_s"] = time.perf_counter() - t1
-    t.scheduler.step(increment=1)
-    m.update(publish_weights(t, updated=m.get("train/updates", 0) > 0))
-    t.policy_version = step  # the engines now hold the weights after this step's update
-    m.update(forgetting_probe(t, rolled, step))  # diagnostics: this step's mastered prompts, updated policy
-    m["train/skipped"] = float(m.get("train/updates", 0) == 0)
-    m["optim/lr"] = t.current_lr()
-    m["time/step_s"] = time.perf_counter() - t0
-    m["perf/tokens_per_s"] = sum(s.length for s in batch.sequences) / max(m["time/step_s"], 1e-9)
-    m["perf/generated_tokens"] = float(sum(s.response_len for s in batch.sequences))
-    return m
-
 
 # ------------------------------------------------------------------------------------------------------------------
 # Stages
@@ -226,17 +194,3 @@ def ref_logits_fn(t: Trainer):
             return t.ref_model(mb.tokens.to(dev), mb.position_ids.to(dev), mask)
 
     return fn
-
-
-def warn_all_too_long(t: Trainer, step: int, m: dict) -> None:
-    """Every prompt of the step was longer than rollout.max_prompt_len: say so once per run (rank 0), with the fix;
-    the step is skipped (``train/skipped_all_too_long``)."""
-    if t.warned_all_too_long or not t.dist.is_logger:
-        return
-    t.warned_all_too_long = True
-    print(
-        f"megatron-rlvr: WARNING: step {step}: all {m['data/prompts_too_long']:.0f} prompts are longer than "
-        f"rollout.max_prompt_len={t.cfg.rollout.max_prompt_len} tokens (after the prompt template), so the step "
-        "trains on nothing; raise rollout.max_prompt_len (every such step is skipped)",
-        flush=True,
-    )
