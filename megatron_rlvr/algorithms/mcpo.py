@@ -32,9 +32,6 @@ from torch import Tensor
 
 from .aggregation import LossNormalizers
 from .algorithm_config import HingeKLConfig
-from .reductions import declare
-
-declare("share", "mcpo/hinge_kl")  # normalised by the global count of mastered sequences
 
 
 def mcpo_query_scale(accuracy_G: Tensor) -> Tensor:

@@ -25,10 +25,6 @@ import math
 import torch
 from torch import Tensor
 
-from megatron_rlvr.algorithms.reductions import declare
-
-declare("max", "ratio/abs_log_ratio_max")
-
 RATIO_QUANTILES = (0.001, 0.01, 0.5, 0.99, 0.999)
 """Quantiles of the token ratio reported as ``ratio/q{100 q}`` (e.g. ``ratio/q99``, ``ratio/q99.9``)."""
 RATIO_BAND = 0.2
