@@ -310,6 +310,22 @@ def test_loader_and_shard_range():
     assert blocks == [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9]]
 
 
+def test_shard_range_is_balanced_and_contiguous():
+    """The one split of prompts over engines, of groups over mini-batches and of sequences over data-parallel ranks:
+    contiguous blocks covering range(n), sizes differing by at most one, the larger ones first."""
+    assert [shard_range(2, r, 4) for r in range(4)] == [range(0, 1), range(1, 2), range(2, 2), range(2, 2)]
+    for n in range(13):
+        for world in range(1, 6):
+            blocks = [shard_range(n, r, world) for r in range(world)]
+            assert [i for b in blocks for i in b] == list(range(n))
+            sizes = [len(b) for b in blocks]
+            assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+    with pytest.raises(ValueError, match="rank must be in"):
+        shard_range(5, 2, 2)
+    with pytest.raises(ValueError, match="rank must be in"):
+        shard_range(5, 0, 0)
+
+
 # ------------------------------------------------------------------------------------------------ procedural tasks
 def test_procedural_arithmetic_is_correct_and_deterministic():
     """Answers equal Python's own evaluation of the generated expression; same config -> same examples; example i
