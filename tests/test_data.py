@@ -38,7 +38,7 @@ def _raw_rows(path: Path) -> list[dict]:
 
 
 # --------------------------------------------------------------------------------------------- shared benchmark files
-# Row counts from shared/data/README.md; first-row values read by hand from the files.
+# Row counts from the data folder's README.md; first-row values read by hand from the files.
 SHARED_CASES = [
     ("gsm8k/train.jsonl", 7473, "gsm8k", "72", "Natalia sold clips", "gsm8k/train.jsonl:1"),
     ("gsm8k/test.jsonl", 1319, "gsm8k", "18", "Janet\u2019s ducks lay 16 eggs", "gsm8k/test.jsonl:1"),

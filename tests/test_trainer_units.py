@@ -299,7 +299,7 @@ def test_shipped_configs_validate(name):
     raw["train"]["micro_batch_tokens"] = 64
     raw["parallel"].update(sequence_parallel=False, rollout_tp=1)
     cfg = build_run_config(raw)
-    if name != "smollm2_gsm8k":  # the papers' settings (issue 6)
+    if name != "smollm2_gsm8k":  # the papers' settings (lr 1e-6, constant schedule)
         assert cfg.optimizer.lr == 1e-6 and cfg.schedule.lr_decay == "constant"
         assert (cfg.train.prompts_per_step, cfg.train.mini_batch_prompts, cfg.rollout.n) == (128, 64, 16)
         assert (cfg.algorithm.policy_loss.eps_low, cfg.algorithm.policy_loss.eps_high) == (0.2, 0.28)

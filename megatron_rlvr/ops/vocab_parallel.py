@@ -132,7 +132,7 @@ class _Plan:
 # ---------------------------------------------------------------------------------------------------- collectives
 def _all_reduce_(t: torch.Tensor, op, plan: _Plan) -> torch.Tensor:
     if plan.tp_size > 1 and t.numel():  # every TP rank has the same T, so all skip together
-        # gloo collectives on non-contiguous tensors are silently wrong (platform-facts.md): always contiguous.
+        # gloo collectives on non-contiguous tensors are silently wrong: always contiguous.
         t = t.contiguous()
         dist.all_reduce(t, op=op, group=plan.tp_group)
     return t
