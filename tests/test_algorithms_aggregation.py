@@ -129,7 +129,7 @@ def _global_norms(data, shards):
     counts = sum(
         local_normalizer_counts(data["mask"][torch.as_tensor(s)], data["mastered"][torch.as_tensor(s)]) for s in shards
     )
-    return LossNormalizers.from_counts(counts)  # = the trainer's sum over micro-batches + DP all-reduce
+    return LossNormalizers.from_counts(counts)  # the counts of the whole mini-batch, over every shard
 
 
 def _split_total(cfg, data, shards):
