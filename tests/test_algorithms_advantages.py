@@ -1,5 +1,5 @@
 """Group advantage estimators, F-GRPO focal scaling, MCPO query weights and CPGD weights against hand-computed values
-and the invariants of issue 3 (gamma = 0 equals GRPO; MCPO query weight 0.5 on (0.5, 1); zero-variance groups give
+and the papers' invariants (gamma = 0 equals GRPO; MCPO query weight 0.5 on (0.5, 1); zero-variance groups give
 exactly 0)."""
 
 import math

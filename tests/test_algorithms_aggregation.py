@@ -1,4 +1,4 @@
-"""Loss aggregation with global normalisers: hand-computed modes, and the split invariance of issue 3: for every
+"""Loss aggregation with global normalisers: hand-computed modes, and the split invariance they give: for every
 preset (and the remaining loss/regulariser options), 1 vs 4 micro-batches and 1 vs 2 simulated DP ranks give the
 same loss and the same gradients (sum over shards == full batch), with empty responses and fully masked rows."""
 
@@ -129,7 +129,7 @@ def _global_norms(data, shards):
     counts = sum(
         local_normalizer_counts(data["mask"][torch.as_tensor(s)], data["mastered"][torch.as_tensor(s)]) for s in shards
     )
-    return LossNormalizers.from_counts(counts)  # = the trainer's sum over micro-batches + DP all-reduce
+    return LossNormalizers.from_counts(counts)  # the counts of the whole mini-batch, over every shard
 
 
 def _split_total(cfg, data, shards):

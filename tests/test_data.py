@@ -38,7 +38,7 @@ def _raw_rows(path: Path) -> list[dict]:
 
 
 # --------------------------------------------------------------------------------------------- shared benchmark files
-# Row counts from shared/data/README.md; first-row values read by hand from the files.
+# Row counts from the data folder's README.md; first-row values read by hand from the files.
 SHARED_CASES = [
     ("gsm8k/train.jsonl", 7473, "gsm8k", "72", "Natalia sold clips", "gsm8k/train.jsonl:1"),
     ("gsm8k/test.jsonl", 1319, "gsm8k", "18", "Janet\u2019s ducks lay 16 eggs", "gsm8k/test.jsonl:1"),
@@ -308,6 +308,22 @@ def test_loader_and_shard_range():
     assert [e.id for e in loader2.next_batch()] == [e.id for e in nxt]
     blocks = [list(shard_range(10, r, 3)) for r in range(3)]
     assert blocks == [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9]]
+
+
+def test_shard_range_is_balanced_and_contiguous():
+    """The one split of prompts over engines, of groups over mini-batches and of sequences over data-parallel ranks:
+    contiguous blocks covering range(n), sizes differing by at most one, the larger ones first."""
+    assert [shard_range(2, r, 4) for r in range(4)] == [range(0, 1), range(1, 2), range(2, 2), range(2, 2)]
+    for n in range(13):
+        for world in range(1, 6):
+            blocks = [shard_range(n, r, world) for r in range(world)]
+            assert [i for b in blocks for i in b] == list(range(n))
+            sizes = [len(b) for b in blocks]
+            assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+    with pytest.raises(ValueError, match="rank must be in"):
+        shard_range(5, 2, 2)
+    with pytest.raises(ValueError, match="rank must be in"):
+        shard_range(5, 0, 0)
 
 
 # ------------------------------------------------------------------------------------------------ procedural tasks

@@ -1,4 +1,4 @@
-"""Fault-injection matrix (issue 14; listed in docs/training.md, "Failure handling"): each test injects one fault
+"""Fault-injection matrix (listed in docs/training.md, "Failure handling"): each test injects one fault
 and checks the documented outcome. Unit-level cases run in this process or in small subprocesses; the trainer-level
 ones share one call of the 4-rank pool (``test_trainer_level_faults``)."""
 

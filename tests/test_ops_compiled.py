@@ -1,5 +1,5 @@
 """The compiled implementation of the vocab-parallel token statistics as a mechanism: one graph per kernel variant
-serves every sequence length (no recompiles per micro-batch), the per-call and process-wide selection, and the
+serves every sequence length (no recompiles per micro-batch), the per-call selection (no process-wide default), and the
 fallback to eager when compilation is impossible. Its numerics are checked against the fp64 references by every
 test of test_ops_math.py and test_ops_tp.py (they run through both implementations)."""
 
@@ -16,12 +16,9 @@ import pytest
 import torch
 from test_ops_math import compiled_usable
 
-from megatron_rlvr.ops import (
-    compiled,
-    get_fused_statistics,
-    set_fused_statistics,
-    vocab_parallel_token_stats,
-)
+import megatron_rlvr.ops as ops
+import megatron_rlvr.ops.vocab_parallel as vocab_parallel
+from megatron_rlvr.ops import compiled, vocab_parallel_token_stats
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,17 +55,16 @@ def test_lengths_vary_without_recompiling(want):
     assert compiled.compile_stats()["total_graphs"] == before, compiled.compile_stats()
 
 
-def test_mode_selection_and_validation():
-    """set_fused_statistics sets the process default that impl=None uses; bad names are rejected naming the
-    choices."""
-    assert get_fused_statistics() == "eager"
-    try:
-        set_fused_statistics("compiled")
-        assert get_fused_statistics() == "compiled"
-    finally:
-        set_fused_statistics("eager")
+def test_the_implementation_is_chosen_per_call_only():
+    """``impl`` defaults to "eager" in the signature and nothing else: no process-wide setter or mode exists; a bad
+    name is rejected naming the choices."""
+    import inspect
+
+    assert inspect.signature(vocab_parallel_token_stats).parameters["impl"].default == "eager"
+    for mod in (ops, vocab_parallel):
+        assert not [n for n in vars(mod) if "set_fused" in n or "get_fused" in n or "DEFAULT_MODE" in n]
     with pytest.raises(ValueError, match="eager"):
-        set_fused_statistics("triton")
+        vocab_parallel_token_stats(torch.zeros(2, 8), token_ids_T=torch.tensor([0, 1]), impl="triton")
 
 
 _FALLBACK_SCRIPT = textwrap.dedent(

@@ -16,7 +16,6 @@ import torch
 from megatron_rlvr.ops import (
     compiled,
     kl_estimator,
-    set_fused_statistics,
     vocab_parallel_entropy,
     vocab_parallel_kl,
     vocab_parallel_logprobs,
@@ -40,16 +39,12 @@ def compiled_usable() -> str | None:
 
 @pytest.fixture(params=IMPLS)
 def impl(request):
-    """Run the test with `set_fused_statistics(impl)`; for "compiled", also check that the compiled kernels really
-    ran (no silent fallback to eager)."""
+    """The implementation the test passes to every call (``impl=impl``); for "compiled", also check that the
+    compiled kernels really ran (no silent fallback to eager)."""
     if request.param == "compiled" and compiled_usable() is not None:
         pytest.skip(f"torch.compile unusable here: {compiled_usable()}")
     calls = compiled.compile_stats()["calls"]
-    set_fused_statistics(request.param)
-    try:
-        yield request.param
-    finally:
-        set_fused_statistics("eager")
+    yield request.param
     if request.param == "compiled":
         assert compiled.disabled_reason() is None
         assert compiled.compile_stats()["calls"] > calls, "the compiled path was not used"
@@ -104,7 +99,7 @@ def test_fused_all_stats_forward_backward_match_fp64_reference(dtype, temperatur
     x.requires_grad_(True)
     w.requires_grad_(True)
     out = vocab_parallel_token_stats(
-        x, token_ids_T=ids, other_logits_TV=w, temperature=temperature, want=ALL, chunk_size=5
+        x, token_ids_T=ids, other_logits_TV=w, temperature=temperature, want=ALL, chunk_size=5, impl=impl
     )
     ref = reference_stats(x.detach(), w.detach(), ids, temperature, V)
     xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
@@ -131,7 +126,7 @@ def test_each_stat_alone_has_exact_gradient(key, impl):
     x, w, ids, wt = make_case(T, V, torch.float64, seed=3)
     x.requires_grad_(True)
     w.requires_grad_(True)
-    out = vocab_parallel_token_stats(x, token_ids_T=ids, other_logits_TV=w, temperature=1.3, want=(key,))
+    out = vocab_parallel_token_stats(x, token_ids_T=ids, other_logits_TV=w, temperature=1.3, want=(key,), impl=impl)
     xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
     ref = reference_stats(xr, wr, ids, 1.3, V)
     gx, gw = grads_of(out, wt, (x, w))
@@ -154,7 +149,7 @@ def test_gradcheck_fp64(impl):
 
     def f(a, b):
         o = vocab_parallel_token_stats(
-            a, token_ids_T=ids, other_logits_TV=b, temperature=0.8, vocab_size=258, want=ALL, chunk_size=2
+            a, token_ids_T=ids, other_logits_TV=b, temperature=0.8, vocab_size=258, want=ALL, chunk_size=2, impl=impl
         )
         return tuple(o[k] for k in DIFFERENTIABLE)
 
@@ -170,7 +165,9 @@ def test_padded_vocab_does_not_leak(impl):
     w[:, V:] = -1e4
     x.requires_grad_(True)
     w.requires_grad_(True)
-    out = vocab_parallel_token_stats(x, token_ids_T=ids, other_logits_TV=w, vocab_size=V, want=ALL, chunk_size=4)
+    out = vocab_parallel_token_stats(
+        x, token_ids_T=ids, other_logits_TV=w, vocab_size=V, want=ALL, chunk_size=4, impl=impl
+    )
     ref = reference_stats(x.detach(), w.detach(), ids, 1.0, V)
     for k in ALL:
         torch.testing.assert_close(out[k].double(), ref[k], atol=2e-5, rtol=2e-5, msg=k)
@@ -188,7 +185,7 @@ def test_exact_top2_ties_give_zero_margin(impl):
     x[2, :] = 0.0  # uniform row: everything ties
     x[3, 7] = 9.0  # unique max
     for dtype in (torch.float32, torch.bfloat16):
-        m = vocab_parallel_top2_margin(x.to(dtype), temperature=0.6)
+        m = vocab_parallel_top2_margin(x.to(dtype), temperature=0.6, impl=impl)
         assert m[0].item() == 0.0 and m[1].item() == 0.0 and m[2].item() == 0.0
         ref = reference_stats(x.to(dtype), None, None, 0.6, V)["margin"]
         assert m[3].item() > 0
@@ -206,7 +203,7 @@ def test_bf16_gradient_of_confident_token_is_rounded_once(want, impl):
     x[torch.arange(T), ids] = 15.0  # p_y ~ 0.999
     xb = x.to(torch.bfloat16).requires_grad_(True)
     wb = w.to(torch.bfloat16)
-    out = vocab_parallel_token_stats(xb, token_ids_T=ids, other_logits_TV=wb, want=want, chunk_size=2)
+    out = vocab_parallel_token_stats(xb, token_ids_T=ids, other_logits_TV=wb, want=want, chunk_size=2, impl=impl)
     (gx,) = grads_of(out, wt, (xb,))
     xr = xb.detach().double().requires_grad_(True)
     ref = reference_stats(xr, wb.double(), ids, 1.0, V)
@@ -221,7 +218,7 @@ def test_bf16_gradient_of_confident_token_is_rounded_once(want, impl):
 def test_margin_is_detached(impl):
     """The margin is a stop-gradient weight: it does not require grad even when the logits do."""
     x = torch.randn(3, 300, requires_grad=True)
-    out = vocab_parallel_token_stats(x, want=("margin", "entropy"))
+    out = vocab_parallel_token_stats(x, want=("margin", "entropy"), impl=impl)
     assert not out["margin"].requires_grad and out["entropy"].requires_grad
 
 
@@ -235,7 +232,7 @@ def test_masked_tokens_get_zero_gradient_and_inputs_are_unchanged(impl):
         x.requires_grad_(True)
         w.requires_grad_(True)
         mask = torch.tensor([1, 0, 1, 1, 0, 0, 1, 0, 1, 1], dtype=torch.float32)
-        out = vocab_parallel_token_stats(x, token_ids_T=ids, other_logits_TV=w, want=ALL, chunk_size=3)
+        out = vocab_parallel_token_stats(x, token_ids_T=ids, other_logits_TV=w, want=ALL, chunk_size=3, impl=impl)
         loss = sum((out[k] * mask).sum() for k in DIFFERENTIABLE)
         loss.backward()
         masked = mask == 0
@@ -252,7 +249,7 @@ def test_chunked_equals_unchunked(chunk, impl):
 
     def run(cs):
         a, b = x.clone().requires_grad_(), w.clone().requires_grad_()
-        o = vocab_parallel_token_stats(a, token_ids_T=ids, other_logits_TV=b, want=ALL, chunk_size=cs)
+        o = vocab_parallel_token_stats(a, token_ids_T=ids, other_logits_TV=b, want=ALL, chunk_size=cs, impl=impl)
         return o, grads_of(o, wt, (a, b))
 
     o1, g1 = run(chunk)
@@ -278,7 +275,7 @@ def test_shift_fallbacks_for_extreme_rows_are_exact(want, impl):
     w[8] = x[8] + 95.0
     x.requires_grad_(True)
     w.requires_grad_(True)
-    out = vocab_parallel_token_stats(x, token_ids_T=ids, other_logits_TV=w, want=want, chunk_size=2)
+    out = vocab_parallel_token_stats(x, token_ids_T=ids, other_logits_TV=w, want=want, chunk_size=2, impl=impl)
     xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     ref = reference_stats(xr, wr, ids, 1.0, V)
     for k in want:
@@ -290,7 +287,9 @@ def test_shift_fallbacks_for_extreme_rows_are_exact(want, impl):
         torch.testing.assert_close(gw.double(), rw, atol=2e-5, rtol=1e-4)
     # and with the other logits frozen (the usual RL case: only the policy's logits need a gradient)
     x2 = x.detach().clone().requires_grad_(True)
-    out2 = vocab_parallel_token_stats(x2, token_ids_T=ids, other_logits_TV=w.detach(), want=want, chunk_size=2)
+    out2 = vocab_parallel_token_stats(
+        x2, token_ids_T=ids, other_logits_TV=w.detach(), want=want, chunk_size=2, impl=impl
+    )
     (g2,) = grads_of(out2, wt, (x2,))
     torch.testing.assert_close(g2.double(), rx, atol=2e-5, rtol=1e-4)
 
@@ -301,13 +300,13 @@ def test_wrappers_and_leading_dims(impl):
     x = torch.randn(S, B, V)
     w = torch.randn(S, B, V)
     ids = torch.randint(0, V, (S, B))
-    out = vocab_parallel_token_stats(x, token_ids_T=ids, other_logits_TV=w, want=ALL)
+    out = vocab_parallel_token_stats(x, token_ids_T=ids, other_logits_TV=w, want=ALL, impl=impl)
     assert all(v.shape == (S, B) for v in out.values())
-    torch.testing.assert_close(vocab_parallel_logprobs(x, ids), out["logprob"])
-    torch.testing.assert_close(vocab_parallel_entropy(x), out["entropy"])
-    torch.testing.assert_close(vocab_parallel_top2_margin(x), out["margin"])
-    torch.testing.assert_close(vocab_parallel_kl(x, w), out["kl"])
-    torch.testing.assert_close(vocab_parallel_kl(x, w, reverse=True), out["kl_rev"])
+    torch.testing.assert_close(vocab_parallel_logprobs(x, ids, impl=impl), out["logprob"])
+    torch.testing.assert_close(vocab_parallel_entropy(x, impl=impl), out["entropy"])
+    torch.testing.assert_close(vocab_parallel_top2_margin(x, impl=impl), out["margin"])
+    torch.testing.assert_close(vocab_parallel_kl(x, w, impl=impl), out["kl"])
+    torch.testing.assert_close(vocab_parallel_kl(x, w, reverse=True, impl=impl), out["kl_rev"])
 
 
 def test_extreme_logits_stay_finite_and_exact(impl):
@@ -315,11 +314,13 @@ def test_extreme_logits_stay_finite_and_exact(impl):
     x = torch.full((3, 300), -1e4)  # the 296 further columns carry (almost) no mass
     x[:, :4] = torch.tensor([[1000.0, 999.0, -1000.0, 0.0], [-500.0, -501.0, -502.0, -503.0], [0.0, 0.0, 0.0, 0.0]])
     ids = torch.tensor([0, 3, 2])
-    out = vocab_parallel_token_stats(x, token_ids_T=ids, want=("logprob", "entropy", "margin"))
+    out = vocab_parallel_token_stats(x, token_ids_T=ids, want=("logprob", "entropy", "margin"), impl=impl)
     ref = reference_stats(x, None, ids, 1.0, 300)
     for k in out:
         torch.testing.assert_close(out[k].double(), ref[k], atol=1e-5, rtol=1e-5)
-    empty = vocab_parallel_token_stats(torch.zeros(0, 8, requires_grad=True), token_ids_T=torch.zeros(0).long())
+    empty = vocab_parallel_token_stats(
+        torch.zeros(0, 8, requires_grad=True), token_ids_T=torch.zeros(0).long(), impl=impl
+    )
     assert empty["logprob"].shape == (0,)
 
 
@@ -343,13 +344,13 @@ def test_bad_arguments_raise_clear_errors(impl):
     ]
     for kwargs, needle in cases:
         with pytest.raises(ValueError, match=needle):
-            vocab_parallel_token_stats(x, **kwargs)
+            vocab_parallel_token_stats(x, **kwargs, impl=impl)
     bad = x.clone()
     bad[2, 3] = float("nan")
     with pytest.raises(ValueError, match="non-finite at token 2"):
-        vocab_parallel_entropy(bad)
+        vocab_parallel_entropy(bad, impl=impl)
     with pytest.raises(ValueError, match="logits_TV"):
-        vocab_parallel_entropy(torch.arange(10))
+        vocab_parallel_entropy(torch.arange(10), impl=impl)
     with pytest.raises(ValueError, match="impl"):
         vocab_parallel_entropy(x, impl="triton")
 

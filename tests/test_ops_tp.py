@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_ops_math import ALL, grads_of, make_case, reference_stats
 
-from megatron_rlvr.ops import get_fused_statistics, set_fused_statistics, vocab_parallel_token_stats
+from megatron_rlvr.ops import vocab_parallel_token_stats
 
 
 def _shard(t, rank, tp):
@@ -36,7 +36,7 @@ def _grad_err(g, ref):
     return err.max().item()
 
 
-def _check_against_reference(name, group, rank, tp, T, V, dtype, temperature, chunk, errs, tie_rows=False):
+def _check_against_reference(name, group, rank, tp, T, V, dtype, temperature, chunk, errs, impl, tie_rows=False):
     Vp = _padded(V, tp)
     x, w, ids, wt = make_case(T, V, dtype, seed=T + V, padded_to=Vp)
     x[:, V:] = 50.0  # padding holds large garbage: must not leak
@@ -60,6 +60,7 @@ def _check_against_reference(name, group, rank, tp, T, V, dtype, temperature, ch
         vocab_size=V,
         want=ALL,
         chunk_size=chunk,
+        impl=impl,
     )
     xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
     ref = reference_stats(xr, wr, ids, temperature, V)
@@ -79,7 +80,7 @@ def _check_against_reference(name, group, rank, tp, T, V, dtype, temperature, ch
     return out, (gx, gw)
 
 
-def _megatron_reference(group, rank, tp, dtype, errs):
+def _megatron_reference(group, rank, tp, dtype, errs, impl):
     """megatron-core's vocab_parallel_cross_entropy (reads megatron's TP group: the harness initialised it) gives
     -logprob and, for loss weights g, the gradient of sum(g * -logprob)."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
@@ -91,13 +92,13 @@ def _megatron_reference(group, rank, tp, dtype, errs):
     loss = vocab_parallel_cross_entropy(xm, ids)
     (loss * wt["logprob"].to(loss.dtype)).sum().backward()
     xo = xs.clone().requires_grad_(True)
-    lp = vocab_parallel_token_stats(xo, tp_group=group, token_ids_T=ids, want=("logprob",))["logprob"]
+    lp = vocab_parallel_token_stats(xo, tp_group=group, token_ids_T=ids, want=("logprob",), impl=impl)["logprob"]
     (-lp * wt["logprob"].float()).sum().backward()
     errs[f"megatron_{dtype}/logprob"] = (lp.double() + loss.double()).abs().max().item()
     errs[f"megatron_{dtype}/grad"] = _grad_err(xo.grad, xm.grad.double())
 
 
-def _logprob_alone(group, rank, tp, errs):
+def _logprob_alone(group, rank, tp, errs, impl):
     """Log-prob alone (the compiled path's unshifted first try, `_fwd_lse0`, on shards of 320 > 256 columns) equals
     the fp64 reference when the ranks take different shifts for the same rows: row 3 is +95 on shard 0 only (exp
     overflows there, so rank 0 redoes rows 2-3 shifted by their max while the other ranks keep shift 0) and row 6 is
@@ -111,7 +112,7 @@ def _logprob_alone(group, rank, tp, errs):
     before = compiled.compile_stats()["calls_by_kernel"].get("_fwd_lse0", 0)
     xs = _shard(x, rank, tp).clone().requires_grad_(True)
     out = vocab_parallel_token_stats(
-        xs, tp_group=group, token_ids_T=ids, want=("logprob",), temperature=0.8, chunk_size=2
+        xs, tp_group=group, token_ids_T=ids, want=("logprob",), temperature=0.8, chunk_size=2, impl=impl
     )
     xr = x.double().requires_grad_(True)
     ref = reference_stats(xr, None, ids, 0.8, V)
@@ -120,38 +121,36 @@ def _logprob_alone(group, rank, tp, errs):
     (rx,) = grads_of({"logprob": ref["logprob"]}, wt, (xr,))
     errs["fp32_lp_alone/grad_logits"] = _grad_err(gx, _shard(rx, rank, tp))
     used = compiled.compile_stats()["calls_by_kernel"].get("_fwd_lse0", 0) > before
-    errs["lp_alone_lse0_unused"] = float(get_fused_statistics() == "compiled" and not used)
+    errs["lp_alone_lse0_unused"] = float(impl == "compiled" and not used)
 
 
 def _tp_checks(impl="eager"):
     from megatron_rlvr.ops import compiled
 
     calls = compiled.compile_stats()["calls"]
-    set_fused_statistics(impl)
-    try:
-        errs = _tp_checks_body()
-    finally:
-        set_fused_statistics("eager")  # the pool's ranks are reused by later tests
+    errs = _tp_checks_body(impl)
     if impl == "compiled":
         errs["compiled_disabled"] = float(compiled.disabled_reason() is not None)
         errs["compiled_unused"] = float(compiled.compile_stats()["calls"] == calls)
     return errs
 
 
-def _tp_checks_body():
+def _tp_checks_body(impl):
     from megatron.core import parallel_state as ps
 
     group = ps.get_tensor_model_parallel_group()
     rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     errs: dict[str, float] = {}
     # fp32 + temperature + padded vocab (V=1000 -> 1024) + ties + masking, several chunks
-    _check_against_reference("fp32_t0.7_pad", group, rank, tp, 11, 1000, torch.float32, 0.7, 4, errs, tie_rows=True)
+    _check_against_reference(
+        "fp32_t0.7_pad", group, rank, tp, 11, 1000, torch.float32, 0.7, 4, errs, impl, tie_rows=True
+    )
     # bf16 inputs, fp32 accumulation
-    _check_against_reference("bf16_t1.0", group, rank, tp, 9, 512 * tp, torch.bfloat16, 1.0, None, errs)
+    _check_against_reference("bf16_t1.0", group, rank, tp, 9, 512 * tp, torch.bfloat16, 1.0, None, errs, impl)
     # fp64: exactness of the merge itself; V=300 at tp=4 pads to 512, so the last shard is ALL padding
-    out_c, g_c = _check_against_reference("fp64_t1.3_pad", group, rank, tp, 10, 300, torch.float64, 1.3, 3, errs)
+    out_c, g_c = _check_against_reference("fp64_t1.3_pad", group, rank, tp, 10, 300, torch.float64, 1.3, 3, errs, impl)
     out_u, g_u = _check_against_reference(
-        "fp64_t1.3_pad_1chunk", group, rank, tp, 10, 300, torch.float64, 1.3, 10, errs
+        "fp64_t1.3_pad_1chunk", group, rank, tp, 10, 300, torch.float64, 1.3, 10, errs, impl
     )
     errs["chunked_vs_unchunked"] = max(
         max((out_c[k] - out_u[k]).abs().max().item() for k in ALL),
@@ -162,9 +161,9 @@ def _tp_checks_body():
     gathered = [torch.empty_like(lp) for _ in range(tp)]
     torch.distributed.all_gather(gathered, lp, group=group)
     errs["ranks_agree"] = max((g - lp).abs().max().item() for g in gathered)
-    _megatron_reference(group, rank, tp, torch.float32, errs)
-    _megatron_reference(group, rank, tp, torch.bfloat16, errs)
-    _logprob_alone(group, rank, tp, errs)
+    _megatron_reference(group, rank, tp, torch.float32, errs, impl)
+    _megatron_reference(group, rank, tp, torch.bfloat16, errs, impl)
+    _logprob_alone(group, rank, tp, errs, impl)
     return errs
 
 

@@ -1,6 +1,6 @@
-"""Every repro script (tools/repro, issue 13) runs end to end in its seconds-long --quick mode and writes its outputs;
-the closed form of Pr(B_tau) matches a hand-computed value; the at-scale config parses with the diagnostics section.
-The full experiments are NOT run here (docs/results.md has their commands)."""
+"""Every repro script (tools/repro, docs/results.md) runs end to end in its seconds-long --quick mode and writes its
+outputs; the closed form of Pr(B_tau) matches a hand-computed value; the at-scale config parses with the diagnostics
+section. The full experiments are NOT run here (docs/results.md has their commands)."""
 
 import json
 import os

@@ -226,7 +226,7 @@ def test_user_fn_raise_and_nan_are_counted(user_rm):
     pids = user_rm.worker_pids
     rewards, stats = user_rm.score(["4", "raise", "nan", "5"], ["4", "4", "4", "4"])
     assert rewards == [1.0, 0.0, 0.0, 0.0]
-    # NaN is counted on its own (reward/n_nonfinite), not as an error (issue 14 item 5)
+    # NaN is counted on its own (reward/n_nonfinite), not as an error: a scorer's NaN is a bug of its own kind
     assert stats["reward/n_error"] == 1 and stats["reward/n_nonfinite"] == 1 and stats["reward/n_timeout"] == 0
     details = user_rm.score_detailed(["raise", "nan"], ["1", "1"])
     assert details[0].status == "error" and "RuntimeError: user reward exploded" in details[0].error

@@ -187,8 +187,6 @@ def test_truncated_importance_weights_are_capped_ratios():
 
 
 def test_loss_metrics_sum_shares_and_weight_means_by_tokens():
-    import megatron_rlvr.algorithms.loss  # noqa: F401  the producer of these keys declares their reductions
-
     rank0, rank1 = LossMetrics(), LossMetrics()
     # one mini-batch update split into three micro-batches over two ranks
     rank0.add({"loss/total": 0.2, "loss/num_tokens": 10, "loss/clip_frac_high": 0.1, "loss/ratio_max": 1.2})
@@ -203,27 +201,19 @@ def test_loss_metrics_sum_shares_and_weight_means_by_tokens():
     assert two_updates["loss/total"] == pytest.approx(0.3)  # mean over updates
 
 
-def test_a_metric_is_reduced_as_its_producer_declares():
-    """No central list: a new regulariser declares its term's reduction next to its code, and LossMetrics follows;
-    a key declared with two different kinds is refused."""
-    import megatron_rlvr.algorithms.loss  # noqa: F401  (producers declare their keys when imported)
-    import megatron_rlvr.rollout.mismatch  # noqa: F401
-    from megatron_rlvr.algorithms.reductions import declare, declared, reduction_of
-
-    declare("share", "test_reg/loss")
-    declare("max", "test_reg/peak")
+def test_loss_metrics_reduce_each_key_as_the_table_says():
+    """LossMetrics follows megatron_rlvr.algorithms.reductions: a share adds up, an extreme takes the extreme, a key
+    not in the table is a token-weighted mean, whatever was imported before."""
     a, b = LossMetrics(), LossMetrics()
-    a.add({"test_reg/loss": 0.25, "test_reg/peak": 3.0, "test_reg/frac": 1.0, "loss/num_tokens": 10})
-    b.add({"test_reg/loss": 0.5, "test_reg/peak": 2.0, "test_reg/frac": 0.0, "loss/num_tokens": 30})
+    a.add(
+        {"mcpo/hinge_kl": 0.25, "train/nonfinite": 0.0, "mismatch/ratio_min": 0.9, "x/frac": 1.0, "loss/num_tokens": 10}
+    )
+    b.add(
+        {"mcpo/hinge_kl": 0.5, "train/nonfinite": 1.0, "mismatch/ratio_min": 0.7, "x/frac": 0.0, "loss/num_tokens": 30}
+    )
     out = LossMetrics.merge([a.state(), b.state()], num_updates=1)
-    assert out["test_reg/loss"] == pytest.approx(0.75) and out["test_reg/peak"] == 3.0
-    assert out["test_reg/frac"] == pytest.approx(10 / 40)  # undeclared: token-weighted mean
-    with pytest.raises(ValueError, match="declared as 'share' and as 'max'"):
-        declare("max", "test_reg/loss")
-    # the shipped producers declare their extremes and loss shares
-    kinds = declared()
-    assert reduction_of("loss/ratio_max") == "max" and reduction_of("mismatch/ratio_min") == "min"
-    assert all(kinds[k] == "share" for k in ("loss/policy", "loss/total", "mcpo/hinge_kl", "drift/kl"))
+    assert out["mcpo/hinge_kl"] == pytest.approx(0.75) and out["train/nonfinite"] == 1.0
+    assert out["mismatch/ratio_min"] == 0.7 and out["x/frac"] == pytest.approx(10 / 40)
 
 
 # ------------------------------------------------------------------------------------------------ signals
@@ -311,7 +301,7 @@ def test_shipped_configs_validate(name):
     raw["train"]["micro_batch_tokens"] = 64
     raw["parallel"].update(sequence_parallel=False, rollout_tp=1)
     cfg = build_run_config(raw)
-    if name != "smollm2_gsm8k":  # the papers' settings (issue 6)
+    if name != "smollm2_gsm8k":  # the papers' settings (lr 1e-6, constant schedule)
         assert cfg.optimizer.lr == 1e-6 and cfg.schedule.lr_decay == "constant"
         assert (cfg.train.prompts_per_step, cfg.train.mini_batch_prompts, cfg.rollout.n) == (128, 64, 16)
         assert (cfg.algorithm.policy_loss.eps_low, cfg.algorithm.policy_loss.eps_high) == (0.2, 0.28)

@@ -14,8 +14,8 @@
 #   SLURM_LOCAL_MEM_MB     RealMemory to declare             (default: 90% of MemTotal)
 #   SLURM_LOCAL_TIMEOUT_S  how long start waits for an idle node (default 60)
 #
-# Needs root (munge key in /etc/munge, daemons run as root). Recipe measured on Debian 12 / Slurm 22.05: see
-# ../shared/notes/platform-facts.md. Accounting (sacct/slurmdbd) is NOT set up: query jobs with
+# Needs root (munge key in /etc/munge, daemons run as root). Recipe measured on Debian 12 / Slurm 22.05.
+# Accounting (sacct/slurmdbd) is NOT set up: query jobs with
 # `scontrol show job <id>` (kept MinJobAge=600 s after the end) or squeue.
 set -euo pipefail
 

@@ -6,7 +6,7 @@ Trainer entry points:
 
 - :func:`compute_advantages` (once per step, on the global rollout batch) -> (adv_G_n, metrics)
 - :func:`mastered_rollouts` -> bool [G, n] for the MCPO hinge-KL
-- :func:`local_normalizer_counts` per micro-batch, summed + all-reduced once -> :class:`LossNormalizers`
+- :func:`local_normalizer_counts` per micro-batch, summed over the whole mini-batch -> :class:`LossNormalizers`
 - :func:`compute_policy_loss` (per micro-batch) -> (loss, metrics)
 - :func:`shape_rewards`, :func:`mask_truncated`, :func:`dynamic_sampling_keep` (DAPO)
 """

@@ -2,10 +2,12 @@
 
 Every per-token loss term ``values_BT`` [B, T] (policy loss, drift, reference KL, entropy) is reduced to a scalar by
 one of four modes. The divisor is never the micro-batch's own token or sequence count: it is the count over the whole
-mini-batch (every DP rank, every micro-batch), computed once by the trainer with one all-reduce of
-:func:`local_normalizer_counts`. Each micro-batch's loss is then ``sum(contributions) / global_norm``, so summing the
-gradients of all micro-batches on all ranks gives exactly the full-batch gradient, however the batch is split (the
-verl/TRL bug class where each micro-batch divides by its own count and short micro-batches get up-weighted).
+mini-batch (every DP rank, every micro-batch), i.e. :func:`local_normalizer_counts` summed over all of it. The trainer
+holds the whole batch on every rank (the rollout ends in an all-gather), so it counts the mini-batch locally, with no
+communication; a trainer that held only its shard would sum its micro-batches' counts and all-reduce them (SUM) over
+data parallelism once per mini-batch. Each micro-batch's loss is then ``sum(contributions) / global_norm``, so
+summing the gradients of all micro-batches on all ranks gives exactly the full-batch gradient, however the batch is
+split (the verl/TRL bug class where each micro-batch divides by its own count and short micro-batches get up-weighted).
 
 Modes (``l_it`` the per-token value, ``m_it`` the response mask, ``|y_i| = sum_t m_it``):
 
@@ -62,7 +64,7 @@ class LossNormalizers:
 
     @classmethod
     def from_counts(cls, counts: Tensor) -> LossNormalizers:
-        """From the all-reduced (summed) output of :func:`local_normalizer_counts`, shape [3]."""
+        """From the counts of the whole mini-batch: :func:`local_normalizer_counts` summed over it, shape [3]."""
         if counts.shape != (3,):
             raise ValueError(f"LossNormalizers.from_counts expects a [3] tensor, got shape {tuple(counts.shape)}")
         tok, seq, mastered = (float(x) for x in counts.detach().double().cpu().tolist())
@@ -77,8 +79,9 @@ class LossNormalizers:
 def local_normalizer_counts(mask_BT: Tensor, mastered_B: Tensor | None = None) -> Tensor:
     """[3] float64: (valid tokens, non-empty sequences, non-empty mastered sequences) of this micro-batch.
 
-    The trainer sums these over its micro-batches and all-reduces (SUM) over the DP group once per mini-batch, then
-    builds :class:`LossNormalizers` with :meth:`LossNormalizers.from_counts`.
+    Summed over the whole mini-batch (every micro-batch of every DP rank) they give :class:`LossNormalizers` through
+    :meth:`LossNormalizers.from_counts`; the trainer, which holds the whole batch on every rank, counts the same from
+    its sequences' lengths (no communication).
     """
     if mask_BT.dim() != 2:
         raise ValueError(f"mask_BT must be [B, T], got shape {tuple(mask_BT.shape)}")

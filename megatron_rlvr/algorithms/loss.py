@@ -30,13 +30,7 @@ from .margin_credit import margin_credit_metrics, margin_credit_weights
 from .mcpo import hinge_kl_loss
 from .metrics import masked_max, masked_mean, masked_min
 from .policy_losses import POLICY_LOSSES, log_ratio
-from .reductions import declare
 from .regularizers import ref_kl_per_token
-
-# Loss terms normalised by global counts add up over micro-batches and ranks; the ratio extremes take the extreme.
-declare("share", "loss/policy", "loss/total", "loss/ref_kl", "loss/entropy_bonus", "drift/kl", "loss/num_tokens")
-declare("max", "loss/ratio_max")
-declare("min", "loss/ratio_min")
 
 
 @dataclass

@@ -25,9 +25,6 @@ from torch import Tensor
 
 from .algorithm_config import MarginCreditConfig
 from .metrics import masked_max, masked_mean
-from .reductions import declare
-
-declare("max", "credit/weight_max")
 
 
 def margin_score(cfg: MarginCreditConfig, margin_BT: Tensor) -> Tensor:

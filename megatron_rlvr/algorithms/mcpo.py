@@ -1,6 +1,6 @@
 """MCPO: Mastery-Consolidated Policy Optimization (Liao et al., arXiv 2604.16972).
 
-Two pieces, both specified in issue 3 (the paper's equations as the issue states them):
+Two pieces, both from the paper's equations:
 
 1. Query-weight rebalancing. With binary rewards and population std, a GRPO group of accuracy p gives each correct
    rollout A = (1 - p)/sigma and each wrong one A = -p/sigma, sigma = sqrt(p(1 - p)). The implied query weight
@@ -32,9 +32,6 @@ from torch import Tensor
 
 from .aggregation import LossNormalizers
 from .algorithm_config import HingeKLConfig
-from .reductions import declare
-
-declare("share", "mcpo/hinge_kl")  # normalised by the global count of mastered sequences
 
 
 def mcpo_query_scale(accuracy_G: Tensor) -> Tensor:

@@ -15,10 +15,6 @@ import math
 import torch
 from torch import Tensor
 
-from .reductions import declare
-
-declare("min", "focal/weight_min")
-
 #: Bin edges of the MCPO implied-query-weight histogram; the [0.49, 0.51) bin holds MCPO's 0.5 plateau.
 QUERY_WEIGHT_HIST_EDGES = (0.0, 0.1, 0.2, 0.3, 0.4, 0.49, 0.51, math.inf)
 

@@ -20,7 +20,7 @@ from .algorithm_config import (
     RefKLConfig,
 )
 
-#: F-GRPO default focal exponent (issue 3; F-GRPO arXiv 2602.06717).
+#: Focal exponent gamma of the F-GRPO preset (Plyusov et al., "F-GRPO", arXiv 2602.06717).
 F_GRPO_GAMMA = 0.5
 
 
@@ -110,8 +110,8 @@ def reinforce_pp() -> AlgorithmConfig:
 
 def cpgd() -> AlgorithmConfig:
     """CPGD (Liu et al., arXiv 2505.12504): clipped policy gradient eps = 0.2, policy drift coef 0.01 with cap
-    c = 2.0 (issue 3's values), std advantage weight (MM-EUREKA's default ``STD_weight``; 1e-9 eps), per-sequence
-    token mean (MM-EUREKA's masked_mean(dim=-1).mean()), no reference KL."""
+    c = 2.0 (this project's default, see PolicyDriftConfig.clip), std advantage weight (MM-EUREKA's default
+    ``STD_weight``; 1e-9 eps), per-sequence token mean (MM-EUREKA's masked_mean(dim=-1).mean()), no reference KL."""
     return AlgorithmConfig(
         name="cpgd",
         advantage=AdvantageConfig(estimator="cpgd", cpgd_weight="std"),

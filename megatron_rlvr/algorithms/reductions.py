@@ -1,38 +1,55 @@
-"""How each loss metric is reduced over micro-batches, data-parallel ranks and mini-batch updates, declared by the
-module that produces it (next to the code that emits the key), so no central list must be kept in sync.
+"""How each loss metric is reduced over micro-batches, data-parallel ranks and mini-batch updates: one explicit
+table, read by :func:`reduction_of`. What a key reduces as never depends on which modules were imported.
 
 Kinds:
-- ``mean`` (the default, nothing to declare): mean over micro-batches and ranks weighted by each micro-batch's
-  valid tokens (``loss/num_tokens``), e.g. clip fractions, entropy, approx KL.
+- ``mean`` (every key not in the table): mean over micro-batches and ranks weighted by each micro-batch's valid
+  tokens (``loss/num_tokens``), e.g. clip fractions, entropy, approx KL.
 - ``share``: the micro-batch's share of a loss normalised by GLOBAL token / sequence counts (algorithms.aggregation):
   summed over micro-batches and ranks within an update, averaged over updates (``loss/policy``, ``loss/num_tokens``).
 - ``max`` / ``min``: the extreme over everything (``loss/ratio_max``, non-finite flags).
 
-A new regulariser declares its loss term's kind where it computes it, e.g. ``declare("share", "myreg/loss")``;
-an undeclared key is a token-weighted mean. Torch-free.
+A new metric that is not a token-weighted mean gets a line here (``tests/test_algorithms_reductions.py`` checks
+each key against the module that emits it, and that a ``*_max`` / ``*_min`` key takes the extreme). Torch-free.
 """
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 KINDS = ("mean", "share", "max", "min")
-_DECLARED: dict[str, str] = {}
 
-
-def declare(kind: str, *keys: str) -> None:
-    """Declare the reduction of metric ``keys``; a key declared twice with different kinds is an error."""
-    if kind not in KINDS:
-        raise ValueError(f"metric reduction must be one of {KINDS}, got {kind!r}")
-    for key in keys:
-        old = _DECLARED.setdefault(key, kind)
-        if old != kind:
-            raise ValueError(f"metric {key!r} is declared as {old!r} and as {kind!r}")
+REDUCTIONS: MappingProxyType[str, str] = MappingProxyType(
+    {
+        # algorithms/loss.py: loss terms normalised by global counts add up over micro-batches and ranks
+        "loss/policy": "share",
+        "loss/total": "share",
+        "loss/ref_kl": "share",
+        "loss/entropy_bonus": "share",
+        "loss/num_tokens": "share",
+        "drift/kl": "share",
+        "loss/ratio_max": "max",
+        "loss/ratio_min": "min",
+        # algorithms/mcpo.py: normalised by the global count of mastered sequences
+        "mcpo/hinge_kl": "share",
+        # algorithms/margin_credit.py
+        "credit/weight_max": "max",
+        # algorithms/metrics.py (advantage_metrics)
+        "focal/weight_min": "min",
+        # rollout/mismatch.py (mismatch_metrics)
+        "mismatch/abs_prob_diff_max": "max",
+        "mismatch/ratio_max": "max",
+        "mismatch/ratio_min": "min",
+        # trainer: ratio diagnostics, and one non-finite micro-batch flags the step
+        "ratio/abs_log_ratio_max": "max",
+        "train/nonfinite": "max",
+        # trainer: response lengths of the step's batch
+        "response/length_max": "max",
+        "response/length_min": "min",
+    }
+)
+"""Every metric key that is not a token-weighted mean, with its reduction."""
 
 
 def reduction_of(key: str) -> str:
-    """The declared reduction of a metric key (``mean`` when undeclared)."""
-    return _DECLARED.get(key, "mean")
-
-
-def declared() -> dict[str, str]:
-    """A copy of every declaration (docs, tests)."""
-    return dict(_DECLARED)
+    """The reduction of a metric key: its entry in :data:`REDUCTIONS`, else ``mean``."""
+    return REDUCTIONS.get(key, "mean")

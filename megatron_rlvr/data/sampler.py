@@ -24,7 +24,8 @@ __all__ = ["PromptLoader", "PromptSampler", "shard_range"]
 
 
 def shard_range(n: int, rank: int, world: int) -> range:
-    """Rank ``rank``'s contiguous, balanced block of ``range(n)`` (sizes differ by at most one); for evaluation."""
+    """Rank ``rank``'s contiguous, balanced block of ``range(n)`` (sizes differ by at most one, larger blocks first):
+    prompts over engines, groups over mini-batches, sequences over data-parallel ranks, evaluation examples."""
     if not 0 <= rank < world:
         raise ValueError(f"rank must be in [0, {world}), got {rank}")
     base, extra = divmod(n, world)

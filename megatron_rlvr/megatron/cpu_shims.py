@@ -6,8 +6,8 @@ pipeline schedules, DDP buffers and optimizer. None of that needs a GPU to be *c
 megatron-core unchanged.
 
 ``apply_cpu_shims()`` is idempotent and must run before megatron-core builds models, optimizers or schedules (it is
-safe to call it before or after ``import megatron.core``). ``../shared/notes/platform-facts.md`` lists what was
-measured to break without each shim. Verified by ``tests/test_cpu_shims.py``: TP=2 == TP=1 logits, PP=2 (1F1B) loss
+safe to call it before or after ``import megatron.core``); each shim's comment says what breaks without it.
+Verified by ``tests/test_cpu_shims.py``: TP=2 == TP=1 logits, PP=2 (1F1B) loss
 == PP=1 loss, sequence parallel, Megatron's optimizer (incl. DistributedOptimizer) and dist_checkpointing.
 """
 

@@ -64,8 +64,6 @@ import megatron_rlvr.ops.compiled as _compiled
 __all__ = [
     "FUSED_STATISTICS_MODES",
     "STAT_NAMES",
-    "get_fused_statistics",
-    "set_fused_statistics",
     "vocab_parallel_token_stats",
     "vocab_parallel_logprobs",
     "vocab_parallel_entropy",
@@ -78,21 +76,8 @@ STAT_NAMES = ("logprob", "entropy", "margin", "kl", "kl_rev")
 
 FUSED_STATISTICS_MODES = ("eager", "compiled")
 """Implementations of the per-shard math: "eager" (chunked torch ops, the reference) or "compiled" (torch.compile /
-inductor kernels of `megatron_rlvr.ops.compiled`; falls back to eager with one warning if compilation fails)."""
-_DEFAULT_MODE = ["eager"]
-
-
-def set_fused_statistics(mode: str) -> None:
-    """Select the process-wide default implementation of `vocab_parallel_token_stats` (see
-    `FUSED_STATISTICS_MODES`); a call's ``impl`` argument overrides it."""
-    if mode not in FUSED_STATISTICS_MODES:
-        raise ValueError(f"fused statistics mode must be one of {FUSED_STATISTICS_MODES}, got {mode!r}")
-    _DEFAULT_MODE[0] = mode
-
-
-def get_fused_statistics() -> str:
-    """The process-wide default implementation ("eager" unless `set_fused_statistics` changed it)."""
-    return _DEFAULT_MODE[0]
+inductor kernels of `megatron_rlvr.ops.compiled`; falls back to eager with one warning if compilation fails). Chosen
+per call (``impl``); there is no process-wide default."""
 
 
 # Default chunk budget in elements of one fp32 temporary ([chunk, V/tp]). On CPU small chunks keep the several
@@ -147,7 +132,7 @@ class _Plan:
 # ---------------------------------------------------------------------------------------------------- collectives
 def _all_reduce_(t: torch.Tensor, op, plan: _Plan) -> torch.Tensor:
     if plan.tp_size > 1 and t.numel():  # every TP rank has the same T, so all skip together
-        # gloo collectives on non-contiguous tensors are silently wrong (platform-facts.md): always contiguous.
+        # gloo collectives on non-contiguous tensors are silently wrong: always contiguous.
         t = t.contiguous()
         dist.all_reduce(t, op=op, group=plan.tp_group)
     return t
@@ -737,7 +722,7 @@ def vocab_parallel_token_stats(
     vocab_size: int | None = None,
     want: Sequence[str] = ("logprob",),
     chunk_size: int | None = None,
-    impl: str | None = None,
+    impl: str = "eager",
 ) -> dict[str, torch.Tensor]:
     """Per-token statistics over the FULL vocabulary from this rank's logits shard, in one fused pass.
 
@@ -757,9 +742,9 @@ def vocab_parallel_token_stats(
         chunk_size: tokens per chunk; extra memory is a few ``chunk_size x V/tp`` compute-dtype buffers. Default
             (None): about 512k elements (2 MiB fp32) per buffer on CPU (cache-sized), 64M on GPU. The compiled
             path holds no [chunk, V/tp] buffers; it uses the chunk only to bound its per-block partials.
-        impl: "eager" or "compiled" (`FUSED_STATISTICS_MODES`); None: the process default of
-            `set_fused_statistics` ("eager" unless changed). Both give the same results to rounding; "compiled"
-            falls back to eager, with one warning, where torch.compile is unavailable or fails.
+        impl: "eager" (the default) or "compiled" (`FUSED_STATISTICS_MODES`); the trainer passes
+            ``train.fused_statistics``. Both give the same results to rounding; "compiled" falls back to eager, with
+            one warning, where torch.compile is unavailable or fails.
 
     Returns:
         dict name -> ``[T]`` (or the leading shape) tensor, fp32 (fp64 for fp64 inputs), identical on all TP ranks.
@@ -818,10 +803,8 @@ def vocab_parallel_token_stats(
             raise ValueError(
                 f"token_ids_T must lie in [0, vocab_size={vocab_size}); got range [{int(ids.min())}, {int(ids.max())}]"
             )
-    if impl is None:
-        impl = get_fused_statistics()
     if impl not in FUSED_STATISTICS_MODES:
-        raise ValueError(f"impl must be one of {FUSED_STATISTICS_MODES} or None, got {impl!r}")
+        raise ValueError(f"impl must be one of {FUSED_STATISTICS_MODES}, got {impl!r}")
     compute_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     n_valid = max(0, min(v_local, vocab_size - tp_rank * v_local))
     if chunk_size is None:
@@ -865,7 +848,7 @@ def _describe(t) -> str:
 
 
 def vocab_parallel_logprobs(
-    logits_TV, token_ids_T, tp_group=None, temperature=1.0, vocab_size=None, chunk_size=None, impl=None
+    logits_TV, token_ids_T, tp_group=None, temperature=1.0, vocab_size=None, chunk_size=None, impl="eager"
 ) -> torch.Tensor:
     """log pi(token) over the full vocabulary: ``[T]`` fp32, differentiable. See `vocab_parallel_token_stats`."""
     return vocab_parallel_token_stats(
@@ -880,7 +863,7 @@ def vocab_parallel_logprobs(
     )["logprob"]
 
 
-def vocab_parallel_entropy(logits_TV, tp_group=None, temperature=1.0, vocab_size=None, chunk_size=None, impl=None):
+def vocab_parallel_entropy(logits_TV, tp_group=None, temperature=1.0, vocab_size=None, chunk_size=None, impl="eager"):
     """Entropy of pi over the full vocabulary: ``[T]`` fp32, differentiable."""
     return vocab_parallel_token_stats(
         logits_TV,
@@ -893,7 +876,9 @@ def vocab_parallel_entropy(logits_TV, tp_group=None, temperature=1.0, vocab_size
     )["entropy"]
 
 
-def vocab_parallel_top2_margin(logits_TV, tp_group=None, temperature=1.0, vocab_size=None, chunk_size=None, impl=None):
+def vocab_parallel_top2_margin(
+    logits_TV, tp_group=None, temperature=1.0, vocab_size=None, chunk_size=None, impl="eager"
+):
     """p_(1) - p_(2) of pi over the full vocabulary: ``[T]`` fp32, detached (a stop-gradient credit weight)."""
     return vocab_parallel_token_stats(
         logits_TV,
@@ -914,7 +899,7 @@ def vocab_parallel_kl(
     vocab_size=None,
     reverse=False,
     chunk_size=None,
-    impl=None,
+    impl="eager",
 ):
     """Exact KL(pi || other) (or KL(other || pi) with ``reverse=True``) per token: ``[T]`` fp32, differentiable
     w.r.t. both logits."""

@@ -14,7 +14,7 @@ CONFIG is one of
     gpu_memory_utilization, sleep_level), ``train`` (micro_batch_tokens, recompute, logits_chunk, ref_model) and
     ``cluster`` (the allocation and the memory assumptions: vllm_overhead_gb, vllm_sleep_residual_gb,
     train_overhead_gb, offload_during_rollout);
-  * a built-in model name (``qwen2.5-14b``, ``Qwen/Qwen2.5-14B-Instruct``, ... see ``config.specs.BUILTIN_SPECS``)
+  * a built-in model name (``qwen2.5-14b``, ``Qwen/Qwen2.5-14B-Instruct``, ... see ``families.table.BUILTIN_SPECS``)
     or an HF ``config.json`` (or a folder holding one): the default run config for that model.
 
 ``key=value`` arguments override any key (``parallel.tp=8``). Exit status: 0 the layout fits, 1 it is

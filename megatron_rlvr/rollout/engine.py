@@ -174,7 +174,7 @@ class RolloutEngine(abc.ABC):
 
         ``prompt_keys``: one integer per prompt (default: its position) from which, with ``params.seed``, the
         prompt's sampling seed is derived; passing global prompt indices makes samples independent of how prompts
-        are split across engines (``dataflow`` does)."""
+        are split across engines (``rollout.groups`` does)."""
 
     @abc.abstractmethod
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:

@@ -23,11 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_rlvr.algorithms.reductions import declare
 from megatron_rlvr.ops.kl import kl_estimator
-
-declare("max", "mismatch/abs_prob_diff_max", "mismatch/ratio_max")
-declare("min", "mismatch/ratio_min")
 
 
 @dataclass

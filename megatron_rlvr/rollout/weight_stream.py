@@ -272,7 +272,7 @@ class _Assembler:
         return out
 
     def _gather(self, local: torch.Tensor, tp_dim: int) -> torch.Tensor:
-        local = local.contiguous()  # gloo mis-handles non-contiguous tensors (platform-facts.md)
+        local = local.contiguous()  # gloo collectives on non-contiguous tensors are silently wrong
         tp = self.tp_size
         stacked = torch.empty((tp * local.shape[0], *local.shape[1:]), dtype=local.dtype, device=local.device)
         self.meter.track(stacked)

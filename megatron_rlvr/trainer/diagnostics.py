@@ -1,4 +1,4 @@
-"""Diagnostics that make the headline algorithms' claims measurable during a run (issue 13), cheap enough to leave on.
+"""Diagnostics that make the headline algorithms' claims measurable during a run, cheap enough to leave on.
 
 - **Forgetting probe** (MCPO, arXiv 2604.16972: "prompts mastered at step t fall from 100% to ~95% accuracy at step
   t + 1 under DAPO, ~98% with the hinge-KL"). Every ``diagnostics.forgetting_every`` steps, after the update and the
@@ -27,11 +27,8 @@ import torch
 from torch import Tensor
 
 from megatron_rlvr.algorithms import mastered_rollouts
-from megatron_rlvr.algorithms.reductions import declare
 from megatron_rlvr.megatron.parallel import all_gather_objects
 from megatron_rlvr.rollout.groups import generate_groups, sampling_params
-
-declare("max", "ratio/abs_log_ratio_max")
 
 RATIO_QUANTILES = (0.001, 0.01, 0.5, 0.99, 0.999)
 """Quantiles of the token ratio reported as ``ratio/q{100 q}`` (e.g. ``ratio/q99``, ``ratio/q99.9``)."""

@@ -1,4 +1,4 @@
-"""Reduction of per-micro-batch loss metrics over micro-batches and ranks (each key as its producer declared it)."""
+"""Reduction of per-micro-batch loss metrics over micro-batches and ranks (each key as algorithms.reductions says)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from megatron_rlvr.algorithms.reductions import reduction_of
 class LossMetrics:
     """Accumulates the info dicts of training micro-batches on one rank; ``merge`` combines ranks.
 
-    Each key is reduced as the module producing it declared (megatron_rlvr.algorithms.reductions): shares of the
+    Each key is reduced as the table of megatron_rlvr.algorithms.reductions says: shares of the
     global loss are summed within a mini-batch (over micro-batches and data-parallel ranks) and averaged over
     updates, max / min take the extreme, everything else is a mean weighted by the micro-batch's valid tokens.
     """

@@ -9,14 +9,11 @@ from dataclasses import dataclass
 import torch
 
 from megatron_rlvr.algorithms import AlgorithmConfig, LossNormalizers, PolicyLossInputs, compute_policy_loss
-from megatron_rlvr.algorithms.reductions import declare
 from megatron_rlvr.megatron.cpu_shims import native_torch
 from megatron_rlvr.ops import vocab_parallel_token_stats
 from megatron_rlvr.rollout.mismatch import MismatchCorrectionConfig
 from megatron_rlvr.trainer.diagnostics import ratio_quantile_metrics
 from megatron_rlvr.trainer.microbatch import MicroBatch, importance_weights, unpack_values
-
-declare("max", "train/nonfinite")  # one non-finite micro-batch flags the step
 
 
 @dataclass

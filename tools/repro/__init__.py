@@ -1,1 +1,1 @@
-"""Reproductions of the papers' headline claims with this project's code (issue 13); see docs/results.md."""
+"""Reproductions of the papers' headline claims with this project's code; see docs/results.md."""

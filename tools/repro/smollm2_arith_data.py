@@ -1,6 +1,6 @@
-"""Held-out eval set for the SmolLM2 item of issue 13: procedural arithmetic in words ("What is 37 + 5?"), disjoint
-from the training prompts of configs/repro/smollm2_arith.yaml (same generator, another seed, training problems
-removed). Why this task: SmolLM2-135M-Instruct scores 0/64 on GSM8K (issue 13), an all-zero reward signal; one- and
+"""Held-out eval set for the SmolLM2 run of docs/results.md: procedural arithmetic in words ("What is 37 + 5?"),
+disjoint from the training prompts of configs/repro/smollm2_arith.yaml (same generator, another seed, training
+problems removed). Why this task: SmolLM2-135M-Instruct scores 0/64 on GSM8K, an all-zero reward signal; one- and
 two-digit addition is a real verifiable task where a 135M chat model starts above zero and can improve.
 
     python tools/repro/smollm2_arith_data.py --out runs/repro/smollm2/arith_eval.jsonl --n 64

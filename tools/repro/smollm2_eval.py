@@ -1,4 +1,4 @@
-"""Held-out eval of SmolLM2-135M-Instruct (or a run's exported ``hf/``) for issue 13 item 4: avg@k with a 95%
+"""Held-out eval of SmolLM2-135M-Instruct (or a run's exported ``hf/``) (docs/results.md): avg@k with a 95%
 interval over problems, pass@k, sample generations, and a paired before/after comparison.
 
 Same pieces as the trainer and ``megatron-rlvr eval`` (the data config's prompt rendering, ``tokenize_prompts``, the
