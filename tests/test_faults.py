@@ -144,8 +144,11 @@ def _fake_checkpoint(run_dir, step, files=None):
 
 
 def _prepare(config, overrides):
-    from megatron_rlvr.commands.train_cli import prepare_run
+    """``train CONFIG_OR_RUN_DIR overrides`` up to the ranks' start (the run directory prepared and unlocked)."""
+    from megatron_rlvr.commands.train_cli import prepare_run, split_config_and_overrides
 
+    if config is not None:
+        config, overrides = split_config_and_overrides([config, *overrides])
     run = prepare_run(config, overrides)
     run.lock.release()
     return run.cfg, run.config_path
@@ -206,6 +209,60 @@ def test_resume_of_a_run_dir_written_before_an_option_existed(tmp_path, capsys):
         yaml.safe_dump(old, f, sort_keys=False)
     _prepare(None, [f"logging.run_dir={run}"])
     assert "train.old_logprobs_from_update: '<unset>' -> True" in capsys.readouterr().out
+
+
+def test_a_run_is_resumed_where_its_config_is_not_where_it_was_started(tmp_path, monkeypatch, capsys):
+    """A copied, moved or relatively-named run directory resumes in place: the logging.run_dir recorded in its
+    config.yaml used to win, so training a copy wrote into (and pruned the checkpoints of) the original, and a moved
+    run started over at its old path. ``logging.run_dir=`` on the command line still wins."""
+    import shutil
+
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    _prepare(None, [f"logging.run_dir={a}"])
+    _fake_checkpoint(str(a), 5)
+    shutil.copytree(a, b)
+    before = (a / "config.yaml").read_text()
+    cfg, path = _prepare(str(b), ["algorithm.preset=dapo", "checkpoint.allow_changes=true"])
+    assert path == str(b / "config.yaml") and cfg.logging.run_dir == str(b)
+    assert (a / "config.yaml").read_text() == before and "name: dapo" in (b / "config.yaml").read_text()
+    shutil.move(str(a), str(c))
+    cfg, path = _prepare(str(c / "config.yaml"), [])
+    assert cfg.logging.run_dir == str(c) and not a.exists()
+    assert f"logging.run_dir: '{a}' -> '{c}'" in capsys.readouterr().out  # resumed (changes compared), in place
+    monkeypatch.chdir(tmp_path)
+    _prepare(None, ["logging.run_dir=rel"])
+    _fake_checkpoint("rel", 5)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    cfg, _ = _prepare("../rel", [])
+    assert cfg.logging.run_dir == "../rel" and not (tmp_path / "elsewhere" / "rel").exists()
+    cfg, _ = _prepare("../rel", [f"logging.run_dir={tmp_path / 'new'}"])
+    assert cfg.logging.run_dir == str(tmp_path / "new")
+
+
+def test_starting_over_sets_the_previous_run_aside(tmp_path, capsys):
+    """checkpoint.resume=never on a run directory that holds a run: its checkpoints, metrics and config are moved
+    into a previous-run-* folder (they used to stay mixed with the new run's: metrics.jsonl truncated, the old newer
+    checkpoints resumed by the next plain resume, the new ones pruned by keep-last). A plain resume after that
+    continues the new run."""
+    from megatron_rlvr.models.checkpointing import list_checkpoints
+
+    run = tmp_path / "run"
+    _prepare(None, [f"logging.run_dir={run}"])
+    _fake_checkpoint(str(run), 18)
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": i}) + "\n" for i in range(1, 19)))
+    _prepare(str(run), ["checkpoint.resume=never", "train.seed=7"])  # a new run: nothing compared, nothing refused
+    out = capsys.readouterr().out
+    aside = [p for p in os.listdir(run) if p.startswith("previous-run-")]
+    assert len(aside) == 1 and f"moved to {run / aside[0]}" in out
+    old = run / aside[0]
+    assert len((old / "metrics.jsonl").read_text().splitlines()) == 18
+    assert "seed: 1234" in (old / "config.yaml").read_text()
+    assert [s for s, _ in list_checkpoints(str(old / "checkpoints"))] == [18]
+    assert not (run / "checkpoints").exists() and not (run / "metrics.jsonl").exists()
+    assert "seed: 7" in (run / "config.yaml").read_text()
+    _prepare(str(run), ["checkpoint.resume=never"])  # nothing of a run there yet: nothing set aside
+    assert len([p for p in os.listdir(run) if p.startswith("previous-run-")]) == 1
 
 
 def test_an_unreadable_config_yaml_on_resume_is_refused_on_every_rank(tmp_path):

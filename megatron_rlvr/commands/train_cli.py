@@ -27,10 +27,14 @@ def split_config_and_overrides(items: list[str]) -> tuple[str | None, list[str]]
 def load_checked(config: str | None, overrides: list[str], world_size: int | None = None, check_data: bool = True):
     """Load + validate the config, including the layout for ``world_size`` ranks (default: the launch's) and, with
     ``check_data``, the training data (malformed rows are reported as file:line before any rank starts). Returns
-    (cfg, world)."""
+    (cfg, world). A run directory's own config.yaml trains in that directory, wherever it was first started."""
     from megatron_rlvr.config import check_layout, default_world_size, load_run_config
+    from megatron_rlvr.rundir.prepare import run_dir_of_config
 
     cfg = load_run_config(config, overrides)
+    here = run_dir_of_config(config, overrides)
+    if here is not None:
+        cfg.logging.run_dir = here
     world = world_size or default_world_size(cfg)
     check_layout(cfg, world)
     if check_data and cfg.data.train_files:
