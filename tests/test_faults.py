@@ -346,6 +346,51 @@ def test_after_a_fallback_the_damaged_step_is_saved_again(tmp_path, monkeypatch)
     assert saver.save(2, policy, loader) == newest and saved == [2]
 
 
+def test_a_full_disk_during_a_save_is_one_line_naming_enospc_and_the_path(tmp_path, monkeypatch, capsys):
+    """A full disk while saving: torch's CheckpointException (a BaseException, so it passed `except Exception` and
+    printed every rank's traceback) or a short write without errno (``unexpected pos``) becomes one line naming
+    ENOSPC, the step folder and the intact previous checkpoint; the partial ``.tmp-step_N`` folder is removed."""
+    import errno
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from megatron_rlvr.commands import cli
+    from megatron_rlvr.models import checkpointing
+    from megatron_rlvr.rundir import checkpointer as ckpt
+
+    run = str(tmp_path / "run")
+    previous = _fake_checkpoint(run, 5)
+    tmp = os.path.join(run, "checkpoints", ".tmp-step_000000010")
+    failure = [CheckpointException("save failed", {1: (OSError(errno.ENOSPC, "No space left on device"), None)})]
+
+    def full_disk(cfg, step, **kw):
+        os.makedirs(tmp, exist_ok=True)
+        raise failure[0]
+
+    monkeypatch.setattr(checkpointing, "save_checkpoint", full_disk)
+    section = SimpleNamespace(keep_last=2, sharding_type="fully_reshardable", save_every=5)
+    saver = ckpt.Checkpointer(run, section, pg=None, rank=0, algorithm="grpo", last_step=20)
+    policy = ckpt.PolicyState(model=None, optimizer=None, scheduler=None, args=None)
+    loader = SimpleNamespace(state_dict=lambda: {})
+    with pytest.raises(ckpt.CheckpointSaveError) as e:
+        saver.save(10, policy, loader)
+    msg = str(e.value)
+    assert "No space left on device [ENOSPC]" in msg and "step_000000010" in msg and previous in msg
+    assert not os.path.exists(tmp) and len(msg.splitlines()) == 1
+    cli._report("train", e.value)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "ENOSPC" in err[0] and "traceback" not in err[0]
+    # torch's zip writer loses the errno of a short write: a nearly full file system is named as the cause
+    failure[0] = RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 704 vs 598")
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p: SimpleNamespace(free=1 << 20))
+    with pytest.raises(ckpt.CheckpointSaveError, match=r"No space left on device \[ENOSPC\].*unexpected pos"):
+        saver.save(10, policy, loader)
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p: SimpleNamespace(free=100 << 30))
+    with pytest.raises(ckpt.CheckpointSaveError) as e:
+        saver.save(10, policy, loader)
+    assert "ENOSPC" not in str(e.value) and "RuntimeError: [enforce fail" in str(e.value)
+
+
 # ----------------------------------------------------------------------------------------------- reward failures
 
 

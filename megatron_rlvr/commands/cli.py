@@ -140,10 +140,11 @@ def _report(command: str, e: BaseException) -> None:
 
     msg = str(e).strip() or type(e).__name__
     from megatron_rlvr.rewards.manager import RewardFailure
-    from megatron_rlvr.rundir.checkpointer import ResumeError
+    from megatron_rlvr.rundir.checkpointer import CheckpointSaveError, ResumeError
     from megatron_rlvr.rundir.lock import RunDirLocked
 
-    collective = (RewardFailure, ResumeError, RunDirLocked)  # raised identically on every rank: rank 0 says it
+    # raised identically on every rank: rank 0 says it
+    collective = (RewardFailure, ResumeError, RunDirLocked, CheckpointSaveError)
     if isinstance(e, collective) and os.environ.get("RANK", "0") != "0":
         return
     if isinstance(e, _user_errors()):
