@@ -508,6 +508,54 @@ def test_launcher_names_the_dead_rank_and_its_signal(monkeypatch, capsys):
     assert f"rank 1 (pid {dead.pid}) was killed by SIGKILL" in err
 
 
+_HUP_RANK = """
+import sys, time
+from megatron_rlvr.rundir.signals import StopSignals, exit_code_for
+s = StopSignals().install()
+print("ready", flush=True)
+while not s.code:
+    time.sleep(0.05)
+print("the terminal is gone; this must not fail the checkpoint", flush=True)
+open(sys.argv[1], "w").write(StopSignals.name(s.code))
+sys.exit(exit_code_for(s.code, None, None))
+"""
+
+_HUP_LAUNCHER = """
+import sys
+from megatron_rlvr.rundir import local_ranks
+local_ranks.rank_command = lambda args: [sys.executable, "-c", sys.argv[1], *args]
+sys.exit(local_ranks.launch_local([sys.argv[2]], 1, master_addr="127.0.0.1", master_port=1, threads=1))
+"""
+
+
+def test_a_hangup_checkpoints_like_sigterm_and_nohup_is_respected(tmp_path):
+    """SIGHUP (a closed terminal, a dropped ssh session) killed the launcher without a checkpoint: it is now
+    forwarded to the ranks, which stop after the step with a checkpoint (exit 129); the console they wrote to is
+    gone (here: the read end of their stdout pipe is closed, as when `| tee` dies), so their later prints must not
+    fail. Under nohup (SIGHUP ignored) it stays ignored."""
+    from megatron_rlvr.rundir.signals import StopSignals
+
+    done = tmp_path / "stopped_by"
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", _HUP_LAUNCHER, _HUP_RANK, str(done)], stdout=subprocess.PIPE, text=True, env=PY_ENV
+    )
+    try:
+        assert launcher.stdout.readline().strip() == "ready"
+        launcher.stdout.close()
+        launcher.send_signal(signal.SIGHUP)
+        assert launcher.wait(timeout=30) == 128 + signal.SIGHUP
+    finally:
+        launcher.kill()
+    assert done.read_text() == "SIGHUP"
+    old = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # what nohup does
+    try:
+        s = StopSignals().install()
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+        s.uninstall()
+    finally:
+        signal.signal(signal.SIGHUP, old)
+
+
 def test_ranks_import_the_launchers_installation_not_a_checkout_in_the_cwd(tmp_path):
     """Item 13: a `megatron_rlvr` folder in the cwd shadowed the installation under `python -m`; the rank command
     imports the launcher's package (and the cwd still serves user modules)."""

@@ -228,7 +228,9 @@ def test_a_metric_is_reduced_as_its_producer_declares():
 
 
 def test_signal_exit_code_contract():
-    usr1, term, intr = 3, 2, 1
+    from megatron_rlvr.rundir.signals import _CODES
+
+    usr1, term, intr = _CODES[signal.SIGUSR1], _CODES[signal.SIGTERM], _CODES[signal.SIGINT]
     assert exit_code_for(term, None, None, environ={}) == 0
     assert exit_code_for(usr1, None, None, environ={}) == 75
     assert exit_code_for(intr, None, None, environ={}) == 130
@@ -244,7 +246,7 @@ def test_second_ctrl_c_interrupts_immediately():
     s = StopSignals()
     s._handle(signal.SIGTERM, None)
     s._handle(signal.SIGUSR1, None)
-    assert s.code == 3  # the requeue request wins
+    assert StopSignals.name(s.code) == "SIGUSR1"  # the requeue request wins
     s2 = StopSignals()
     s2._handle(signal.SIGINT, None)
     with pytest.raises(KeyboardInterrupt):

@@ -3,9 +3,9 @@
 RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT in their environment) running the same command on the
 resolved config, and supervises them:
 
-- SIGTERM, SIGUSR1 and SIGINT sent to the launcher are forwarded to every rank (they checkpoint and exit with the
-  signal's code, see megatron_rlvr/rundir/signals.py); the ranks live in their own process group, so a Ctrl-C in
-  the terminal reaches them once, through the launcher;
+- SIGTERM, SIGUSR1, SIGINT and SIGHUP (a closed terminal or ssh session) sent to the launcher are forwarded to every
+  rank (they checkpoint and exit with the signal's code, see megatron_rlvr/rundir/signals.py); the ranks live in
+  their own process group, so a Ctrl-C in the terminal reaches them once, through the launcher;
 - fail fast: when a rank exits with an error, the others get a few seconds to exit, then are killed (they would
   otherwise wait forever in a collective); the launcher exits with the first non-zero code;
 - no orphans: each rank watches the launcher's pid and exits if the launcher dies (e.g. SIGKILL);
@@ -103,6 +103,7 @@ def launch_local(
     returns the launcher's exit code. ``lock_fd``: a held run-directory lock, inherited by every rank;
     ``timeout_s``: the ranks are killed after that long (exit code 124)."""
     from megatron_rlvr.rundir.lock import FD_ENV
+    from megatron_rlvr.rundir.signals import STOP_SIGNALS, detach_from_terminal, ignored_at_start
 
     port = master_port or free_port()
     env_base = dict(os.environ)
@@ -124,6 +125,8 @@ def launch_local(
 
     def forward(signum, frame):
         signalled.append(signum)
+        if signum == signal.SIGHUP:
+            detach_from_terminal()
         for p in procs:
             if p.poll() is None:
                 try:
@@ -131,7 +134,8 @@ def launch_local(
                 except ProcessLookupError:
                     pass
 
-    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    forwarded = [s for s in STOP_SIGNALS if not (s == signal.SIGHUP and ignored_at_start(s))]  # nohup: keep ignoring
+    old = {s: signal.signal(s, forward) for s in forwarded}
     try:
         return _supervise(procs, signalled, timeout_s)
     finally:
