@@ -556,6 +556,66 @@ def test_a_hangup_checkpoints_like_sigterm_and_nohup_is_respected(tmp_path):
         signal.signal(signal.SIGHUP, old)
 
 
+_LEAKY_RANK = """
+import os, subprocess, sys, time
+from megatron_rlvr.rundir.local_ranks import start_parent_watchdog
+start_parent_watchdog()
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # holds the launcher's stdout
+with open(sys.argv[1] + os.environ["RANK"], "w") as f:
+    f.write(f"{os.getpid()} {child.pid}")
+print("ready", flush=True)
+if os.environ["RANK"] == "1" and sys.argv[2] == "die":
+    os.kill(os.getpid(), 9)
+time.sleep(600)
+"""
+
+_LEAKY_LAUNCHER = """
+import sys
+from megatron_rlvr.rundir import local_ranks
+local_ranks.FAIL_FAST_GRACE_S = 0.5
+local_ranks.rank_command = lambda args: [sys.executable, "-c", sys.argv[1], *args]
+sys.exit(local_ranks.launch_local(sys.argv[2:], 2, master_addr="127.0.0.1", master_port=1, threads=1))
+"""
+
+
+@pytest.mark.parametrize("how", ["a rank is killed", "the launcher is killed"])
+def test_nothing_a_dead_rank_started_outlives_the_run(tmp_path, how):
+    """A SIGKILLed rank (the OOM killer, fail-fast) or launcher left the rank's children (megatron-core's checkpoint
+    writer and its resource tracker) running for good, holding memory and the console's pipe, so `train | tee log`
+    never returned. Each rank's whole process group is ended: the pipe closes, no child is left."""
+    pids = str(tmp_path / "pids")
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", _LEAKY_LAUNCHER, _LEAKY_RANK, pids, "die" if how == "a rank is killed" else "live"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=PY_ENV,
+    )
+    started = []
+    try:
+        assert [launcher.stdout.readline().strip() for _ in range(2)] == ["ready", "ready"]
+        started = [int(p) for r in range(2) for p in open(pids + str(r)).read().split()]
+        if how == "the launcher is killed":
+            launcher.kill()
+        launcher.communicate(timeout=20)  # EOF: nobody holds the pipe any more (raised TimeoutExpired before)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(_alive(p) for p in started):
+            time.sleep(0.1)
+        assert not [p for p in started if _alive(p)]
+    finally:
+        launcher.kill()
+        for p in started:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def test_ranks_import_the_launchers_installation_not_a_checkout_in_the_cwd(tmp_path):
     """Item 13: a `megatron_rlvr` folder in the cwd shadowed the installation under `python -m`; the rank command
     imports the launcher's package (and the cwd still serves user modules)."""
