@@ -265,6 +265,24 @@ def test_starting_over_sets_the_previous_run_aside(tmp_path, capsys):
     assert len([p for p in os.listdir(run) if p.startswith("previous-run-")]) == 1
 
 
+def test_a_dry_run_on_an_existing_run_changes_nothing(tmp_path, capsys):
+    """`train RUN_DIR k=v checkpoint.allow_changes=true --dry-run` wrote the change into config.yaml (so the next
+    resume listed no change and ran with it); it now only checks and lists. `--dry-run` may stand anywhere."""
+    from megatron_rlvr.commands.cli import main
+
+    run = tmp_path / "run"
+    _prepare(None, [f"logging.run_dir={run}"])
+    _fake_checkpoint(str(run), 5)
+    (run / "metrics.jsonl").write_text('{"step": 5}\n')
+    before = {p: (run / p).read_bytes() for p in ("config.yaml", "metrics.jsonl")}
+    assert main(["train", str(run), "--dry-run", "rollout.n=4", "checkpoint.allow_changes=true"]) == 0
+    assert main(["train", str(run), "--dry-run", "checkpoint.resume=never"]) == 0
+    out = capsys.readouterr().out
+    assert "rollout.n: 8 -> 4" in out and "config.yaml left unchanged" in out
+    assert {p: (run / p).read_bytes() for p in before} == before and (run / "checkpoints").is_dir()
+    assert sorted(os.listdir(run)) == sorted([".rlvr-lock", "checkpoints", "config.yaml", "metrics.jsonl"])
+
+
 def test_an_unreadable_config_yaml_on_resume_is_refused_on_every_rank(tmp_path):
     """Under torchrun / srun rank 0 reads the run's config.yaml: a YAML error there must reach every rank as a
     ResumeError naming the file (raised on rank 0 alone, the others would wait in the broadcast forever)."""

@@ -84,7 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train (default config: configs/tiny.yaml)")
     t.add_argument("args", nargs="*", help="[CONFIG.yaml | RUN_DIR] [section.key=value ...]")
-    t.add_argument("--dry-run", action="store_true", help="validate the config, write it to the run dir, stop")
+    t.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="validate the config, write it to a new run dir (an existing run is left unchanged), stop",
+    )
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("eval", help="avg@k / pass@k on jsonl benchmarks")
@@ -176,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_plan(argv[1:])
         if argv and argv[0] == "convert":
             return cmd_convert(argv[1:])
+        if argv and argv[0] == "train" and "--dry-run" in argv[2:]:  # `train CONFIG --dry-run k=v`: anywhere
+            argv.remove("--dry-run")
+            argv.insert(1, "--dry-run")
         ns = build_parser().parse_args(argv)
         return int(ns.func(ns) or 0)
     except KeyboardInterrupt:

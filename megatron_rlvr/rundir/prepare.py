@@ -60,13 +60,17 @@ def set_aside_previous_run(run_dir: str) -> str | None:
     return dest
 
 
-def write_run_config(cfg: RunConfig, run_dir: str) -> str:
+def write_run_config(cfg: RunConfig, run_dir: str, dry_run: bool = False) -> str:
     """Check a resume's changed options (printing the applied ones; ResumeError for refused ones), set aside a
     previous run's outputs when this one starts over (``checkpoint.resume=never``), then write the resolved config
-    into ``run_dir/config.yaml``; returns its path. The run directory must be locked by the caller."""
+    into ``run_dir/config.yaml``; returns its path. The run directory must be locked by the caller. ``dry_run``:
+    check only, an existing run's directory is left exactly as it was (a fresh one gets its config.yaml)."""
     cfg.logging.run_dir = run_dir
     for line in check_resume_changes(cfg, run_dir):
         print(f"megatron-rlvr: resuming with a changed option: {line}", flush=True)
+    path = os.path.join(run_dir, "config.yaml")
+    if dry_run and os.path.exists(path):
+        return path
     if cfg.checkpoint.resume == "never":
         aside = set_aside_previous_run(run_dir)
         if aside is not None:
@@ -75,7 +79,6 @@ def write_run_config(cfg: RunConfig, run_dir: str) -> str:
                 f"config moved to {aside} (delete it when no longer needed)",
                 flush=True,
             )
-    path = os.path.join(run_dir, "config.yaml")
     try:
         dump_yaml(cfg, path)
     except OSError as e:
@@ -83,16 +86,17 @@ def write_run_config(cfg: RunConfig, run_dir: str) -> str:
     return path
 
 
-def prepare_run_dir(cfg: RunConfig, run_dir: str) -> RunLock | None:
-    """Lock ``run_dir`` (before anything in it is written: a live run's config stays intact) and write its config;
-    returns the lock, which the caller releases (None: this process's launcher holds it and has prepared the run)."""
+def prepare_run_dir(cfg: RunConfig, run_dir: str, dry_run: bool = False) -> RunLock | None:
+    """Lock ``run_dir`` (before anything in it is written: a live run's config stays intact) and write its config
+    (``dry_run``: see ``write_run_config``); returns the lock, which the caller releases (None: this process's
+    launcher holds it and has prepared the run)."""
     lock = hold(run_dir)
     if lock is None:
         return None
     try:
         if lock.takeover_note():
             print(lock.takeover_note(), flush=True)
-        write_run_config(cfg, run_dir)
+        write_run_config(cfg, run_dir, dry_run)
     except BaseException:
         lock.release()
         raise
