@@ -684,7 +684,8 @@ def test_eval_refuses_a_folder_without_tokenizer_and_uses_the_runs_settings(tmp_
 
 
 def test_convert_accepts_a_run_dir_and_names_the_overwrite_flag(tmp_path):
-    """Item 8: `--ckpt RUN_DIR` resolves to its newest checkpoint; an existing --out names `--overwrite`."""
+    """Item 8: `--ckpt RUN_DIR` resolves to its newest checkpoint; an existing --out (to-hf) or OUT/step_N
+    (to-megatron) names `--overwrite`."""
     from megatron_rlvr.commands.convert_cli import convert_main
     from megatron_rlvr.models.convert import resolve_checkpoint
 
@@ -698,6 +699,12 @@ def test_convert_accepts_a_run_dir_and_names_the_overwrite_flag(tmp_path):
     (out / "model.safetensors").write_bytes(b"")
     with pytest.raises(ValueError, match="pass --overwrite"):
         convert_main(["to-hf", "--ckpt", run, "--out", str(out)])
+    # to-megatron refuses an existing OUT/step_N the same way (it replaced it silently)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"already holds step 8 .*step_000000008.*pass --overwrite"):
+        convert_main(["to-megatron", "--hf", str(hf), "--out", run + "/checkpoints", "--step", "8"])
 
 
 def test_non_utf8_row_names_file_and_line_and_can_be_skipped(tmp_path):
