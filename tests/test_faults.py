@@ -188,6 +188,22 @@ def test_changed_options_on_resume_are_applied_or_refused(tmp_path, capsys):
     assert "name: dapo" in text and "allow_changes: false" in text  # applied, and the one-off not persisted
 
 
+def test_a_changed_reward_function_on_resume_is_refused(tmp_path):
+    """The reward function (and how answers are extracted) defines the run: changing it on resume is refused like an
+    algorithm change, while the reward workers' resources are applied."""
+    from megatron_rlvr.rundir.resume import ResumeError
+
+    run = tmp_path / "run"
+    _prepare(None, [f"logging.run_dir={run}"])
+    _fake_checkpoint(str(run), 10)
+    with pytest.raises(ResumeError, match=r"reward\.fn: 'gsm8k' -> 'math'"):
+        _prepare(str(run), ["reward.fn=math"])
+    with pytest.raises(ResumeError, match=r"reward\.extraction: 'lenient' -> 'boxed'"):
+        _prepare(str(run), ["reward.extraction=boxed"])
+    cfg, _ = _prepare(str(run), ["reward.timeout_s=5", "reward.num_workers=2"])
+    assert cfg.reward.timeout_s == 5 and cfg.reward.num_workers == 2
+
+
 def test_resume_of_a_run_dir_written_before_an_option_existed(tmp_path, capsys):
     """A config.yaml written by an older version lacks the options added since. A plain resume must not be refused
     for them when they hold their defaults (nothing was changed); a non-default value is still a refused change."""
