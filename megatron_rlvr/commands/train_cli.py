@@ -29,11 +29,11 @@ def load_checked(config: str | None, overrides: list[str], world_size: int | Non
     ``check_data``, the training data (malformed rows are reported as file:line before any rank starts). Returns
     (cfg, world). A run directory's own config.yaml trains in that directory, wherever it was first started."""
     from megatron_rlvr.config import check_layout, default_world_size, load_run_config
-    from megatron_rlvr.rundir.prepare import run_dir_of_config
+    from megatron_rlvr.rundir.prepare import run_dir_of_config, same_dir
 
     cfg = load_run_config(config, overrides)
     here = run_dir_of_config(config, overrides)
-    if here is not None:
+    if here is not None and not same_dir(here, cfg.logging.run_dir):  # another spelling of it is no change
         cfg.logging.run_dir = here
     world = world_size or default_world_size(cfg)
     check_layout(cfg, world)

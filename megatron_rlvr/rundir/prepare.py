@@ -28,6 +28,14 @@ def run_dir_of_config(config_path: str | None, overrides: list[str]) -> str | No
     return os.path.normpath(os.path.dirname(config_path) or ".")
 
 
+def same_dir(a: str, b: str | None) -> bool:
+    """``a`` and ``b`` name the same existing directory."""
+    try:
+        return bool(b) and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
 def resolve_run_dir(cfg: RunConfig) -> str:
     """``logging.run_dir``, else ``$RLVR_RUN_DIR``, else ``runs/<name>-<date>-<time>``."""
     if cfg.logging.run_dir:
