@@ -144,6 +144,21 @@ def test_cpgd_drift_gradient_is_capped_k3_gradient():
     torch.testing.assert_close(m["drift/capped_frac"], torch.tensor(1 / 3))
 
 
+@pytest.mark.parametrize("c", [0.5, 1.0, 5.0])
+def test_cpgd_drift_cap_is_the_configured_c(c):
+    """The drift weight is capped at drift.clip itself (every other hand-computed case used c = 2, which a hard-coded
+    2.0 would pass): weight = min(e^d - 1, c) at d = 0.5, 1.5, -0.5, and capped_frac counts exactly those above c."""
+    cfg = AlgorithmConfig.from_dict({"drift": {"coef": 1.0, "clip": c}, "policy_loss": {"name": "cpgd"}})
+    ds = [0.5, 1.5, -0.5]
+    logp, inp = _one_row_inputs([-1.0 + d for d in ds], [-1.0] * 3)
+    loss, m = compute_policy_loss(cfg, inp, LossNormalizers(num_tokens=3, num_seqs=1))
+    loss.backward()
+    w = [min(math.expm1(d), c) for d in ds]
+    torch.testing.assert_close(logp.grad, torch.tensor([[x / 3 for x in w]], dtype=torch.float64))
+    capped = sum(math.expm1(d) > c for d in ds)
+    torch.testing.assert_close(m["drift/capped_frac"], torch.tensor(capped / 3))
+
+
 @pytest.mark.parametrize("d0", [25.0, -25.0])
 def test_hinge_kl_keeps_restoring_gradient_beyond_cap(d0):
     """Issue 14 item 12: |d| = 25 (beyond the +-20 ratio clamp) must still be pulled back. Reference in fp64 by hand:

@@ -144,8 +144,11 @@ def _fake_checkpoint(run_dir, step, files=None):
 
 
 def _prepare(config, overrides):
-    from megatron_rlvr.commands.train_cli import prepare_run
+    """``train CONFIG_OR_RUN_DIR overrides`` up to the ranks' start (the run directory prepared and unlocked)."""
+    from megatron_rlvr.commands.train_cli import prepare_run, split_config_and_overrides
 
+    if config is not None:
+        config, overrides = split_config_and_overrides([config, *overrides])
     run = prepare_run(config, overrides)
     run.lock.release()
     return run.cfg, run.config_path
@@ -185,6 +188,22 @@ def test_changed_options_on_resume_are_applied_or_refused(tmp_path, capsys):
     assert "name: dapo" in text and "allow_changes: false" in text  # applied, and the one-off not persisted
 
 
+def test_a_changed_reward_function_on_resume_is_refused(tmp_path):
+    """The reward function (and how answers are extracted) defines the run: changing it on resume is refused like an
+    algorithm change, while the reward workers' resources are applied."""
+    from megatron_rlvr.rundir.resume import ResumeError
+
+    run = tmp_path / "run"
+    _prepare(None, [f"logging.run_dir={run}"])
+    _fake_checkpoint(str(run), 10)
+    with pytest.raises(ResumeError, match=r"reward\.fn: 'gsm8k' -> 'math'"):
+        _prepare(str(run), ["reward.fn=math"])
+    with pytest.raises(ResumeError, match=r"reward\.extraction: 'lenient' -> 'boxed'"):
+        _prepare(str(run), ["reward.extraction=boxed"])
+    cfg, _ = _prepare(str(run), ["reward.timeout_s=5", "reward.num_workers=2"])
+    assert cfg.reward.timeout_s == 5 and cfg.reward.num_workers == 2
+
+
 def test_resume_of_a_run_dir_written_before_an_option_existed(tmp_path, capsys):
     """A config.yaml written by an older version lacks the options added since. A plain resume must not be refused
     for them when they hold their defaults (nothing was changed); a non-default value is still a refused change."""
@@ -206,6 +225,78 @@ def test_resume_of_a_run_dir_written_before_an_option_existed(tmp_path, capsys):
         yaml.safe_dump(old, f, sort_keys=False)
     _prepare(None, [f"logging.run_dir={run}"])
     assert "train.old_logprobs_from_update: '<unset>' -> True" in capsys.readouterr().out
+
+
+def test_a_run_is_resumed_where_its_config_is_not_where_it_was_started(tmp_path, monkeypatch, capsys):
+    """A copied, moved or relatively-named run directory resumes in place: the logging.run_dir recorded in its
+    config.yaml used to win, so training a copy wrote into (and pruned the checkpoints of) the original, and a moved
+    run started over at its old path. ``logging.run_dir=`` on the command line still wins."""
+    import shutil
+
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    _prepare(None, [f"logging.run_dir={a}"])
+    _fake_checkpoint(str(a), 5)
+    shutil.copytree(a, b)
+    before = (a / "config.yaml").read_text()
+    cfg, path = _prepare(str(b), ["algorithm.preset=dapo", "checkpoint.allow_changes=true"])
+    assert path == str(b / "config.yaml") and cfg.logging.run_dir == str(b)
+    assert (a / "config.yaml").read_text() == before and "name: dapo" in (b / "config.yaml").read_text()
+    shutil.move(str(a), str(c))
+    cfg, path = _prepare(str(c / "config.yaml"), [])
+    assert cfg.logging.run_dir == str(c) and not a.exists()
+    assert f"logging.run_dir: '{a}' -> '{c}'" in capsys.readouterr().out  # resumed (changes compared), in place
+    monkeypatch.chdir(tmp_path)
+    _prepare(None, ["logging.run_dir=rel"])
+    _fake_checkpoint("rel", 5)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    cfg, _ = _prepare("../rel", [])
+    assert cfg.logging.run_dir == "../rel" and not (tmp_path / "elsewhere" / "rel").exists()
+    cfg, _ = _prepare("../rel", [f"logging.run_dir={tmp_path / 'new'}"])
+    assert cfg.logging.run_dir == str(tmp_path / "new")
+
+
+def test_starting_over_sets_the_previous_run_aside(tmp_path, capsys):
+    """checkpoint.resume=never on a run directory that holds a run: its checkpoints, metrics and config are moved
+    into a previous-run-* folder (they used to stay mixed with the new run's: metrics.jsonl truncated, the old newer
+    checkpoints resumed by the next plain resume, the new ones pruned by keep-last). A plain resume after that
+    continues the new run."""
+    from megatron_rlvr.models.checkpointing import list_checkpoints
+
+    run = tmp_path / "run"
+    _prepare(None, [f"logging.run_dir={run}"])
+    _fake_checkpoint(str(run), 18)
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": i}) + "\n" for i in range(1, 19)))
+    _prepare(str(run), ["checkpoint.resume=never", "train.seed=7"])  # a new run: nothing compared, nothing refused
+    out = capsys.readouterr().out
+    aside = [p for p in os.listdir(run) if p.startswith("previous-run-")]
+    assert len(aside) == 1 and f"moved to {run / aside[0]}" in out
+    old = run / aside[0]
+    assert len((old / "metrics.jsonl").read_text().splitlines()) == 18
+    assert "seed: 1234" in (old / "config.yaml").read_text()
+    assert [s for s, _ in list_checkpoints(str(old / "checkpoints"))] == [18]
+    assert not (run / "checkpoints").exists() and not (run / "metrics.jsonl").exists()
+    assert "seed: 7" in (run / "config.yaml").read_text()
+    _prepare(str(run), ["checkpoint.resume=never"])  # nothing of a run there yet: nothing set aside
+    assert len([p for p in os.listdir(run) if p.startswith("previous-run-")]) == 1
+
+
+def test_a_dry_run_on_an_existing_run_changes_nothing(tmp_path, capsys):
+    """`train RUN_DIR k=v checkpoint.allow_changes=true --dry-run` wrote the change into config.yaml (so the next
+    resume listed no change and ran with it); it now only checks and lists. `--dry-run` may stand anywhere."""
+    from megatron_rlvr.commands.cli import main
+
+    run = tmp_path / "run"
+    _prepare(None, [f"logging.run_dir={run}"])
+    _fake_checkpoint(str(run), 5)
+    (run / "metrics.jsonl").write_text('{"step": 5}\n')
+    before = {p: (run / p).read_bytes() for p in ("config.yaml", "metrics.jsonl")}
+    assert main(["train", str(run), "--dry-run", "rollout.n=4", "checkpoint.allow_changes=true"]) == 0
+    assert main(["train", str(run), "--dry-run", "checkpoint.resume=never"]) == 0
+    out = capsys.readouterr().out
+    assert "rollout.n: 8 -> 4" in out and "config.yaml left unchanged" in out
+    assert {p: (run / p).read_bytes() for p in before} == before and (run / "checkpoints").is_dir()
+    assert sorted(os.listdir(run)) == sorted([".rlvr-lock", "checkpoints", "config.yaml", "metrics.jsonl"])
 
 
 def test_an_unreadable_config_yaml_on_resume_is_refused_on_every_rank(tmp_path):
@@ -287,6 +378,51 @@ def test_after_a_fallback_the_damaged_step_is_saved_again(tmp_path, monkeypatch)
         assert len(f.read()) == 100  # the damaged shard was replaced
     saver.resumed_from = 2  # a run resumed from its final checkpoint saves at the end: nothing to write
     assert saver.save(2, policy, loader) == newest and saved == [2]
+
+
+def test_a_full_disk_during_a_save_is_one_line_naming_enospc_and_the_path(tmp_path, monkeypatch, capsys):
+    """A full disk while saving: torch's CheckpointException (a BaseException, so it passed `except Exception` and
+    printed every rank's traceback) or a short write without errno (``unexpected pos``) becomes one line naming
+    ENOSPC, the step folder and the intact previous checkpoint; the partial ``.tmp-step_N`` folder is removed."""
+    import errno
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from megatron_rlvr.commands import cli
+    from megatron_rlvr.models import checkpointing
+    from megatron_rlvr.rundir import checkpointer as ckpt
+
+    run = str(tmp_path / "run")
+    previous = _fake_checkpoint(run, 5)
+    tmp = os.path.join(run, "checkpoints", ".tmp-step_000000010")
+    failure = [CheckpointException("save failed", {1: (OSError(errno.ENOSPC, "No space left on device"), None)})]
+
+    def full_disk(cfg, step, **kw):
+        os.makedirs(tmp, exist_ok=True)
+        raise failure[0]
+
+    monkeypatch.setattr(checkpointing, "save_checkpoint", full_disk)
+    section = SimpleNamespace(keep_last=2, sharding_type="fully_reshardable", save_every=5)
+    saver = ckpt.Checkpointer(run, section, pg=None, rank=0, algorithm="grpo", last_step=20)
+    policy = ckpt.PolicyState(model=None, optimizer=None, scheduler=None, args=None)
+    loader = SimpleNamespace(state_dict=lambda: {})
+    with pytest.raises(ckpt.CheckpointSaveError) as e:
+        saver.save(10, policy, loader)
+    msg = str(e.value)
+    assert "No space left on device [ENOSPC]" in msg and "step_000000010" in msg and previous in msg
+    assert not os.path.exists(tmp) and len(msg.splitlines()) == 1
+    cli._report("train", e.value)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "ENOSPC" in err[0] and "traceback" not in err[0]
+    # torch's zip writer loses the errno of a short write: a nearly full file system is named as the cause
+    failure[0] = RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 704 vs 598")
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p: SimpleNamespace(free=1 << 20))
+    with pytest.raises(ckpt.CheckpointSaveError, match=r"No space left on device \[ENOSPC\].*unexpected pos"):
+        saver.save(10, policy, loader)
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p: SimpleNamespace(free=100 << 30))
+    with pytest.raises(ckpt.CheckpointSaveError) as e:
+        saver.save(10, policy, loader)
+    assert "ENOSPC" not in str(e.value) and "RuntimeError: [enforce fail" in str(e.value)
 
 
 # ----------------------------------------------------------------------------------------------- reward failures
@@ -406,6 +542,114 @@ def test_launcher_names_the_dead_rank_and_its_signal(monkeypatch, capsys):
     assert f"rank 1 (pid {dead.pid}) was killed by SIGKILL" in err
 
 
+_HUP_RANK = """
+import sys, time
+from megatron_rlvr.rundir.signals import StopSignals, exit_code_for
+s = StopSignals().install()
+print("ready", flush=True)
+while not s.code:
+    time.sleep(0.05)
+print("the terminal is gone; this must not fail the checkpoint", flush=True)
+open(sys.argv[1], "w").write(StopSignals.name(s.code))
+sys.exit(exit_code_for(s.code, None, None))
+"""
+
+_HUP_LAUNCHER = """
+import sys
+from megatron_rlvr.rundir import local_ranks
+local_ranks.rank_command = lambda args: [sys.executable, "-c", sys.argv[1], *args]
+sys.exit(local_ranks.launch_local([sys.argv[2]], 1, master_addr="127.0.0.1", master_port=1, threads=1))
+"""
+
+
+def test_a_hangup_checkpoints_like_sigterm_and_nohup_is_respected(tmp_path):
+    """SIGHUP (a closed terminal, a dropped ssh session) killed the launcher without a checkpoint: it is now
+    forwarded to the ranks, which stop after the step with a checkpoint (exit 129); the console they wrote to is
+    gone (here: the read end of their stdout pipe is closed, as when `| tee` dies), so their later prints must not
+    fail. Under nohup (SIGHUP ignored) it stays ignored."""
+    from megatron_rlvr.rundir.signals import StopSignals
+
+    done = tmp_path / "stopped_by"
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", _HUP_LAUNCHER, _HUP_RANK, str(done)], stdout=subprocess.PIPE, text=True, env=PY_ENV
+    )
+    try:
+        assert launcher.stdout.readline().strip() == "ready"
+        launcher.stdout.close()
+        launcher.send_signal(signal.SIGHUP)
+        assert launcher.wait(timeout=30) == 128 + signal.SIGHUP
+    finally:
+        launcher.kill()
+    assert done.read_text() == "SIGHUP"
+    old = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # what nohup does
+    try:
+        s = StopSignals().install()
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+        s.uninstall()
+    finally:
+        signal.signal(signal.SIGHUP, old)
+
+
+_LEAKY_RANK = """
+import os, subprocess, sys, time
+from megatron_rlvr.rundir.local_ranks import start_parent_watchdog
+start_parent_watchdog()
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # holds the launcher's stdout
+with open(sys.argv[1] + os.environ["RANK"], "w") as f:
+    f.write(f"{os.getpid()} {child.pid}")
+print("ready", flush=True)
+if os.environ["RANK"] == "1" and sys.argv[2] == "die":
+    os.kill(os.getpid(), 9)
+time.sleep(600)
+"""
+
+_LEAKY_LAUNCHER = """
+import sys
+from megatron_rlvr.rundir import local_ranks
+local_ranks.FAIL_FAST_GRACE_S = 0.5
+local_ranks.rank_command = lambda args: [sys.executable, "-c", sys.argv[1], *args]
+sys.exit(local_ranks.launch_local(sys.argv[2:], 2, master_addr="127.0.0.1", master_port=1, threads=1))
+"""
+
+
+@pytest.mark.parametrize("how", ["a rank is killed", "the launcher is killed"])
+def test_nothing_a_dead_rank_started_outlives_the_run(tmp_path, how):
+    """A SIGKILLed rank (the OOM killer, fail-fast) or launcher left the rank's children (megatron-core's checkpoint
+    writer and its resource tracker) running for good, holding memory and the console's pipe, so `train | tee log`
+    never returned. Each rank's whole process group is ended: the pipe closes, no child is left."""
+    pids = str(tmp_path / "pids")
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", _LEAKY_LAUNCHER, _LEAKY_RANK, pids, "die" if how == "a rank is killed" else "live"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=PY_ENV,
+    )
+    started = []
+    try:
+        assert [launcher.stdout.readline().strip() for _ in range(2)] == ["ready", "ready"]
+        started = [int(p) for r in range(2) for p in open(pids + str(r)).read().split()]
+        if how == "the launcher is killed":
+            launcher.kill()
+        launcher.communicate(timeout=20)  # EOF: nobody holds the pipe any more (raised TimeoutExpired before)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(_alive(p) for p in started):
+            time.sleep(0.1)
+        assert not [p for p in started if _alive(p)]
+    finally:
+        launcher.kill()
+        for p in started:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def test_ranks_import_the_launchers_installation_not_a_checkout_in_the_cwd(tmp_path):
     """Item 13: a `megatron_rlvr` folder in the cwd shadowed the installation under `python -m`; the rank command
     imports the launcher's package (and the cwd still serves user modules)."""
@@ -456,7 +700,8 @@ def test_eval_refuses_a_folder_without_tokenizer_and_uses_the_runs_settings(tmp_
 
 
 def test_convert_accepts_a_run_dir_and_names_the_overwrite_flag(tmp_path):
-    """Item 8: `--ckpt RUN_DIR` resolves to its newest checkpoint; an existing --out names `--overwrite`."""
+    """Item 8: `--ckpt RUN_DIR` resolves to its newest checkpoint; an existing --out (to-hf) or OUT/step_N
+    (to-megatron) names `--overwrite`."""
     from megatron_rlvr.commands.convert_cli import convert_main
     from megatron_rlvr.models.convert import resolve_checkpoint
 
@@ -470,6 +715,12 @@ def test_convert_accepts_a_run_dir_and_names_the_overwrite_flag(tmp_path):
     (out / "model.safetensors").write_bytes(b"")
     with pytest.raises(ValueError, match="pass --overwrite"):
         convert_main(["to-hf", "--ckpt", run, "--out", str(out)])
+    # to-megatron refuses an existing OUT/step_N the same way (it replaced it silently)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"already holds step 8 .*step_000000008.*pass --overwrite"):
+        convert_main(["to-megatron", "--hf", str(hf), "--out", run + "/checkpoints", "--step", "8"])
 
 
 def test_non_utf8_row_names_file_and_line_and_can_be_skipped(tmp_path):

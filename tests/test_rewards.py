@@ -213,6 +213,20 @@ def test_gsm8k_inline_mode():
     assert rewards == [1.0, 1.0, 0.0] and stats["reward/n_error"] == 0
 
 
+def test_no_answer_counts_only_responses_the_scorer_found_no_answer_in():
+    """reward/n_no_answer counted what the strict extractor missed, even where the lenient scorer found (and
+    rewarded) an answer: the tiny preset logged every response as "no answer" at reward 0.99."""
+    from megatron_rlvr.rewards.builtin import MathVerifyReward
+
+    with RewardManager(RewardConfig(fn="gsm8k", num_workers=0, extraction="lenient")) as rm:
+        rewards, stats = rm.score(["7", "it is 71", "no idea", r"\boxed{3}"], ["7", "72", "1", "3"])
+    assert rewards == [1.0, 0.0, 0.0, 1.0] and stats["reward/n_no_answer"] == 1
+    with RewardManager(RewardConfig(fn="gsm8k", num_workers=0, extraction="boxed")) as rm:
+        assert rm.score(["7", r"\boxed{7}"], ["7", "7"])[1]["reward/n_no_answer"] == 1
+    assert MathVerifyReward.has_answer(r"so $x = \frac{1}{2}$", "lenient")
+    assert not MathVerifyReward.has_answer("no idea", "lenient") and not MathVerifyReward.has_answer("7", "boxed")
+
+
 # ------------------------------------------------------------------------------------------------ failure handling
 @pytest.fixture(scope="module")
 def user_rm():

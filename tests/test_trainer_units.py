@@ -216,11 +216,95 @@ def test_loss_metrics_reduce_each_key_as_the_table_says():
     assert out["mismatch/ratio_min"] == 0.7 and out["x/frac"] == pytest.approx(10 / 40)
 
 
+# Every metric the loss code and the step emit, with the reduction its meaning requires (written out here, not
+# derived from the code under test): extremes as max / min, loss terms normalised by GLOBAL counts as shares.
+EXPECTED_REDUCTION = {
+    "loss/policy": "share",
+    "loss/total": "share",
+    "loss/ref_kl": "share",
+    "loss/entropy_bonus": "share",
+    "loss/num_tokens": "share",
+    "drift/kl": "share",
+    "mcpo/hinge_kl": "share",
+    "loss/ratio_max": "max",
+    "loss/ratio_min": "min",
+    "credit/weight_max": "max",
+    "focal/weight_min": "min",
+    "mismatch/abs_prob_diff_max": "max",
+    "mismatch/ratio_max": "max",
+    "mismatch/ratio_min": "min",
+    "ratio/abs_log_ratio_max": "max",
+    "train/nonfinite": "max",
+}
+
+
+def _emitted_loss_metric_keys() -> set[str]:
+    """The metric keys compute_policy_loss returns over every preset, each with every optional term switched on."""
+    from megatron_rlvr.algorithms import (
+        PRESETS,
+        AlgorithmConfig,
+        LossNormalizers,
+        PolicyLossInputs,
+        compute_policy_loss,
+        preset,
+    )
+
+    keys: set[str] = set()
+    extras = [{}, {"ref_kl": {"coef": 0.1}, "entropy": {"coef": 0.01}, "drift": {"coef": 0.01}}]
+    for name in PRESETS:
+        for extra in extras:
+            cfg = AlgorithmConfig.from_dict(extra, base=preset(name))
+            g = torch.Generator().manual_seed(0)
+            logp = torch.randn(2, 3, dtype=torch.float64, generator=g).requires_grad_()
+            inp = PolicyLossInputs(
+                logp,
+                logp.detach() + 0.3 * torch.randn(2, 3, dtype=torch.float64, generator=g),
+                torch.ones(2, 3, dtype=torch.bool),
+                adv_B=torch.tensor([1.0, -1.0], dtype=torch.float64),
+                ref_logp_BT=logp.detach() - 0.1,
+                entropy_BT=torch.ones(2, 3, dtype=torch.float64),
+                margin_BT=torch.ones(2, 3, dtype=torch.float64),
+                mastered_B=torch.tensor([True, False]),
+            )
+            _, metrics = compute_policy_loss(cfg, inp, LossNormalizers(num_tokens=6, num_seqs=2, num_mastered_seqs=1))
+            keys |= set(metrics)
+    return keys
+
+
+def test_every_metric_has_the_reduction_its_meaning_requires():
+    """Each key's reduction, not two samples: a `*_max` reduced as a sum or a mean, or a loss share averaged, would
+    pass a test of two keys. Every key emitted by the loss over all presets is checked, and every key named in
+    EXPECTED_REDUCTION; keys not listed there must not look like extremes and are token-weighted means."""
+    import contextlib
+    import importlib
+
+    from megatron_rlvr.algorithms.reductions import reduction_of
+
+    for module in (
+        "megatron_rlvr.rollout.mismatch",
+        "megatron_rlvr.trainer.diagnostics",
+        "megatron_rlvr.trainer.token_loss",
+    ):
+        with contextlib.suppress(ImportError):  # where a producer still declares its keys on import
+            importlib.import_module(module)
+    emitted = _emitted_loss_metric_keys()
+    assert {"loss/policy", "loss/ratio_max", "mcpo/hinge_kl", "drift/kl", "loss/ref_kl"} <= emitted
+    wrong = {}
+    for key in sorted(emitted | set(EXPECTED_REDUCTION)):
+        want = EXPECTED_REDUCTION.get(key, "mean")
+        assert key in EXPECTED_REDUCTION or not key.endswith(("_max", "_min")), f"{key}: add it to the table"
+        if reduction_of(key) != want:
+            wrong[key] = (reduction_of(key), want)
+    assert not wrong, f"(reduced as, must be): {wrong}"
+
+
 # ------------------------------------------------------------------------------------------------ signals
 
 
 def test_signal_exit_code_contract():
-    usr1, term, intr = 3, 2, 1
+    from megatron_rlvr.rundir.signals import _CODES
+
+    usr1, term, intr = _CODES[signal.SIGUSR1], _CODES[signal.SIGTERM], _CODES[signal.SIGINT]
     assert exit_code_for(term, None, None, environ={}) == 0
     assert exit_code_for(usr1, None, None, environ={}) == 75
     assert exit_code_for(intr, None, None, environ={}) == 130
@@ -236,7 +320,7 @@ def test_second_ctrl_c_interrupts_immediately():
     s = StopSignals()
     s._handle(signal.SIGTERM, None)
     s._handle(signal.SIGUSR1, None)
-    assert s.code == 3  # the requeue request wins
+    assert StopSignals.name(s.code) == "SIGUSR1"  # the requeue request wins
     s2 = StopSignals()
     s2._handle(signal.SIGINT, None)
     with pytest.raises(KeyboardInterrupt):

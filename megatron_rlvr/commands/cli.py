@@ -84,7 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train (default config: configs/tiny.yaml)")
     t.add_argument("args", nargs="*", help="[CONFIG.yaml | RUN_DIR] [section.key=value ...]")
-    t.add_argument("--dry-run", action="store_true", help="validate the config, write it to the run dir, stop")
+    t.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="validate the config, write it to a new run dir (an existing run is left unchanged), stop",
+    )
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("eval", help="avg@k / pass@k on jsonl benchmarks")
@@ -140,10 +144,11 @@ def _report(command: str, e: BaseException) -> None:
 
     msg = str(e).strip() or type(e).__name__
     from megatron_rlvr.rewards.manager import RewardFailure
-    from megatron_rlvr.rundir.checkpointer import ResumeError
+    from megatron_rlvr.rundir.checkpointer import CheckpointSaveError, ResumeError
     from megatron_rlvr.rundir.lock import RunDirLocked
 
-    collective = (RewardFailure, ResumeError, RunDirLocked)  # raised identically on every rank: rank 0 says it
+    # raised identically on every rank: rank 0 says it
+    collective = (RewardFailure, ResumeError, RunDirLocked, CheckpointSaveError)
     if isinstance(e, collective) and os.environ.get("RANK", "0") != "0":
         return
     if isinstance(e, _user_errors()):
@@ -175,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_plan(argv[1:])
         if argv and argv[0] == "convert":
             return cmd_convert(argv[1:])
+        if argv and argv[0] == "train" and "--dry-run" in argv[2:]:  # `train CONFIG --dry-run k=v`: anywhere
+            argv.remove("--dry-run")
+            argv.insert(1, "--dry-run")
         ns = build_parser().parse_args(argv)
         return int(ns.func(ns) or 0)
     except KeyboardInterrupt:

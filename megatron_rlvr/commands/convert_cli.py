@@ -6,7 +6,7 @@ Conversion runs on CPU with gloo: the command validates its arguments, then star
 does its share (``megatron_rlvr.models.convert``: each rank holds only its own shard of the model).
 
     megatron-rlvr convert to-hf --ckpt RUN/step_000000100 --out HF_OUT [--source-hf HF_IN] [--tp 1 --pp 1]
-    megatron-rlvr convert to-megatron --hf HF_IN --out RUN_DIR --tp 2 --pp 2 [--step 0]
+    megatron-rlvr convert to-megatron --hf HF_IN --out RUN_DIR --tp 2 --pp 2 [--step 0] [--overwrite]
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--out", required=True, help="run folder; the checkpoint goes to OUT/step_<step>")
     m.add_argument("--step", type=int, default=0)
     m.add_argument("--dtype", choices=DTYPE_NAMES, default=None, help="default: the HF config's dtype")
+    m.add_argument("--overwrite", action="store_true", help="replace a checkpoint already at OUT/step_<step>")
     for q in (h, m):
         q.add_argument("--tp", type=int, default=1, help="tensor parallel size of the conversion job")
         q.add_argument("--pp", type=int, default=1, help="pipeline parallel size of the conversion job")

@@ -27,10 +27,14 @@ def split_config_and_overrides(items: list[str]) -> tuple[str | None, list[str]]
 def load_checked(config: str | None, overrides: list[str], world_size: int | None = None, check_data: bool = True):
     """Load + validate the config, including the layout for ``world_size`` ranks (default: the launch's) and, with
     ``check_data``, the training data (malformed rows are reported as file:line before any rank starts). Returns
-    (cfg, world)."""
+    (cfg, world). A run directory's own config.yaml trains in that directory, wherever it was first started."""
     from megatron_rlvr.config import check_layout, default_world_size, load_run_config
+    from megatron_rlvr.rundir.prepare import run_dir_of_config, same_dir
 
     cfg = load_run_config(config, overrides)
+    here = run_dir_of_config(config, overrides)
+    if here is not None and not same_dir(here, cfg.logging.run_dir):  # another spelling of it is no change
+        cfg.logging.run_dir = here
     world = world_size or default_world_size(cfg)
     check_layout(cfg, world)
     if check_data and cfg.data.train_files:
@@ -63,16 +67,23 @@ class PreparedRun:
     world_size: int
     lock: RunLock | None
     """This process's lock of the run directory (None: its launcher holds it); release it when done."""
+    written: bool = True
+    """config.yaml was written (a dry run leaves an existing run's config.yaml as it was)."""
 
 
-def prepare_run(config: str | None, overrides: list[str], world_size: int | None = None) -> PreparedRun:
-    """Load and validate the config, then prepare its run directory (megatron_rlvr.rundir.prepare)."""
+def prepare_run(
+    config: str | None, overrides: list[str], world_size: int | None = None, dry_run: bool = False
+) -> PreparedRun:
+    """Load and validate the config, then prepare its run directory (megatron_rlvr.rundir.prepare; ``dry_run``: an
+    existing run's directory is checked, not changed)."""
     from megatron_rlvr.rundir.prepare import prepare_run_dir, resolve_run_dir
 
     cfg, world = load_checked(config, overrides, world_size)
     run_dir = resolve_run_dir(cfg)
-    lock = prepare_run_dir(cfg, run_dir)
-    return PreparedRun(cfg, run_dir, os.path.join(run_dir, "config.yaml"), world, lock)
+    path = os.path.join(run_dir, "config.yaml")
+    existed = os.path.isfile(path)
+    lock = prepare_run_dir(cfg, run_dir, dry_run)
+    return PreparedRun(cfg, run_dir, path, world, lock, written=not (dry_run and existed))
 
 
 def train_main(args: list[str], dry_run: bool = False) -> int:
@@ -82,12 +93,13 @@ def train_main(args: list[str], dry_run: bool = False) -> int:
     joined = env_rank_info()
     if joined is not None:
         return _train_as_rank(config, overrides, joined)
-    run = prepare_run(config, overrides)
+    run = prepare_run(config, overrides, dry_run=dry_run)
     cfg, run_dir, path, world, lock = run.cfg, run.run_dir, run.config_path, run.world_size, run.lock
     if dry_run:
         if lock is not None:
             lock.release()
-        print(f"config OK: {world} rank(s), run dir {run_dir}, resolved config {path}")
+        kept = "" if run.written else " (dry run: the run's config.yaml left unchanged)"
+        print(f"config OK: {world} rank(s), run dir {run_dir}, resolved config {path}{kept}")
         return 0
     if world == 1:
         from megatron_rlvr.trainer.colocated import train

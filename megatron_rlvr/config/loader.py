@@ -418,10 +418,23 @@ def persisted_dict(cfg: RunConfig) -> dict:
     return d
 
 
+RESOLVED_HEADER = "# Resolved megatron-rlvr run config"
+"""The first line of every config.yaml that ``dump_yaml`` writes (how a run directory's own config is recognised)."""
+
+
+def is_resolved_config(path: str) -> bool:
+    """``path`` is a config.yaml written by ``dump_yaml`` (a run directory's resolved config)."""
+    try:
+        with open(path) as f:
+            return f.readline().startswith(RESOLVED_HEADER)
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
 def dump_yaml(cfg: RunConfig, path: str) -> None:
     """Write the resolved config (atomic rename), one-off options at their defaults."""
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        f.write("# Resolved megatron-rlvr run config (every default expanded). Re-run: megatron-rlvr train THIS_FILE\n")
+        f.write(f"{RESOLVED_HEADER} (every default expanded). Re-run: megatron-rlvr train THIS_FILE\n")
         yaml.safe_dump(persisted_dict(cfg), f, sort_keys=False, default_flow_style=False)
     os.replace(tmp, path)

@@ -134,6 +134,14 @@ def validate_layout(args, cfg_source) -> None:
             )
         checkpoint_model_args(ckpt, tp_size=args.tp, pp_size=args.pp)
     else:
+        from megatron_rlvr.models.checkpointing import step_dir_name
+
         if not os.path.isfile(os.path.join(cfg_source, "config.json")):
             raise ValueError(f"--hf {cfg_source}: not an HF model folder (no config.json)")
+        target = os.path.join(args.out, step_dir_name(args.step))
+        if os.path.exists(target) and not args.overwrite:
+            raise ValueError(
+                f"--out {args.out} already holds step {args.step} ({target}); pass --overwrite to replace it, or "
+                "choose another --out or --step"
+            )
         megatron_model_args(cfg_source, tp_size=args.tp, pp_size=args.pp)

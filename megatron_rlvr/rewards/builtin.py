@@ -79,6 +79,15 @@ class MathVerifyReward:
             return 1.0
         return 0.0
 
+    @staticmethod
+    def has_answer(response: str, extraction: str) -> bool:
+        """An answer was found to score (``reward/n_no_answer`` counts the others). In ``lenient`` mode a response
+        without an explicit answer is parsed whole by math-verify, which finds the last number or LaTeX expression:
+        counted as answered when it has either."""
+        if extract_answer(response, extraction) is not None:
+            return True
+        return extraction == "lenient" and (last_number(response) is not None or "$" in response or "\\" in response)
+
     def warmup(self) -> None:
         """Load math-verify's ANTLR parser once so the first real item is not charged for it."""
         self(r"\boxed{\frac{1}{2}}", "0.5")
@@ -89,6 +98,19 @@ class NumericReward:
     after stripping commas, ``$``, units and ``%`` (:func:`~megatron_rlvr.rewards.extract.parse_number`), else 0.0.
     In ``lenient`` mode a response without an extractable answer is scored on its last number."""
 
+    @staticmethod
+    def candidate(response: str, extraction: str) -> str | None:
+        """The answer scored: the extracted one, in ``lenient`` mode else the last number."""
+        found = extract_answer(response, extraction)
+        if found is None and extraction == "lenient":
+            found = last_number(response)
+        return found
+
+    @classmethod
+    def has_answer(cls, response: str, extraction: str) -> bool:
+        """An answer was found to score (``reward/n_no_answer`` counts the others)."""
+        return cls.candidate(response, extraction) is not None
+
     def __init__(self, extraction: str = "boxed"):
         if extraction not in EXTRACTION_MODES:
             raise ValueError(f"extraction must be one of {EXTRACTION_MODES}, got {extraction!r}")
@@ -98,9 +120,7 @@ class NumericReward:
         gold = parse_number(ground_truth)
         if gold is None:
             raise ValueError(f"ground truth {ground_truth!r} is not a number (use reward fn 'math' for LaTeX answers)")
-        candidate = extract_answer(response, self.extraction)
-        if candidate is None and self.extraction == "lenient":
-            candidate = last_number(response)
+        candidate = self.candidate(response, self.extraction)
         if candidate is None:
             return 0.0
         pred = parse_number(candidate)
@@ -120,6 +140,11 @@ class ReasoningGymReward:
         except ImportError as e:  # pragma: no cover - depends on the optional install
             raise ValueError("reward fn 'reasoning_gym' needs `pip install reasoning-gym`") from e
         self._rg = reasoning_gym
+
+    @staticmethod
+    def has_answer(response: str, extraction: str) -> bool:
+        """An answer was found to score (``reward/n_no_answer`` counts the others)."""
+        return extract_answer(response, extraction) is not None
 
     def __call__(self, response: str, ground_truth: str, **metadata) -> float:
         if "rg_dataset" not in metadata or "rg_entry" not in metadata:

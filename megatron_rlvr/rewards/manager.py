@@ -9,7 +9,6 @@ import time
 from collections.abc import Sequence
 
 from megatron_rlvr.rewards.builtin import REWARD_FNS
-from megatron_rlvr.rewards.extract import extract_answer
 from megatron_rlvr.rewards.pool import ItemResult, ScoringPool, score_inline
 from megatron_rlvr.rewards.reward_config import RewardConfig
 
@@ -177,7 +176,8 @@ class RewardManager:
         rewards = [r.reward for r in results]
         n_no_answer = 0
         if self.cfg.fn in REWARD_FNS:
-            n_no_answer = sum(extract_answer(r, self.cfg.extraction) is None for r in responses)
+            has_answer = REWARD_FNS[self.cfg.fn].has_answer  # the scorer's own fallbacks (lenient: last number)
+            n_no_answer = sum(not has_answer(r, self.cfg.extraction) for r in responses)
         stats = {
             "reward/mean": sum(rewards) / len(rewards) if rewards else math.nan,
             "reward/n_items": float(len(results)),

@@ -8,7 +8,9 @@ from them, so a resumed run repeats the uninterrupted run's steps exactly.
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +26,49 @@ from megatron_rlvr.models.hf_config import MegatronModelArgs
 
 class ResumeError(ValueError):
     """A resume that cannot proceed as asked (changed options, corrupt checkpoint without fallback)."""
+
+
+class CheckpointSaveError(ValueError):
+    """A checkpoint that could not be written (raised on every rank, with the same one-line message)."""
+
+
+_NO_SPACE = {errno.ENOSPC: "No space left on device", errno.EDQUOT: "Disk quota exceeded"}
+_LOW_SPACE_BYTES = 64 << 20
+
+
+def _causes(e: BaseException):
+    """``e``, its causes and contexts, and the per-rank failures a torch CheckpointException carries."""
+    seen, todo = set(), [e]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        yield x
+        todo += [x.__cause__, x.__context__]
+        for wrapped in (getattr(x, "failures", None) or {}).values():
+            todo.append(wrapped[0] if isinstance(wrapped, tuple) else wrapped)
+
+
+def save_failure_reason(e: BaseException, save_dir: str) -> str:
+    """Why a checkpoint save failed, in one line. A full disk often reaches us without its errno (torch's zip
+    writer reports a short write as ``unexpected pos 704 vs 598``), so a failure on a nearly full file system is
+    named as that."""
+    for x in _causes(e):
+        if isinstance(x, OSError) and x.errno in _NO_SPACE:
+            return f"{_NO_SPACE[x.errno]} [{errno.errorcode[x.errno]}]"
+        for code, text in _NO_SPACE.items():
+            if text in str(x):
+                return f"{text} [{errno.errorcode[code]}]"
+    try:
+        free = shutil.disk_usage(save_dir).free
+    except OSError:
+        free = None
+    first = next((x for x in _causes(e) if getattr(x, "failures", None) is None), e)
+    detail = f"{type(first).__name__}: {str(first).strip().splitlines()[0] if str(first).strip() else ''}"[:300]
+    if free is not None and free < _LOW_SPACE_BYTES:
+        return f"No space left on device [ENOSPC] (only {free >> 20} MiB free; {detail})"
+    return detail
 
 
 def checkpoint_dir(run_dir: str) -> str:
@@ -79,19 +124,37 @@ class Checkpointer:
         config = checkpointing.CheckpointConfig(
             save_dir=self.save_dir, keep_last=self.cfg.keep_last, distrib_optim_sharding_type=self.cfg.sharding_type
         )
-        out = checkpointing.save_checkpoint(
-            config,
-            step,
-            model=policy.model,
-            optimizer=policy.optimizer,
-            scheduler=policy.scheduler,
-            trainer_state={"step": step, "data": loader.state_dict(), "algorithm": self.algorithm},
-            model_args=policy.args,
-            pg_collection=self.pg,
-        )
-        if self.rank == 0:
-            checkpointing.write_manifest(out)
+        try:
+            out = checkpointing.save_checkpoint(
+                config,
+                step,
+                model=policy.model,
+                optimizer=policy.optimizer,
+                scheduler=policy.scheduler,
+                trainer_state={"step": step, "data": loader.state_dict(), "algorithm": self.algorithm},
+                model_args=policy.args,
+                pg_collection=self.pg,
+            )
+            if self.rank == 0:
+                checkpointing.write_manifest(out)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # torch's CheckpointException is a BaseException: it passed `except Exception`
+            raise self._save_failed(step, path, e) from e
         return out
+
+    def _save_failed(self, step: int, path: str, e: BaseException) -> CheckpointSaveError:
+        """One line for a failed save (every rank gets the same failure from the collective save): why, where,
+        and what is safe. Rank 0 removes the partial folder, so it holds no space until the next save."""
+        reason = save_failure_reason(e, self.save_dir)
+        if self.rank == 0:
+            shutil.rmtree(os.path.join(self.save_dir, ".tmp-" + os.path.basename(path)), ignore_errors=True)
+        newest = checkpointing.latest_checkpoint(self.save_dir)
+        kept = f"the newest checkpoint, {newest}, is intact" if newest else "no earlier checkpoint exists"
+        return CheckpointSaveError(
+            f"the checkpoint of step {step} could not be written to {path}: {reason}; {kept}. Free space (or set "
+            f"checkpoint.save_every / keep_last) and run the same command again to resume"
+        )
 
     def maybe_save(self, step: int, policy: PolicyState, loader: PromptLoader) -> str | None:
         every = self.cfg.save_every

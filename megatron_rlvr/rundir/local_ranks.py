@@ -3,12 +3,13 @@
 RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT in their environment) running the same command on the
 resolved config, and supervises them:
 
-- SIGTERM, SIGUSR1 and SIGINT sent to the launcher are forwarded to every rank (they checkpoint and exit with the
-  signal's code, see megatron_rlvr/rundir/signals.py); the ranks live in their own process group, so a Ctrl-C in
-  the terminal reaches them once, through the launcher;
+- SIGTERM, SIGUSR1, SIGINT and SIGHUP (a closed terminal or ssh session) sent to the launcher are forwarded to every
+  rank (they checkpoint and exit with the signal's code, see megatron_rlvr/rundir/signals.py); the ranks live in
+  their own process group, so a Ctrl-C in the terminal reaches them once, through the launcher;
 - fail fast: when a rank exits with an error, the others get a few seconds to exit, then are killed (they would
   otherwise wait forever in a collective); the launcher exits with the first non-zero code;
-- no orphans: each rank watches the launcher's pid and exits if the launcher dies (e.g. SIGKILL);
+- no orphans: each rank watches the launcher's pid and exits if the launcher dies (e.g. SIGKILL), and each rank's
+  whole process group (what it started: checkpoint writers, reward workers) is ended with it;
 - the dead rank is named: "rank 1 (pid 4242) was killed by SIGKILL", not only the survivors' gloo errors;
 - ranks import the launcher's own ``megatron_rlvr`` (its installation is put first on ``sys.path``), never a
   checkout that happens to sit in the current directory (``python -m`` would put the cwd first);
@@ -40,10 +41,30 @@ def start_parent_watchdog() -> None:
     def watch():
         while True:
             if os.getppid() != pid:
+                end_own_group()
                 os._exit(1)
             time.sleep(0.5)
 
     threading.Thread(target=watch, name="rlvr-launcher-watchdog", daemon=True).start()
+
+
+def end_own_group() -> None:
+    """In a rank that leads its own process group (the local launcher starts each so): SIGKILL the whole group, i.e.
+    this rank and what it started (megatron-core's checkpoint writer and its resource tracker, reward workers),
+    which would otherwise outlive it holding memory and the console's pipe."""
+    if os.getpgrp() == os.getpid():
+        os.killpg(0, signal.SIGKILL)
+
+
+def end_groups(procs: list[subprocess.Popen]) -> None:
+    """SIGKILL the process group of every rank (each leads its own): a rank killed by SIGKILL (the OOM killer,
+    fail-fast) leaves its children running, holding ~300 MB each and the launcher's stdout, so that
+    ``train ... | tee log`` never returned."""
+    for p in procs:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def _repo_root() -> str:
@@ -103,6 +124,7 @@ def launch_local(
     returns the launcher's exit code. ``lock_fd``: a held run-directory lock, inherited by every rank;
     ``timeout_s``: the ranks are killed after that long (exit code 124)."""
     from megatron_rlvr.rundir.lock import FD_ENV
+    from megatron_rlvr.rundir.signals import STOP_SIGNALS, detach_from_terminal, ignored_at_start
 
     port = master_port or free_port()
     env_base = dict(os.environ)
@@ -124,6 +146,8 @@ def launch_local(
 
     def forward(signum, frame):
         signalled.append(signum)
+        if signum == signal.SIGHUP:
+            detach_from_terminal()
         for p in procs:
             if p.poll() is None:
                 try:
@@ -131,30 +155,40 @@ def launch_local(
                 except ProcessLookupError:
                     pass
 
-    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    forwarded = [s for s in STOP_SIGNALS if not (s == signal.SIGHUP and ignored_at_start(s))]  # nohup: keep ignoring
+    old = {s: signal.signal(s, forward) for s in forwarded}
     try:
-        return _supervise(procs, signalled, timeout_s)
+        return _supervise(procs, signalled, timeout_s, own_groups=True)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+        end_groups(procs)  # the ranks and anything they left behind
+        for p in procs:
+            p.wait()
+
+
+def _supervise(
+    procs: list[subprocess.Popen], signalled: list[int] | None = None, timeout_s=None, own_groups: bool = False
+) -> int:
+    """Wait for the ranks; returns the launcher's exit code. ``own_groups``: each rank leads its own process group,
+    killed whole when the rank must be stopped."""
+
+    def kill_all():
         for p in procs:
             if p.poll() is None:
                 p.kill()
-                p.wait()
+        if own_groups:
+            end_groups(procs)
+        for p in procs:
+            p.wait()
 
-
-def _supervise(procs: list[subprocess.Popen], signalled: list[int] | None = None, timeout_s=None) -> int:
     first_bad: int | None = None
     bad_since = None
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         if deadline is not None and time.monotonic() > deadline:
             print(f"megatron-rlvr: the ranks ran longer than {timeout_s:.0f} s; stopping them", file=sys.stderr)
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-            for p in procs:
-                p.wait()
+            kill_all()
             return 124
         codes = [p.poll() for p in procs]
         for rank, c in enumerate(codes):
@@ -173,10 +207,6 @@ def _supervise(procs: list[subprocess.Popen], signalled: list[int] | None = None
                 return first_bad if first_bad > 0 else 128 - first_bad  # killed by signal -n -> 128 + n
             return 0
         if bad_since is not None and time.monotonic() - bad_since > FAIL_FAST_GRACE_S:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-            for p in procs:
-                p.wait()
+            kill_all()
             return first_bad if first_bad > 0 else 128 - first_bad
         time.sleep(0.2)
