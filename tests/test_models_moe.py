@@ -7,6 +7,7 @@ in-memory expert tensors at one layout and from a saved per-expert checkpoint at
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -217,3 +218,42 @@ def test_moe_logits_and_grads_match_transformers(dist_pool, moe_models, tmp_path
             assert sorted(src) == sorted(dst)
             bad = [k for k in src if not torch.equal(src[k], dst[k])]
             assert not bad, (name, bad[:5])
+
+
+def _rank_shims(models: dict) -> dict:
+    """Forward the tiny Qwen3-MoE at the pool's layout (alltoall) with each CPU MoE shim suspended in turn."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from megatron_rlvr.megatron.cpu_shims import MOE_SHIM_NAMES, suspend_moe_shim
+    from megatron_rlvr.models.build import build_gpt_model
+    from megatron_rlvr.models.hf_config import megatron_model_args
+    from megatron_rlvr.models.hf_loading import load_hf_weights
+    from megatron_rlvr.models.mapping import ExpertLayout
+
+    pg = ProcessGroupCollection.use_mpu_process_groups()
+    experts = ExpertLayout.of(pg)
+    cfg, state, _, batches, _, _ = models["qwen3_moe"]
+    args = megatron_model_args(cfg, tp_size=pg.tp.size(), ep_size=experts.ep_size, etp_size=experts.etp_size)
+    ids = torch.cat(batches)  # more tokens: the experts' token counts differ between ranks
+    out = {}
+    for name in (None, *MOE_SHIM_NAMES):
+        model = build_gpt_model(args, pg_collection=pg)
+        load_hf_weights(model, args, state, pg_collection=pg)
+        model.eval()
+        try:
+            with suspend_moe_shim(name) if name else contextlib.nullcontext(), torch.no_grad():
+                model(ids, _positions(ids), None)
+            out[name] = "ok"
+        except Exception as e:  # every rank fails before communicating, so no rank is left waiting
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def test_each_cpu_moe_shim_is_needed(dist_pool, moe_models):
+    results = dist_pool.run(_rank_shims, tp=2, ep=2, etp=2, args=(moe_models,), timeout=300)
+    r = results[0]
+    assert r[None] == "ok", r
+    assert r["te_names"].startswith("NameError") and "te_general_gemm" in r["te_names"], r
+    assert r["host_split_sizes"].startswith("TypeError") and "all_to_all" in r["host_split_sizes"], r
+    assert r["uneven_gloo_gather"].startswith(("RuntimeError", "DistBackendError")), r
+    assert "size" in r["uneven_gloo_gather"], r
