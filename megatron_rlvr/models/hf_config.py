@@ -195,7 +195,7 @@ def megatron_model_args(
     )
     dims.check_tp(tp_size)
     etp_size = tp_size if etp_size is None else etp_size
-    dims.check_ep(ep_size, etp_size)
+    dims.check_ep(ep_size, etp_size if dims.is_moe else 1)
     moe_kwargs = {}
     if dims.is_moe:
         moe_kwargs = moe_settings(
