@@ -257,3 +257,63 @@ def test_each_cpu_moe_shim_is_needed(dist_pool, moe_models):
     assert r["host_split_sizes"].startswith("TypeError") and "all_to_all" in r["host_split_sizes"], r
     assert r["uneven_gloo_gather"].startswith(("RuntimeError", "DistBackendError")), r
     assert "size" in r["uneven_gloo_gather"], r
+
+
+def _rank_to_megatron(models: dict, root: str) -> None:
+    from megatron_rlvr.models.convert import to_megatron_on_rank
+
+    for name, (_, _, folder, _, _, _) in models.items():
+        to_megatron_on_rank(folder, os.path.join(root, name, "ckpt"))
+
+
+def _rank_to_hf(models: dict, root: str) -> None:
+    from megatron_rlvr.models.convert import to_hf_on_rank
+
+    for name in models:
+        to_hf_on_rank(os.path.join(root, name, "ckpt"), os.path.join(root, name, "hf"), max_shard_bytes=50_000)
+
+
+@pytest.mark.slow
+def test_checkpoint_reshards_when_ep_changes_and_converts_back_bit_identical(dist_pool, moe_models, tmp_path):
+    """HF -> megatron checkpoint at EP=2, loaded at TP=2 + EP=4 (expert TP 1; megatron's dist checkpoint reshards
+    the experts) -> HF: every tensor bit-identical to transformers' checkpoint."""
+    dist_pool.run(_rank_to_megatron, tp=1, ep=2, args=(moe_models, str(tmp_path)), timeout=300)
+    dist_pool.run(_rank_to_hf, tp=2, ep=4, etp=1, args=(moe_models, str(tmp_path)), timeout=300)
+    for name, (_, _, folder, _, _, _) in moe_models.items():
+        src, dst = _saved_tensors(folder), _saved_tensors(str(tmp_path / name / "hf"))
+        assert sorted(src) == sorted(dst), name
+        assert [k for k in src if not torch.equal(src[k], dst[k])] == [], name
+
+
+def test_moe_config_translation_and_layout_errors():
+    from megatron_rlvr.families.table import FAMILIES, moe_fields
+    from megatron_rlvr.models.hf_config import megatron_model_args
+
+    q3 = _configs()["qwen3_moe"].to_dict()
+    assert "num_local_experts" in q3  # transformers 5 writes this name; hub configs say num_experts
+    hub = {k: v for k, v in q3.items() if k != "num_local_experts"} | {"num_experts": 8}
+    for cfg in (q3, hub):
+        a = megatron_model_args(cfg, tp_size=2, ep_size=2, etp_size=1)
+        c = a.config
+        assert (c.num_moe_experts, c.moe_router_topk, c.moe_ffn_hidden_size) == (8, 2, 32)
+        assert c.moe_layer_freq == [1, 0, 1] and a.dims.moe_layers == (True, False, True)
+        assert c.moe_router_pre_softmax is False and c.moe_router_dtype == "fp32"  # norm_topk_prob=True
+        assert c.sequence_parallel and c.expert_tensor_parallel_size == 1 and c.moe_token_dispatcher_type == "alltoall"
+        assert c.moe_router_load_balancing_type == "none" and c.moe_z_loss_coeff is None
+    step = moe_fields(q3 | {"mlp_only_layers": [], "decoder_sparse_step": 2}, FAMILIES["Qwen3MoeForCausalLM"])
+    assert step.moe_layers == (False, True, False)
+    q2 = megatron_model_args(_configs()["qwen2_moe"].to_dict(), moe_aux_loss_coeff=0.01, moe_z_loss_coeff=1e-3)
+    c = q2.config
+    assert c.moe_router_pre_softmax is True and c.moe_shared_expert_intermediate_size == 48 and c.moe_shared_expert_gate
+    assert (
+        c.moe_router_load_balancing_type == "aux_loss" and c.moe_aux_loss_coeff == 0.01 and c.moe_z_loss_coeff == 1e-3
+    )
+    assert c.add_qkv_bias
+    with pytest.raises(ValueError, match="expert parallel size 3 does not divide num_experts=8"):
+        megatron_model_args(q3, ep_size=3)
+    with pytest.raises(ValueError, match="expert tensor parallel size 3 does not divide moe_intermediate_size"):
+        megatron_model_args(q3, etp_size=3)
+    with pytest.raises(ValueError, match="dispatcher"):
+        megatron_model_args(q3, moe_dispatcher="flex")
+    with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
+        megatron_model_args({**q3, "architectures": ["Qwen3ForCausalLM"]}, ep_size=2)
