@@ -249,6 +249,7 @@ def _rank_shims(models: dict) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_each_cpu_moe_shim_is_needed(dist_pool, moe_models):
     results = dist_pool.run(_rank_shims, tp=2, ep=2, etp=2, args=(moe_models,), timeout=300)
     r = results[0]
