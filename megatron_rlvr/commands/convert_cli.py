@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     for q in (h, m):
         q.add_argument("--tp", type=int, default=1, help="tensor parallel size of the conversion job")
         q.add_argument("--pp", type=int, default=1, help="pipeline parallel size of the conversion job")
+        q.add_argument("--ep", type=int, default=1, help="expert parallel size (mixture-of-experts models)")
+        q.add_argument("--etp", type=int, default=None, help="expert tensor parallel size (default: --tp)")
         q.add_argument("--timeout", type=float, default=24 * 3600.0, help="seconds")
     return p
 
@@ -52,7 +54,7 @@ def convert_main(argv: list[str] | None = None) -> int:
     """The command: validate, then start the ranks (or, inside a rank, do this rank's share). Returns the exit code;
     bad input raises ValueError."""
     from megatron_rlvr.megatron.parallel import env_rank_info
-    from megatron_rlvr.models.convert import validate_layout
+    from megatron_rlvr.models.convert import conversion_world_size, validate_layout
 
     argv = list(argv or [])
     args = build_parser().parse_args(argv)
@@ -64,7 +66,7 @@ def convert_main(argv: list[str] | None = None) -> int:
     # Conversion is CPU work over gloo: the ranks see no GPU.
     return launch_local(
         ["convert", *argv],
-        args.tp * args.pp,
+        conversion_world_size(args.tp, args.pp, args.ep, args.etp),
         master_addr="127.0.0.1",
         master_port=0,
         threads=1,
@@ -79,7 +81,7 @@ def _convert_as_rank(args) -> int:
     from megatron_rlvr.megatron.parallel import init_distributed
     from megatron_rlvr.models.convert import to_hf_on_rank, to_megatron_on_rank
 
-    init_distributed(args.tp, args.pp, seed=1234, backend="gloo", timeout_s=args.timeout)
+    init_distributed(args.tp, args.pp, seed=1234, backend="gloo", timeout_s=args.timeout, ep=args.ep, etp=args.etp)
     try:
         if args.direction == "to-hf":
             out = to_hf_on_rank(args.ckpt, args.out, args.source_hf, args.dtype, args.max_shard_size, args.overwrite)

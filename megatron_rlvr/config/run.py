@@ -175,6 +175,30 @@ def check_layout(cfg: RunConfig, world_size: int) -> None:
         raise ConfigError(f"parallel.rollout_tp={par.rollout_tp} does not divide num_attention_heads={heads}")
     if layers and layers % par.pp:
         raise ConfigError(f"parallel.pp={par.pp} does not divide the model's num_hidden_layers={layers}")
+    check_expert_layout(par, world_size, hf)
+
+
+def check_expert_layout(par, world_size: int, hf: dict) -> None:
+    """ConfigError unless the experts' layout divides: etp x ep x pp into the world, ep into the routed experts, etp
+    into an expert's inner width; ep / etp > 1 only for a mixture-of-experts model."""
+    etp = par.expert_tp
+    if world_size % (etp * par.ep * par.pp):
+        raise ConfigError(
+            f"parallel.etp x parallel.ep x parallel.pp = {etp} x {par.ep} x {par.pp} does not divide the world size "
+            f"{world_size} (megatron's expert grid)"
+        )
+    if not hf:
+        return
+    experts = int(hf.get("num_experts", hf.get("num_local_experts")) or 0)
+    if not experts:
+        if par.ep > 1 or (par.etp or 1) > 1:
+            raise ConfigError("parallel.ep / parallel.etp > 1 need a mixture-of-experts model")
+        return
+    if experts % par.ep:
+        raise ConfigError(f"parallel.ep={par.ep} does not divide the model's {experts} routed experts")
+    inner = int(hf.get("moe_intermediate_size", 0) or 0)
+    if inner and inner % etp:
+        raise ConfigError(f"expert TP {etp} does not divide the model's moe_intermediate_size={inner}")
 
 
 def validate_cross_section(cfg: RunConfig, hf: dict) -> None:

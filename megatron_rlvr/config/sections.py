@@ -81,6 +81,9 @@ class ModelConfig:
         return not (self.hf_path or self.hf_config or self.gguf) and self.name == "tiny"
 
 
+MOE_DISPATCHERS = ("alltoall", "allgather")
+
+
 @dataclass
 class ParallelConfig:
     """How the model is split over the ranks (training) and how the rollout engines are sized."""
@@ -96,12 +99,30 @@ class ParallelConfig:
     planner plans for GPUs); off on CPU, where it works through the CPU shims but only adds communication."""
     distributed_optimizer: bool = True
     """Shard fp32 master weights and Adam state over the data-parallel group (Megatron distributed optimizer)."""
+    ep: int = 1
+    """Expert parallelism (mixture-of-experts models): the routed experts of every MoE layer are split over ``ep``
+    ranks (whole experts). Megatron lays the experts out on their own grid: etp x ep x expert-dp x pp = world."""
+    etp: int | None = None
+    """Expert tensor parallelism: each expert's inner width split over ``etp`` ranks. None: megatron's default, tp
+    (etp=1 is the usual GPU choice with ep > 1: no TP communication inside the experts)."""
+    moe_dispatcher: str = "alltoall"
+    """MoE token dispatcher: ``alltoall`` (the usual GPU choice; tokens travel only to the ranks of their experts) or
+    ``allgather`` (every rank sees every token, megatron's default). Megatron's ``flex`` needs CUDA-only DeepEP."""
 
     def __post_init__(self) -> None:
-        for k in ("tp", "pp", "rollout_tp"):
+        for k in ("tp", "pp", "rollout_tp", "ep"):
             _positive_int(f"parallel.{k}", getattr(self, k))
+        if self.etp is not None:
+            _positive_int("parallel.etp", self.etp)
+        if self.moe_dispatcher not in MOE_DISPATCHERS:
+            raise ValueError(f"parallel.moe_dispatcher must be one of {MOE_DISPATCHERS}, got {self.moe_dispatcher!r}")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("parallel.sequence_parallel needs parallel.tp > 1")
+
+    @property
+    def expert_tp(self) -> int:
+        """The effective expert tensor-parallel size (``etp``, else ``tp``)."""
+        return self.tp if self.etp is None else self.etp
 
     def sequence_parallel_on(self, cuda: bool) -> bool:
         """The effective sequence-parallel setting on a CUDA (or CPU) machine."""
@@ -216,7 +237,19 @@ class TrainConfig:
     local attention without the fused softmax kernel (CPU runs, GPUs without Transformer Engine). With Transformer
     Engine rows stay one sequence each (its THD packed format is not wired up yet)."""
 
+    moe_aux_loss_coeff: float = 0.0
+    """Mixture-of-experts models: coefficient of megatron's load-balancing aux loss (per layer, switch-style). 0 (off)
+    is the RL default, as in the peer RL trainers. Megatron adds it to the GRADIENT only: the reported loss does not
+    include it."""
+    moe_z_loss_coeff: float = 0.0
+    """Mixture-of-experts models: coefficient of the router z-loss (mean squared logsumexp of the router logits);
+    0: off. Gradient only, like the aux loss."""
+
     def __post_init__(self) -> None:
+        for k in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+                raise ValueError(f"train.{k} must be a finite number >= 0, got {v!r}")
         if not isinstance(self.pack_sequences, bool):
             raise ValueError(f"train.pack_sequences must be true or false, got {self.pack_sequences!r}")
         for k in ("prompts_per_step", "ppo_epochs", "logits_chunk", "dynamic_sampling_max_rounds"):

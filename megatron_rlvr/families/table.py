@@ -1,8 +1,8 @@
 """Model architectures, torch-free: the one model-family table and the shape specs the planner's memory model uses.
 
-- ``FAMILIES``: every supported HF decoder family (Llama, Qwen2/2.5, Qwen3), keyed by ``architectures[0]``, with what
-  distinguishes it. ``models/hf_config.py`` builds megatron models from it, the planner derives a :class:`ModelSpec`
-  from it, so the two accept exactly the same models.
+- ``FAMILIES``: every supported HF decoder family (Llama, Qwen2/2.5, Qwen3, and the mixture-of-experts Qwen2-MoE and
+  Qwen3-MoE), keyed by ``architectures[0]``, with what distinguishes it. ``models/hf_config.py`` builds megatron
+  models from it, the planner derives a :class:`ModelSpec` from it, so the two accept exactly the same models.
 - ``ModelSpec``: the shapes of a dense decoder-only transformer; ``BUILTIN_SPECS`` for planning without a
   checkpoint (values from each model's official HF config.json).
 """
@@ -45,6 +45,12 @@ class Family:
     """HF config fields that must be False (bias variants megatron's dense GPT does not map 1:1)."""
     sliding_window_field: str | None = None
     """HF config field that must be False (sliding-window attention is not implemented)."""
+    moe: bool = False
+    """Mixture-of-experts MLPs (softmax router, top-k, SwiGLU experts); see :func:`moe_fields`."""
+    shared_expert: bool = False
+    """Each MoE layer also has one shared SwiGLU expert whose output is scaled by a sigmoid gate (Qwen2-MoE)."""
+    qkv_bias_field: str | None = None
+    """HF config field saying whether q/k/v carry a bias (Qwen2-MoE's ``qkv_bias``); None: ``qkv_bias`` decides."""
 
 
 FAMILIES: dict[str, Family] = {
@@ -56,6 +62,23 @@ FAMILIES: dict[str, Family] = {
         qk_layernorm=True,
         bias_fields=("attention_bias",),
         sliding_window_field="use_sliding_window",
+    ),
+    "Qwen3MoeForCausalLM": Family(
+        "qwen3_moe",
+        qkv_bias=False,
+        qk_layernorm=True,
+        bias_fields=("attention_bias",),
+        sliding_window_field="use_sliding_window",
+        moe=True,
+    ),
+    "Qwen2MoeForCausalLM": Family(
+        "qwen2_moe",
+        qkv_bias=True,
+        qk_layernorm=False,
+        sliding_window_field="use_sliding_window",
+        moe=True,
+        shared_expert=True,
+        qkv_bias_field="qkv_bias",
     ),
 }
 """The supported families, keyed by HF ``architectures[0]`` (the trainer, the exporter and the planner all read it)."""
@@ -76,6 +99,63 @@ def family_of(cfg: dict, where: str = "HF config") -> tuple[str, Family]:
             return arch, fam
     supported = ", ".join(sorted(f.model_type for f in FAMILIES.values()))
     raise ValueError(f"{where}: model_type {mtype!r} is not supported (dense decoder-only: {supported})")
+
+
+def has_qkv_bias(cfg: dict, fam: Family) -> bool:
+    """Whether q/k/v carry a bias in this config (a family default, a per-config field, or Llama's attention_bias)."""
+    if fam.qkv_bias_field is not None:
+        return bool(cfg.get(fam.qkv_bias_field, fam.qkv_bias))
+    return fam.qkv_bias or bool(cfg.get("attention_bias", False))
+
+
+@dataclass(frozen=True)
+class MoeFields:
+    """The mixture-of-experts settings of an HF config, in plain numbers (shared by megatron and the planner)."""
+
+    experts: int
+    """Routed experts per MoE layer (hub Qwen configs: ``num_experts``; transformers 5 writes ``num_local_experts``)."""
+    top_k: int
+    """Experts each token is routed to (``num_experts_per_tok``)."""
+    expert_ffn: int
+    """Inner width of one routed expert (``moe_intermediate_size``)."""
+    norm_topk_prob: bool
+    """Renormalise the top-k probabilities to sum to 1 (HF softmax over all experts, then top-k, then divide)."""
+    moe_layers: tuple[bool, ...]
+    """Per layer: True for an MoE layer, False for a dense MLP (``mlp_only_layers``, ``decoder_sparse_step``)."""
+    shared_expert_ffn: int = 0
+    """Inner width of the shared expert (Qwen2-MoE ``shared_expert_intermediate_size``); 0: none."""
+
+
+def moe_fields(cfg: dict, fam: Family, where: str = "HF config") -> MoeFields | None:
+    """The MoE settings of an HF config of an MoE family (None for dense families). Layer ``i`` is an MoE layer when it
+    is not in ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0`` (transformers' Qwen2/3-MoE rule)."""
+    if not fam.moe:
+        return None
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    if experts is None:
+        raise ValueError(f"{where}: {fam.model_type} needs num_experts (or num_local_experts)")
+    for name in ("num_experts_per_tok", "moe_intermediate_size"):
+        if name not in cfg:
+            raise ValueError(f"{where}: {fam.model_type} needs {name}")
+    layers = int(cfg["num_hidden_layers"])
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense = {int(i) for i in cfg.get("mlp_only_layers") or ()}
+    pattern = tuple(int(experts) > 0 and i not in dense and (i + 1) % step == 0 for i in range(layers))
+    top_k = int(cfg["num_experts_per_tok"])
+    if int(experts) > 0 and not 1 <= top_k <= int(experts):
+        raise ValueError(f"{where}: num_experts_per_tok={top_k} must be in 1..num_experts={experts}")
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0) if fam.shared_expert else 0
+    if fam.shared_expert and shared <= 0:
+        raise ValueError(f"{where}: {fam.model_type} needs shared_expert_intermediate_size > 0")
+    return MoeFields(
+        experts=int(experts),
+        top_k=top_k,
+        expert_ffn=int(cfg["moe_intermediate_size"]),
+        # transformers' Qwen2-MoE and Qwen3-MoE configs both default norm_topk_prob to False
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        moe_layers=pattern,
+        shared_expert_ffn=shared,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -7,8 +7,9 @@ megatron-core unchanged.
 
 ``apply_cpu_shims()`` is idempotent and must run before megatron-core builds models, optimizers or schedules (it is
 safe to call it before or after ``import megatron.core``); each shim's comment says what breaks without it.
-Verified by ``tests/test_cpu_shims.py``: TP=2 == TP=1 logits, PP=2 (1F1B) loss
-== PP=1 loss, sequence parallel, Megatron's optimizer (incl. DistributedOptimizer) and dist_checkpointing.
+Verified by ``tests/test_cpu_shims.py``: TP=2 == TP=1 logits, PP=2 (1F1B) loss == PP=1 loss, sequence parallel,
+Megatron's optimizer (incl. DistributedOptimizer) and dist_checkpointing; the mixture-of-experts shims
+(``_patch_moe``) by ``tests/test_models_moe.py``.
 """
 
 from __future__ import annotations
@@ -183,6 +184,7 @@ def _patch_megatron() -> None:
 
     _patch_causal_masks()
     _patch_distributed_optimizer_torch_adam()
+    _patch_moe()
 
 
 @functools.lru_cache(maxsize=4)  # [s, s] bools: a micro-batch's layers share one; 4 bound the memory (4 s^2 bytes)
@@ -253,6 +255,102 @@ def _patch_distributed_optimizer_torch_adam() -> None:
     cls._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
     cls.load_state_dict = load_state_dict
     cls._rlvr_cpu_patched = True
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Mixture of experts (megatron-core 0.16.1 MoE layer, SequentialMLP experts, allgather / alltoall dispatchers)
+# ---------------------------------------------------------------------------------------------------------------
+
+_MOE_SHIMS: dict[str, list[tuple[object, str, object]]] = {}
+"""Shim name -> [(module, attribute, the original value or _MISSING)], so a test can suspend one shim."""
+_MISSING = object()
+
+
+def _set(shim: str, module, attr: str, value) -> None:
+    _MOE_SHIMS.setdefault(shim, []).append((module, attr, getattr(module, attr, _MISSING)))
+    setattr(module, attr, value)
+
+
+def _patch_moe() -> None:
+    """Three shims, each verified by a test in tests/test_models_moe.py that fails with it suspended:
+
+    - ``te_names``: moe_utils imports ``te_general_gemm`` and the ``fused_*`` MoE kernels inside ``try/except
+      ImportError`` and never defines them when Transformer Engine is absent; the router's GEMM then tests
+      ``te_general_gemm is not None`` and raises NameError on every forward. Define them as None (the unfused path).
+    - ``host_split_sizes``: the alltoall dispatcher moves its split sizes "to host numpy" with
+      ``maybe_move_tensor_to_cpu(as_numpy=True)``, which converts CUDA tensors only; CPU tensors reach
+      ``all_to_all_single`` as tensors and it raises TypeError. Return numpy for CPU tensors too.
+    - ``uneven_gloo_gather``: gloo's ``all_gather`` refuses chunks of different sizes (the alltoall dispatcher's
+      gather over expert-TP with EP > 1 and expert TP > 1). Pad every chunk to the largest, gather evenly, trim.
+    """
+    if _MOE_SHIMS:
+        return
+    from megatron.core.tensor_parallel import mappings
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    te_names = (
+        "te_general_gemm",
+        "fused_compute_score_for_moe_aux_loss",
+        "fused_moe_aux_loss",
+        "fused_permute",
+        "fused_permute_with_probs",
+        "fused_sort_chunks_by_index",
+        "fused_sort_chunks_by_index_with_probs",
+        "fused_topk_with_score_function",
+        "fused_unpermute",
+    )
+    for name in te_names:
+        if not hasattr(moe_utils, name):
+            _set("te_names", moe_utils, name, None)
+    _MOE_SHIMS.setdefault("te_names", [])
+
+    original_move = moe_utils.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy()
+        return original_move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    _set("host_split_sizes", moe_utils, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)
+    _set("host_split_sizes", token_dispatcher, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)
+
+    original_gather = mappings._gather_along_first_dim
+
+    def _gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        uneven = output_split_sizes is not None and len(set(output_split_sizes)) > 1
+        if not uneven or group.size() == 1 or torch.distributed.get_backend(group) != "gloo":
+            return original_gather(input_, group, output_split_sizes, use_global_buffer)
+        most = max(output_split_sizes)
+        padded = input_.new_zeros((most, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        out = input_.new_empty((most * group.size(), *input_.shape[1:]))
+        torch.distributed.all_gather_into_tensor(out, padded, group=group)
+        return torch.cat([out[i * most : i * most + n] for i, n in enumerate(output_split_sizes)])
+
+    _set("uneven_gloo_gather", mappings, "_gather_along_first_dim", _gather_along_first_dim)
+
+
+MOE_SHIM_NAMES = ("te_names", "host_split_sizes", "uneven_gloo_gather")
+"""The MoE shims (see ``_patch_moe``)."""
+
+
+@contextlib.contextmanager
+def suspend_moe_shim(name: str):
+    """Undo one MoE shim inside the block (tests show what fails without it)."""
+    if name not in MOE_SHIM_NAMES:
+        raise ValueError(f"unknown MoE shim {name!r}; known: {MOE_SHIM_NAMES}")
+    entries = _MOE_SHIMS.get(name, [])
+    patched = [(m, a, getattr(m, a)) for m, a, _ in entries]
+    for module, attr, original in entries:
+        if original is _MISSING:
+            delattr(module, attr)
+        else:
+            setattr(module, attr, original)
+    try:
+        yield
+    finally:
+        for module, attr, value in patched:
+            setattr(module, attr, value)
 
 
 class _DropMessage(logging.Filter):

@@ -100,8 +100,17 @@ def resolve_backend(name: str) -> str:
     return name
 
 
-def init_distributed(tp: int, pp: int, seed: int, backend: str = "auto", timeout_s: float = 1800.0) -> DistInfo:
-    """Join (or reuse) the default process group and (re-)initialise megatron's model parallel groups for (tp, pp).
+def init_distributed(
+    tp: int,
+    pp: int,
+    seed: int,
+    backend: str = "auto",
+    timeout_s: float = 1800.0,
+    ep: int = 1,
+    etp: int | None = None,
+) -> DistInfo:
+    """Join (or reuse) the default process group and (re-)initialise megatron's model parallel groups for (tp, pp)
+    and the experts' (ep, etp; etp None: tp).
 
     Reuse: inside a process that already initialised torch.distributed (tests, notebooks), its group is kept; the
     megatron groups are rebuilt only when the layout differs.
@@ -136,7 +145,7 @@ def init_distributed(tp: int, pp: int, seed: int, backend: str = "auto", timeout
     world = dist.get_world_size()
     if world % (tp * pp):
         raise ValueError(f"parallel.tp x parallel.pp = {tp * pp} does not divide the world size {world}")
-    init_model_parallel(tp, pp, seed)
+    init_model_parallel(tp, pp, seed, ep=ep, etp=etp)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     return DistInfo(
         rank=dist.get_rank(),
@@ -148,24 +157,46 @@ def init_distributed(tp: int, pp: int, seed: int, backend: str = "auto", timeout
     )
 
 
-def init_model_parallel(tp: int, pp: int, seed: int, on_rebuild=None) -> None:
-    """(Re-)initialise megatron's model-parallel groups for (tp, pp) on an initialised default process group (kept
-    when the layout is unchanged; ``on_rebuild()`` runs after the old ones are destroyed), then seed torch and
-    megatron's model-parallel RNG tracker. The trainer and the test harness (megatron_rlvr.testing) both use it."""
+def check_expert_layout(world: int, tp: int, pp: int, ep: int, etp: int) -> None:
+    """ValueError unless megatron can build the expert groups: the experts' own decomposition of the world is
+    etp x ep x expert-dp x pp, so etp x ep x pp must divide the world size."""
+    for name, v in (("ep", ep), ("etp", etp)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"parallel.{name} must be a positive int, got {v!r}")
+    if world % (etp * ep * pp):
+        raise ValueError(
+            f"parallel.etp x parallel.ep x parallel.pp = {etp * ep * pp} does not divide the world size {world}"
+        )
+
+
+def init_model_parallel(tp: int, pp: int, seed: int, on_rebuild=None, ep: int = 1, etp: int | None = None) -> None:
+    """(Re-)initialise megatron's model-parallel groups for (tp, pp) and the experts' (ep, etp; etp None: tp) on an
+    initialised default process group (kept when the layout is unchanged; ``on_rebuild()`` runs after the old ones
+    are destroyed), then seed torch and megatron's model-parallel RNG tracker. The trainer and the test harness
+    (megatron_rlvr.testing) both use it."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    etp = tp if etp is None else etp
+    check_expert_layout(dist.get_world_size(), tp, pp, ep, etp)
     if parallel_state.model_parallel_is_initialized():
         same = (
             parallel_state.get_tensor_model_parallel_world_size() == tp
             and parallel_state.get_pipeline_model_parallel_world_size() == pp
+            and parallel_state.get_expert_model_parallel_world_size() == ep
+            and parallel_state.get_expert_tensor_parallel_world_size() == etp
         )
         if not same:
             parallel_state.destroy_model_parallel()
             if on_rebuild is not None:
                 on_rebuild()
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=etp,
+        )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 

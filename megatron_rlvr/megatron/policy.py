@@ -64,6 +64,14 @@ def model_args_for(source: ModelSource, model_cfg: ModelConfig, par: ParallelCon
     overrides: dict[str, Any] = {}
     if train.recompute == "full":
         overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if source.hf_config.get("num_experts", source.hf_config.get("num_local_experts")):
+        overrides.update(
+            ep_size=par.ep,
+            etp_size=par.expert_tp,
+            moe_dispatcher=par.moe_dispatcher,
+            moe_aux_loss_coeff=train.moe_aux_loss_coeff,
+            moe_z_loss_coeff=train.moe_z_loss_coeff,
+        )
     return megatron_model_args(
         source.hf_config,
         tp_size=par.tp,

@@ -1,4 +1,4 @@
-"""Build a megatron-core GPTModel for an HF model family at a (TP, PP) layout, and run it to logits.
+"""Build a megatron-core GPTModel for an HF model family at a (TP, PP, EP, ETP) layout, and run it to logits.
 
 Layer spec: Transformer-Engine's when ``transformer_engine`` imports and CUDA is available (GPU runs), megatron-core's
 local spec otherwise (torch RMSNorm, local DotProductAttention with a causal mask, the same masking HF applies).
@@ -25,12 +25,23 @@ def te_available() -> bool:
     return True
 
 
-def layer_spec(args: MegatronModelArgs, use_te: bool | None = None):
-    """ModuleSpec of one decoder layer. ``use_te=None`` picks TE when available."""
+def layer_spec(args: MegatronModelArgs, use_te: bool | None = None, pp_rank: int = 0):
+    """ModuleSpec of one decoder layer (dense models), or the block spec of pipeline stage ``pp_rank`` (MoE models:
+    MoE and dense layers per ``moe_layer_freq``). ``use_te=None`` picks TE when available.
+
+    MoE experts: Transformer Engine's grouped GEMM (``TEGroupedMLP``) where TE runs, else megatron's
+    ``SequentialMLP`` (one GEMM per local expert; CPU)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if use_te is None:
         use_te = te_available()
+    cfg = args.config
+    if cfg.num_moe_experts:
+        if cfg.moe_grouped_gemm and not use_te:
+            raise ValueError("moe_grouped_gemm needs the Transformer Engine layer spec (use_te)")
+        return gpt_layer_specs.get_gpt_decoder_block_spec(
+            cfg, use_transformer_engine=use_te, normalization="RMSNorm", pp_rank=pp_rank
+        )
     if use_te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=None, moe_grouped_gemm=False, qk_layernorm=args.config.qk_layernorm
@@ -100,7 +111,7 @@ def build_gpt_model(
     rope = args.rope
     model = GPTModel(
         config=cfg,
-        transformer_layer_spec=layer_spec(args, use_te),
+        transformer_layer_spec=layer_spec(args, use_te, pp_rank=pp_rank),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_sequence_length,
         pre_process=pre_process,

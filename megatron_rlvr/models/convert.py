@@ -36,6 +36,7 @@ def to_hf_on_rank(
         tp_size=ps.get_tensor_model_parallel_world_size(),
         pp_size=ps.get_pipeline_model_parallel_world_size(),
         perform_initialization=False,
+        **expert_layout_kwargs(meta["hf_config"]),
     )
     model = build_gpt_model(args)
     load_checkpoint(ckpt_dir, model=model, load_rng=False)
@@ -51,6 +52,18 @@ def to_hf_on_rank(
 
         save_tiny_tokenizer(out)  # the built-in tiny tokenizer has no source folder to copy from
     return out
+
+
+def expert_layout_kwargs(hf_config: dict) -> dict:
+    """The job's expert-parallel and expert-TP sizes as model-args keywords (nothing for a dense model)."""
+    from megatron.core import parallel_state as ps
+
+    if not hf_config.get("num_experts", hf_config.get("num_local_experts")):
+        return {}
+    return {
+        "ep_size": ps.get_expert_model_parallel_world_size(),
+        "etp_size": ps.get_expert_tensor_parallel_world_size(),
+    }
 
 
 def is_tiny_config(hf_config: dict) -> bool:
@@ -99,6 +112,7 @@ def to_megatron_on_rank(hf_dir: str, save_dir: str, step: int = 0, dtype: str | 
         pp_size=ps.get_pipeline_model_parallel_world_size(),
         dtype=_DTYPES[str(name)],
         perform_initialization=False,
+        **expert_layout_kwargs(hf_cfg),
     )
     model = build_gpt_model(args)
     load_hf_weights(model, args, hf_dir)
@@ -132,7 +146,7 @@ def validate_layout(args, cfg_source) -> None:
                 f"--out {args.out} already holds an HF checkpoint ({existing[0]}); pass --overwrite to replace it, or "
                 "choose another --out"
             )
-        checkpoint_model_args(ckpt, tp_size=args.tp, pp_size=args.pp)
+        meta_cfg = checkpoint_model_args(ckpt, tp_size=args.tp, pp_size=args.pp, **_cli_experts(args)).hf_config
     else:
         from megatron_rlvr.models.checkpointing import step_dir_name
 
@@ -144,4 +158,19 @@ def validate_layout(args, cfg_source) -> None:
                 f"--out {args.out} already holds step {args.step} ({target}); pass --overwrite to replace it, or "
                 "choose another --out or --step"
             )
-        megatron_model_args(cfg_source, tp_size=args.tp, pp_size=args.pp)
+        meta_cfg = megatron_model_args(cfg_source, tp_size=args.tp, pp_size=args.pp, **_cli_experts(args)).hf_config
+    if (args.ep > 1 or (args.etp or 1) > 1) and not meta_cfg.get("num_experts", meta_cfg.get("num_local_experts")):
+        raise ValueError("--ep / --etp > 1 need a mixture-of-experts model")
+
+
+def _cli_experts(args) -> dict:
+    return {"ep_size": args.ep, "etp_size": args.etp}
+
+
+def conversion_world_size(tp: int, pp: int, ep: int = 1, etp: int | None = None) -> int:
+    """Ranks of a conversion job: the smallest world that both the dense grid (tp x dp x pp) and megatron's expert
+    grid (etp x ep x expert-dp x pp) divide."""
+    import math
+
+    etp = tp if etp is None else etp
+    return math.lcm(tp, etp * ep) * pp

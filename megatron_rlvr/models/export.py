@@ -18,7 +18,7 @@ import torch
 
 from megatron_rlvr.models.hf_config import MegatronModelArgs
 from megatron_rlvr.models.hf_loading import SAFE_INDEX, SAFE_SINGLE
-from megatron_rlvr.models.mapping import WeightMapping, layer_offset
+from megatron_rlvr.models.mapping import ExpertLayout, WeightMapping, layer_offset
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 
@@ -53,6 +53,8 @@ def iter_hf_tensors(model, args: MegatronModelArgs, *, pg_collection=None) -> It
     Collective over the TP group (every TP rank of the stage must iterate to the end); every TP rank gets the same
     tensors. The last stage's copy of a tied embedding is skipped (HF stores it once, on the first stage).
     Yielded tensors may ALIAS the parameters (replicated params, TP=1): clone them if they must outlive an update.
+    Routed experts are gathered over the expert-TP group, then all-gathered over the expert-parallel group, so
+    every rank also gets every expert (collective over those groups too).
     """
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -61,12 +63,23 @@ def iter_hf_tensors(model, args: MegatronModelArgs, *, pg_collection=None) -> It
     tp_group = pg_collection.tp
     mapping = WeightMapping(args.dims)
     offset = layer_offset(args.config, pg_collection.pp.rank())
+    experts = ExpertLayout.of(pg_collection)
     for name, param in model.named_parameters():
-        p = mapping.resolve(name, layer_offset=offset)
+        p = mapping.resolve(name, layer_offset=offset, expert_offset=experts.expert_offset(args.dims))
         if p.skip_on_export:
             continue
-        full = _gather_tp(param.detach(), p.tp_dim, tp_group)
-        yield from p.to_hf(full, tp_group.size()).items()
+        if not p.per_expert:
+            full = _gather_tp(param.detach(), p.tp_dim, tp_group)
+            yield from p.to_hf(full, tp_group.size()).items()
+            continue
+        full = _gather_tp(param.detach(), p.tp_dim, pg_collection.expt_tp)
+        peers = [full]
+        if experts.ep_size > 1:
+            peers = [torch.empty_like(full) for _ in range(experts.ep_size)]
+            torch.distributed.all_gather(peers, full.contiguous(), group=pg_collection.ep)
+        for r, t in enumerate(peers):
+            peer = mapping.resolve(name, layer_offset=offset, expert_offset=experts.expert_offset(args.dims, r))
+            yield from peer.to_hf(t, experts.etp_size).items()
 
 
 def export_dtype(args: MegatronModelArgs, dtype: torch.dtype | str | None) -> torch.dtype:

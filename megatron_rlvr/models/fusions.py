@@ -60,6 +60,12 @@ class FusionSupport:
             "persist_layer_norm": False,  # LayerNorm only (all families here are RMSNorm)
         }
 
+    @property
+    def grouped_gemm(self) -> bool:
+        """MoE experts as one grouped GEMM (Transformer Engine's ``TEGroupedMLP``); CPU runs megatron's
+        ``SequentialMLP`` (one GEMM per local expert)."""
+        return self.transformer_engine is not None and self.cuda
+
     def describe(self) -> str:
         """One line for the run header, e.g. ``fusions: TE 2.8 + Apex: bias_activation, ...`` or ``fusions: off``."""
         on = [k.removesuffix("_fusion") for k, v in self.flags().items() if v]

