@@ -41,6 +41,9 @@ from megatron_rlvr.trainer.colocated import finish, warn_all_too_long
 from megatron_rlvr.trainer.components import Trainer, setup, teardown
 from megatron_rlvr.trainer.stages import rollout, train_batch, update, update_mismatch_metrics
 
+ASYNC_TIS_CAP = 2.0
+"""Truncated-IS cap of the behaviour -> proximal weight at max_staleness >= 1 when rollout.tis_cap is unset
+(docs/algorithms.md, "Off-policy data")."""
 BRIDGE_BUCKET_BYTES = 256 << 20
 """Bytes per weight bucket sent to the rollout ranks (host staging on both sides is about this much)."""
 
@@ -121,6 +124,15 @@ def staleness_filter(rolled: RolloutBatch, step: int, k: int) -> tuple[RolloutBa
     return rolled, m
 
 
+def off_policy_correction(cfg: RunConfig, settings):
+    """The update settings at this staleness: at k >= 1 with recomputed (proximal) log-probs and no configured cap,
+    truncated IS of pi_prox / mu at ASYNC_TIS_CAP (decoupled PPO); else unchanged."""
+    r = cfg.rollout
+    if r.max_staleness < 1 or r.tis_cap is not None or r.old_logprobs != "recompute":
+        return settings
+    return dataclasses.replace(settings, correction=dataclasses.replace(settings.correction, tis_cap=ASYNC_TIS_CAP))
+
+
 def learn(t: Trainer, rolled: RolloutBatch, step: int) -> tuple[dict[str, float], bool]:
     """The training half of a step on a received batch: train_batch, update, the scheduler step; returns the
     metrics and whether the weights changed."""
@@ -147,6 +159,7 @@ def learn(t: Trainer, rolled: RolloutBatch, step: int) -> tuple[dict[str, float]
 
 def train_role(cfg: RunConfig, run_dir: str | None, lock: RunLock | None, roles: Roles) -> int:
     t = setup(cfg, run_dir, lock, with_engine=False)
+    t.update_settings = off_policy_correction(cfg, t.update_settings)
     code = 0
     try:
         k = cfg.rollout.max_staleness
