@@ -132,6 +132,16 @@ def test_k0_gives_the_colocated_samples_loss_and_grad_norm(tmp_path):
         assert b["async/rollout_version"] == s - 1
 
 
+def test_steps_without_an_update_still_advance_the_version(tmp_path, monkeypatch):
+    """Dynamic sampling with an all-wrong reward keeps no group: every step is skipped, and admission (which waits
+    for each step's version) must not wait forever."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = ["algorithm.preset=dapo", "reward.fn=trainer_helpers:zero_reward", "train.dynamic_sampling_max_rounds=1"]
+    monkeypatch.setenv("PYTHONPATH", tests + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    recs = _run(tmp_path / "skipped", *DISAGG, "schedule.steps=3", *env, timeout=300)
+    assert sorted(recs) == [1, 2, 3] and all(r["train/skipped"] == 1.0 for r in recs.values())
+
+
 def test_k1_trains_only_samples_within_one_update_and_learns(tmp_path):
     recs = _run(tmp_path / "k1", *DISAGG, "rollout.max_staleness=1", "schedule.steps=60", timeout=900)
     assert sorted(recs) == list(range(1, 61))

@@ -185,12 +185,12 @@ class WeightReceiver:
             return self.newest
 
     def take(self, version: int) -> tuple[list, float, int]:
-        """(buckets, receive seconds, bytes) of ``version``; older versions not taken are dropped."""
+        """(buckets, receive seconds, bytes) of ``version`` and the versions before it not yet taken, which are
+        dropped; a version without tensors (a step without an update) gives the newest earlier one's."""
         with self.cond:
-            out = self.complete.pop(version)
-            for v in [v for v in self.complete if v < version]:
-                del self.complete[v]
-            return out
+            parts = [self.complete.pop(v) for v in sorted(v for v in self.complete if v <= version)]
+            full = [p for p in parts if p[0]]
+            return (full[-1][0] if full else []), sum(p[1] for p in parts), sum(p[2] for p in parts)
 
 
 class BatchReceiver:

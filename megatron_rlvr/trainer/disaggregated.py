@@ -101,6 +101,13 @@ def publish_remote(t: Trainer, roles: Roles, version: int) -> dict[str, float]:
     }
 
 
+def publish_version(roles: Roles, version: int) -> dict[str, float]:
+    """Announce ``version`` with the weights of the previous one (a step that did not update)."""
+    if roles.weights is not None:
+        bridge.publish_weights(roles.weights, [], version, device=_device())
+    return {"sync/version": float(version), "sync/gbytes": 0.0}
+
+
 def staleness_filter(rolled: RolloutBatch, step: int, k: int) -> tuple[RolloutBatch, dict[str, float]]:
     """Drop the kept groups generated more than ``k`` updates before the policy of ``step`` (version step - 1); the
     staleness metrics over the trained samples (mean, max, histogram ``async/staleness_frac_<j>``)."""
@@ -181,8 +188,9 @@ def train_role(cfg: RunConfig, run_dir: str | None, lock: RunLock | None, roles:
             learned, updated = learn(t, rolled, step)
             m.update(learned)
             if step < cfg.schedule.steps:  # the rollout ranks need no weights after the last batch
-                m.update(publish_remote(t, roles, step) if updated else {})
-            t.policy_version = step if updated else t.policy_version
+                # a step without an update still publishes its version (no tensors): admission waits for it
+                m.update(publish_remote(t, roles, step) if updated else publish_version(roles, step))
+            t.policy_version = step
             m["async/trainer_wait_s"] = waited
             m["time/step_s"] = time.perf_counter() - t0
             t.logger.log(step, m)
@@ -300,7 +308,8 @@ def apply_weights(w: RolloutWorker, receiver: bridge.WeightReceiver, version: in
         return {}
     buckets, recv_s, nbytes = receiver.take(version)
     t0 = time.perf_counter()
-    w.engine.update_weights(iter(buckets))
+    if buckets:  # none: the version of a step without an update (the weights did not change)
+        w.engine.update_weights(iter(buckets))
     del buckets
     w.policy_version = version
     return {"sync/apply_s": time.perf_counter() - t0, "sync/receive_s": recv_s, "sync/received_gbytes": nbytes / 1e9}
