@@ -102,7 +102,7 @@ def train_main(args: list[str], dry_run: bool = False) -> int:
         print(f"config OK: {world} rank(s), run dir {run_dir}, resolved config {path}{kept}")
         return 0
     if world == 1:
-        from megatron_rlvr.trainer.colocated import train
+        from megatron_rlvr.trainer.schedules import train
 
         return train(cfg, run_dir, lock=lock)
     from megatron_rlvr.rundir.local_ranks import launch_local
@@ -122,7 +122,7 @@ def train_main(args: list[str], dry_run: bool = False) -> int:
 def _train_as_rank(config: str | None, overrides: list[str], joined: dict) -> int:
     """This process is one rank of a launched job (our launcher, torchrun or srun)."""
     from megatron_rlvr.rundir.local_ranks import start_parent_watchdog
-    from megatron_rlvr.trainer.colocated import train
+    from megatron_rlvr.trainer.schedules import train
 
     start_parent_watchdog()
     cfg, _ = load_checked(config, overrides, joined["world_size"], check_data=False)

@@ -147,19 +147,22 @@ def default_world_size(cfg: RunConfig) -> int:
             return torch.cuda.device_count()
     except ImportError:  # pragma: no cover
         pass
-    return cfg.parallel.tp * cfg.parallel.pp
+    return cfg.parallel.tp * cfg.parallel.pp + cfg.parallel.rollout_ranks
 
 
 def check_layout(cfg: RunConfig, world_size: int) -> None:
     """ConfigError unless the layout divides: TP x PP into the world, rollout TP into the world, TP into the model's
     heads (and KV heads), PP into its layers."""
     par = cfg.parallel
-    if world_size % (par.tp * par.pp):
+    if par.rollout_ranks:
+        check_disaggregated_layout(cfg, world_size)
+        world_size -= par.rollout_ranks  # below: the training ranks' layout
+    elif world_size % (par.tp * par.pp):
         raise ConfigError(
             f"parallel.tp x parallel.pp = {par.tp} x {par.pp} = {par.tp * par.pp} does not divide the world size "
             f"{world_size} (ranks); change launch.nproc or the layout"
         )
-    if world_size % par.rollout_tp:
+    if not par.rollout_ranks and world_size % par.rollout_tp:
         raise ConfigError(f"parallel.rollout_tp={par.rollout_tp} does not divide the world size {world_size}")
     hf = model_hf_config(cfg.model)
     if not hf:
@@ -201,6 +204,28 @@ def check_expert_layout(par, world_size: int, hf: dict) -> None:
         raise ConfigError(f"expert TP {etp} does not divide the model's moe_intermediate_size={inner}")
 
 
+def check_disaggregated_layout(cfg: RunConfig, world_size: int) -> None:
+    """The disaggregated layout (parallel.rollout_ranks > 0): the last rollout_ranks ranks run engines, the first
+    world - rollout_ranks train; each role's layout must divide its own ranks."""
+    par = cfg.parallel
+    train_ranks = world_size - par.rollout_ranks
+    if train_ranks < 1:
+        raise ConfigError(
+            f"parallel.rollout_ranks={par.rollout_ranks} leaves no training rank in a world of {world_size}; the "
+            "training ranks are the first world - rollout_ranks ranks (raise launch.nproc or lower rollout_ranks)"
+        )
+    if train_ranks % (par.tp * par.pp):
+        raise ConfigError(
+            f"parallel.tp x parallel.pp = {par.tp * par.pp} does not divide the {train_ranks} training ranks "
+            f"(world {world_size} - parallel.rollout_ranks {par.rollout_ranks}); change the layout or launch.nproc"
+        )
+    if par.rollout_ranks % par.rollout_tp:
+        raise ConfigError(
+            f"parallel.rollout_tp={par.rollout_tp} does not divide parallel.rollout_ranks={par.rollout_ranks}: each "
+            "engine spans rollout_tp rollout ranks"
+        )
+
+
 def validate_cross_section(cfg: RunConfig, hf: dict) -> None:
     """Checks that involve more than one section; ``hf`` is the model's HF config ({} when not readable here)."""
     r, t = cfg.rollout, cfg.train
@@ -236,6 +261,17 @@ def validate_cross_section(cfg: RunConfig, hf: dict) -> None:
             f"rollout.n={r.n}: algorithm.advantage.estimator={cfg.algorithm.advantage.estimator!r} is group-relative "
             "(a rollout's advantage is its reward minus its group's baseline), so groups of one sample have advantage "
             "0 and the run would train on nothing; set rollout.n >= 2"
+        )
+    if cfg.rollout.max_staleness and not cfg.parallel.rollout_ranks:
+        raise ConfigError(
+            f"rollout.max_staleness={cfg.rollout.max_staleness} needs the disaggregated layout: the colocated schedule "
+            "is synchronous (set parallel.rollout_ranks > 0, or rollout.max_staleness=0)"
+        )
+    if cfg.parallel.rollout_ranks and (cfg.eval.every or cfg.diagnostics.forgetting_every):
+        raise ConfigError(
+            "parallel.rollout_ranks > 0: periodic evaluation (eval.every) and the forgetting probe "
+            "(diagnostics.forgetting_every) need an engine on the training ranks, which the disaggregated layout "
+            "does not have yet; set them to 0 (or run colocated)"
         )
     if cfg.eval.every and not cfg.eval_files:
         raise ConfigError("eval.every > 0 needs eval.files (or data.eval_files)")

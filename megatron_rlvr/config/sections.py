@@ -93,7 +93,10 @@ class ParallelConfig:
     pp: int = 1
     """Training pipeline-parallel size; must divide the layer count."""
     rollout_tp: int = 1
-    """Tensor-parallel size of each colocated vLLM engine; world / rollout_tp engines run side by side."""
+    """Tensor-parallel size of each vLLM engine; (rollout ranks) / rollout_tp engines run side by side."""
+    rollout_ranks: int = 0
+    """Disaggregated layout: the LAST this-many ranks of the world run only rollout engines (and rewards) and the
+    others only Megatron training (``megatron_rlvr.trainer.disaggregated``). 0: colocated (every rank does both)."""
     sequence_parallel: bool | None = None
     """Megatron sequence parallelism (shards norm/residual activations over TP). None: on when tp > 1 on GPUs (the
     planner plans for GPUs); off on CPU, where it works through the CPU shims but only adds communication."""
@@ -116,6 +119,8 @@ class ParallelConfig:
             _positive_int("parallel.etp", self.etp)
         if self.moe_dispatcher not in MOE_DISPATCHERS:
             raise ValueError(f"parallel.moe_dispatcher must be one of {MOE_DISPATCHERS}, got {self.moe_dispatcher!r}")
+        if isinstance(self.rollout_ranks, bool) or not isinstance(self.rollout_ranks, int) or self.rollout_ranks < 0:
+            raise ValueError(f"parallel.rollout_ranks must be an int >= 0, got {self.rollout_ranks!r}")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("parallel.sequence_parallel needs parallel.tp > 1")
 
@@ -167,10 +172,16 @@ class RolloutConfig:
     max_batch_rows sequences of max_prompt_len + max_response_len tokens, at most 1 GiB."""
     sleep_level: int = 1
     """vLLM sleep level while the trainer runs (1 offloads weights, 2 discards them)."""
+    max_staleness: int = 0
+    """Disaggregated layout (parallel.rollout_ranks > 0): the rollout of step s starts only once the engines hold
+    the weights of step s - 1 - max_staleness or newer, so every trained sample is at most this many updates behind
+    the policy it trains (0: on-policy, rollout and training alternate; 1: one-step-off; k > 1: bounded async)."""
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"rollout.engine must be one of {ENGINES}, got {self.engine!r}")
+        if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
+            raise ValueError(f"rollout.max_staleness must be an int >= 0, got {self.max_staleness!r}")
         for k in ("n", "max_prompt_len", "max_response_len", "max_batch_rows"):
             _positive_int(f"rollout.{k}", getattr(self, k))
         if not (self.temperature > 0 and math.isfinite(self.temperature)):

@@ -32,6 +32,9 @@ class Group:
     texts: list[str] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
     """Verifier rewards (before any shaping)."""
+    versions: list[int] = field(default_factory=list)
+    """The policy version (last step whose update the engine held) that generated each sample; filled by the
+    disaggregated schedule (empty: the colocated schedule's, all of RolloutBatch.policy_version)."""
 
 
 @dataclass

@@ -78,8 +78,8 @@ class Trainer:
     """Megatron optimizer (distributed or not), with gradient clipping."""
     scheduler: OptimizerParamScheduler
     """Learning-rate schedule."""
-    engine: RolloutEngine
-    """This rank's rollout engine (transformers or vLLM)."""
+    engine: RolloutEngine | None
+    """This rank's rollout engine (transformers or vLLM); None on the disaggregated layout's training ranks."""
     engine_info: EngineInfo
     """Which engine this rank belongs to and whether it leads it."""
     reward_manager: RewardManager | None
@@ -122,8 +122,9 @@ class Trainer:
         return PolicyState(self.model, self.optimizer, self.scheduler, self.args)
 
 
-def setup(cfg: RunConfig, run_dir: str | None, lock: RunLock | None = None) -> Trainer:
-    """Build every component on this rank and resume from the newest checkpoint when there is one."""
+def setup(cfg: RunConfig, run_dir: str | None, lock: RunLock | None = None, with_engine: bool = True) -> Trainer:
+    """Build every component on this rank and resume from the newest checkpoint when there is one.
+    ``with_engine=False``: no rollout engine nor reward workers (the disaggregated layout's training ranks)."""
 
     signals = StopSignals().install()
     par = cfg.parallel
@@ -151,8 +152,8 @@ def setup(cfg: RunConfig, run_dir: str | None, lock: RunLock | None = None) -> T
         ref_args = model_args_for(source, cfg.model, par, cfg.train)
         ref_model = build_model(ref_args, source, cfg.train.seed, d.pg, trainable=False)
     info = engine_info(d.rank, d.world_size, par.rollout_tp)
-    engine = build_engine(cfg, source, tokenizer, d)
-    reward_manager = RewardManager(cfg.reward) if info.leader else None
+    engine = build_engine(cfg, source, tokenizer, d) if with_engine else None
+    reward_manager = RewardManager(cfg.reward) if info.leader and with_engine else None
     dataset = build_train_dataset(cfg.data)
     loader = build_train_loader(cfg.data, cfg.train.prompts_per_step, dp_rank=0, dp_world=1, dataset=dataset)
     logger = RunLogger(
@@ -216,7 +217,8 @@ def setup(cfg: RunConfig, run_dir: str | None, lock: RunLock | None = None) -> T
         teardown(t)
         raise
 
-    sync_weights(t.engine, t.model, t.args, t.dist.pg)  # the engine starts from the (loaded) policy weights
+    if with_engine:
+        sync_weights(t.engine, t.model, t.args, t.dist.pg)  # the engine starts from the (loaded) policy weights
     if d.is_logger:
         logger.truncate_after(t.start_step)
         skipped = f", {dataset.n_malformed} malformed rows skipped" if dataset.n_malformed else ""

@@ -1,0 +1,231 @@
+"""What crosses between the roles of the disaggregated layout (groups from megatron_rlvr.megatron.roles):
+
+- rollout batches, rollout rank 0 -> training rank 0, as pickled objects over the ``data`` group (point to point);
+- versioned weights, training rank 0 -> every rollout rank, over the ``weights`` group (broadcast), in the weight
+  stream's buckets: per bucket one header (names, shapes, dtypes) and one flat byte buffer, then an end-of-version
+  header. A ``stop`` header ends the rollout ranks' loop (with the training ranks' exit code).
+
+The receiving side of each channel is a thread that is always posted on its group, so a sender never blocks on the
+other role's main loop (a blocking send into a busy peer would deadlock the two loops): the trainer's
+:class:`BatchReceiver` queues batches, each rollout rank's :class:`WeightReceiver` keeps the newest complete version
+(an older one not yet applied is replaced: the engines only ever need the newest). Host memory on a rollout rank: at
+most one version being received plus one waiting to be applied.
+
+A peer that dies closes its sockets: the receiving thread's collective raises, and the main loop re-raises it as
+:class:`PeerLost` naming the other role, so the job ends (the launcher stops the other ranks) instead of waiting.
+"""
+
+from __future__ import annotations
+
+import pickle
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+
+class PeerLost(RuntimeError):
+    """The other role's rank went away (its process died or its connection closed)."""
+
+
+class Stopped(Exception):
+    """The training ranks ended the run (normally or on a stop signal); ``code`` is their exit code."""
+
+    def __init__(self, code: int):
+        super().__init__(f"stopped by the training ranks (exit code {code})")
+        self.code = code
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Objects over a group
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def send_object(pg, obj, dst: int, device: str = "cpu") -> int:
+    """Send ``obj`` (pickled) to group rank ``dst``; returns the bytes sent."""
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    pg.send([size], dst, 0).wait()
+    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    pg.send([payload], dst, 0).wait()
+    return len(data)
+
+
+def recv_object(pg, src: int, device: str = "cpu"):
+    size = torch.zeros(1, dtype=torch.int64, device=device)
+    pg.recv([size], src, 0).wait()
+    payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    pg.recv([payload], src, 0).wait()
+    return pickle.loads(payload.cpu().numpy().tobytes())
+
+
+def broadcast_object(pg, obj, root: int = 0, device: str = "cpu"):
+    """``obj`` of group rank ``root`` on every rank of ``pg`` (pass None elsewhere)."""
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if pg.rank() == root else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    _bcast(pg, size, root)
+    if pg.rank() == root:
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    else:
+        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    _bcast(pg, payload, root)
+    return obj if pg.rank() == root else pickle.loads(payload.cpu().numpy().tobytes())
+
+
+def _bcast(pg, tensor: torch.Tensor, root: int) -> None:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = root
+    opts.rootTensor = 0
+    pg.broadcast([tensor], opts).wait()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Versioned weights
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def publish_weights(pg, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int, device: str = "cpu"):
+    """Training rank 0: broadcast every bucket of one weight version to the rollout ranks; returns (bytes, tensors)."""
+    nbytes = ntensors = 0
+    for bucket in buckets:
+        flat = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket]
+        header = {
+            "version": version,
+            "names": [n for n, _ in bucket],
+            "shapes": [tuple(t.shape) for _, t in bucket],
+            "dtypes": [str(t.dtype) for _, t in bucket],
+            "sizes": [f.numel() for f in flat],
+        }
+        broadcast_object(pg, header, device=device)
+        buf = torch.cat(flat).to(device) if flat else torch.empty(0, dtype=torch.uint8, device=device)
+        _bcast(pg, buf, 0)
+        nbytes += buf.numel()
+        ntensors += len(bucket)
+        del flat, buf, bucket
+    broadcast_object(pg, {"version": version, "end": True}, device=device)
+    return nbytes, ntensors
+
+
+def publish_stop(pg, code: int, device: str = "cpu") -> None:
+    """Training rank 0: end the rollout ranks' loop."""
+    broadcast_object(pg, {"stop": int(code)}, device=device)
+
+
+_DTYPES = {str(t): t for t in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32)}
+
+
+class WeightReceiver:
+    """A rollout rank's thread on the weights group: keeps the complete versions not yet applied."""
+
+    def __init__(self, pg, device: str = "cpu"):
+        self.pg, self.device = pg, device
+        self.cond = threading.Condition()
+        self.complete: dict[int, tuple[list, float, int]] = {}
+        """version -> (buckets, seconds receiving, bytes) of the complete versions not yet taken."""
+        self.newest = -1
+        """The newest complete version so far."""
+        self.stop_code: int | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="weight-receiver", daemon=True)
+
+    def start(self) -> WeightReceiver:
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            buckets, t0, nbytes = [], None, 0
+            while True:
+                header = broadcast_object(self.pg, None, device=self.device)
+                if "stop" in header:
+                    with self.cond:
+                        self.stop_code = header["stop"]
+                        self.cond.notify_all()
+                    return
+                t0 = t0 if t0 is not None else time.perf_counter()
+                if header.get("end"):
+                    with self.cond:
+                        self.complete[header["version"]] = (buckets, time.perf_counter() - t0, nbytes)
+                        self.newest = max(self.newest, header["version"])
+                        self.cond.notify_all()
+                    buckets, t0, nbytes = [], None, 0
+                    continue
+                buf = torch.empty(sum(header["sizes"]), dtype=torch.uint8, device=self.device)
+                _bcast(self.pg, buf, 0)
+                nbytes += buf.numel()
+                bucket, off = [], 0
+                for name, shape, dt, n in zip(header["names"], header["shapes"], header["dtypes"], header["sizes"]):
+                    bucket.append((name, buf[off : off + n].view(_DTYPES[dt]).reshape(shape)))
+                    off += n
+                buckets.append(bucket)
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread
+            with self.cond:
+                self.error = e
+                self.cond.notify_all()
+
+    def _check(self) -> None:
+        if self.error is not None:
+            raise PeerLost(
+                f"the weight channel from training rank 0 failed ({type(self.error).__name__}: {self.error}); a "
+                "training rank has died or lost its connection"
+            ) from self.error
+        if self.stop_code is not None:
+            raise Stopped(self.stop_code)
+
+    def wait_for(self, min_version: float, poll_s: float = 0.5) -> int:
+        """Wait until a version >= ``min_version`` is complete; returns the newest complete version. Raises Stopped
+        when the training ranks ended the run, PeerLost when the channel failed."""
+        with self.cond:
+            while self.newest < min_version:
+                self._check()
+                self.cond.wait(poll_s)
+            return self.newest
+
+    def take(self, version: int) -> tuple[list, float, int]:
+        """(buckets, receive seconds, bytes) of ``version`` and the versions before it not yet taken, which are
+        dropped; a version without tensors (a step without an update) gives the newest earlier one's."""
+        with self.cond:
+            parts = [self.complete.pop(v) for v in sorted(v for v in self.complete if v <= version)]
+            full = [p for p in parts if p[0]]
+            return (full[-1][0] if full else []), sum(p[1] for p in parts), sum(p[2] for p in parts)
+
+
+class BatchReceiver:
+    """Training rank 0's thread on the data group: queues what rollout rank 0 sends."""
+
+    def __init__(self, pg, src: int = 1):
+        self.pg, self.src = pg, src
+        self.queue: queue.Queue = queue.Queue()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="batch-receiver", daemon=True)
+
+    def start(self) -> BatchReceiver:
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            while True:
+                self.queue.put(recv_object(self.pg, self.src))
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread
+            self.error = e
+            self.queue.put(None)
+
+    def get(self, should_stop: Callable[[], bool] = lambda: False, poll_s: float = 0.5):
+        """The next message; raises PeerLost when the channel failed, Stopped(-1) when ``should_stop()``."""
+        while True:
+            try:
+                msg = self.queue.get(timeout=poll_s)
+            except queue.Empty:
+                if should_stop():
+                    raise Stopped(-1) from None
+                continue
+            if msg is None and self.error is not None:
+                raise PeerLost(
+                    f"the data channel from rollout rank 0 failed ({type(self.error).__name__}: {self.error}); a "
+                    "rollout rank has died or lost its connection"
+                ) from self.error
+            return msg
