@@ -107,7 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--prompt-template", default=None, help="text around the problem, with {problem}")
     e.add_argument("--tokenizer", default=None, help="tokenizer folder, when MODEL has none")
     e.add_argument("--seed", type=int, default=0)
-    e.add_argument("--batch-rows", type=int, default=64, help="sequences decoded together")
+    e.add_argument("--batch-rows", type=int, default=None, help="sequences decoded together (default: hf 64, vllm 256)")
+    e.add_argument("--engine", choices=("hf", "vllm"), default="hf", help="generation engine (default hf)")
+    e.add_argument("--tp", type=int, default=1, help="vLLM tensor parallelism: ranks (devices) per engine")
+    e.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.85, help="vLLM on CUDA: fraction of GPU memory (0.85)"
+    )
     e.add_argument("--out", default=None, help="also write the results as JSON here")
     e.set_defaults(func=cmd_eval)
 
@@ -184,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             argv.remove("--dry-run")
             argv.insert(1, "--dry-run")
         ns = build_parser().parse_args(argv)
+        ns.argv = argv  # what a command that starts ranks hands them
         return int(ns.func(ns) or 0)
     except KeyboardInterrupt:
         print(f"megatron-rlvr {command}: interrupted", file=sys.stderr, flush=True)

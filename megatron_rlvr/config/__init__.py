@@ -40,6 +40,7 @@ from megatron_rlvr.config.sections import (
     RolloutConfig,
     ScheduleConfig,
     TrainConfig,
+    WandbConfig,
 )
 
 __all__ = [
@@ -59,6 +60,7 @@ __all__ = [
     "RunConfig",
     "ScheduleConfig",
     "TrainConfig",
+    "WandbConfig",
     "apply_overrides",
     "build_run_config",
     "build_section",

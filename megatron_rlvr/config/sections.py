@@ -379,6 +379,42 @@ class CheckpointConfig:
             raise ValueError(f"checkpoint.resume must be 'auto', 'never' or an existing folder, got {self.resume!r}")
 
 
+WANDB_MODES = ("online", "offline", "disabled")
+WANDB_MISSING = (
+    "logging.wandb.enabled=true but the wandb package is not installed: pip install wandb (or set "
+    "logging.wandb.enabled=false)"
+)
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases logging beside metrics.jsonl and TensorBoard (rank 0; the ``wandb`` package, imported only
+    when enabled). The W&B run records the resolved config and the run directory; its id is kept in
+    ``<run_dir>/wandb_run_id`` so a resumed run continues the same W&B run. Its files go under ``<run_dir>/wandb/``.
+    """
+
+    enabled: bool = False
+    """Log every step's metrics to W&B."""
+    project: str | None = None
+    """W&B project (None: $WANDB_PROJECT, else ``megatron-rlvr``). The entity is W&B's own ($WANDB_ENTITY or the
+    logged-in user's default)."""
+    name: str | None = None
+    """W&B run name (None: logging.name)."""
+    mode: str | None = None
+    """``online``, ``offline`` (files only, upload later with ``wandb sync <run_dir>/wandb/offline-run-*``) or
+    ``disabled``. None: $WANDB_MODE, else online."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ValueError(f"logging.wandb.enabled must be true or false, got {self.enabled!r}")
+        for key in ("project", "name"):
+            v = getattr(self, key)
+            if v is not None and (not isinstance(v, str) or not v.strip()):
+                raise ValueError(f"logging.wandb.{key} must be a non-empty string, got {v!r}")
+        if self.mode is not None and self.mode not in WANDB_MODES:
+            raise ValueError(f"logging.wandb.mode must be one of {', '.join(WANDB_MODES)}, got {self.mode!r}")
+
+
 @dataclass
 class LoggingConfig:
     """Where the run writes and what it prints."""
@@ -394,12 +430,22 @@ class LoggingConfig:
     """Print one progress line per step (rank 0)."""
     plot_at_end: bool = True
     """Write ``<run_dir>/curves.png`` (``megatron-rlvr plot``) after the last step when matplotlib is installed."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Weights & Biases logging (off by default)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.tensorboard, bool):
             self.tensorboard = "on" if self.tensorboard else "off"
         if self.tensorboard not in ("auto", "on", "off"):
             raise ValueError(f"logging.tensorboard must be auto, on or off, got {self.tensorboard!r}")
+
+    def check_files(self) -> None:
+        """The wandb package is installed when W&B logging is on (found here, not after the model is built)."""
+        if self.wandb.enabled:
+            import importlib.util
+
+            if importlib.util.find_spec("wandb") is None:
+                raise ValueError(WANDB_MISSING)
 
 
 @dataclass

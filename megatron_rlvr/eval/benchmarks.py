@@ -104,27 +104,44 @@ def evaluate_examples(
     engine_count: int = 1,
     leader: bool = True,
     gather=None,
+    chunk_prompts: int | None = None,
+    progress=None,
 ) -> tuple[list[list[bool]], list[list[int]]]:
     """Generate ``k`` samples per example on this engine's share, score, gather: (correct, lengths) per example,
-    in example order, on every rank. Prompts longer than ``max_prompt_len`` count as wrong."""
+    in example order, on every rank. Prompts longer than ``max_prompt_len`` count as wrong.
+
+    Every rank of an engine's tensor-parallel group generates (a vLLM engine with rollout TP > 1 is SPMD: its ranks
+    run the same requests together); only the group's leader scores. ``chunk_prompts``: generate that many prompts
+    per engine call, calling ``progress(done, total)`` after each; the samples do not depend on it (each prompt's
+    seed derives from the evaluation seed and its index in ``examples``)."""
     from megatron_rlvr.rollout.engine import SamplingParams
     from megatron_rlvr.rollout.groups import round_seed, tokenize_prompts
 
     share = shard_range(len(examples), engine_index, engine_count)
     local: list[tuple[int, list[bool], list[int]]] = []
-    if leader and len(share):
+    if len(share):
         mine = [examples[i] for i in share]
         kept, ids, _ = tokenize_prompts(mine, tokenizer, data_cfg, max_prompt_len)
         kept_idx = {id(e) for e in kept}
+        greedy = temperature == 0  # k identical samples: draw one (vLLM refuses n > 1 with greedy sampling)
         params = SamplingParams(
-            n=k,
+            n=1 if greedy else k,
             temperature=temperature,
             top_p=top_p,
             max_tokens=max_tokens,
             seed=round_seed(seed, 0, 0),
         )
         keys = [i for i, ex in zip(share, mine) if id(ex) in kept_idx]
-        outputs = engine.generate(ids, params, prompt_keys=keys) if ids else []
+        outputs = []
+        step = chunk_prompts or max(len(ids), 1)
+        for start in range(0, len(ids), step):
+            outputs += engine.generate(ids[start : start + step], params, prompt_keys=keys[start : start + step])
+            if greedy:
+                for out in outputs[start:]:
+                    out.completions = out.completions * k
+            if progress is not None:
+                progress(min(start + step, len(ids)), len(ids))
+    if leader and len(share):
         texts, gts, metas = [], [], []
         for ex, out in zip(kept, outputs):
             for c in out.completions:

@@ -1,13 +1,22 @@
-"""The run's metrics outputs: metrics.jsonl (one record per step), TensorBoard when installed, and the progress
-line. Only global rank 0 writes."""
+"""The run's metrics outputs: metrics.jsonl (one record per step), TensorBoard when installed, Weights & Biases when
+``logging.wandb.enabled``, and the progress line. Only global rank 0 writes."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import secrets
+import string
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megatron_rlvr.config import RunConfig, WandbConfig
+
+WANDB_ID_FILE = "wandb_run_id"
+"""The run directory's W&B run id (a resumed run continues that W&B run)."""
 
 
 def read_metrics(path: str) -> list[dict]:
@@ -36,17 +45,32 @@ def _fmt(v: float) -> str:
 
 
 class RunLogger:
-    """metrics.jsonl (one JSON object per step), TensorBoard scalars, and a one-line progress report per step."""
+    """metrics.jsonl (one JSON object per step), TensorBoard scalars, W&B, and a one-line progress report per step."""
 
     def __init__(
-        self, run_dir: str, *, enabled: bool, tensorboard: str = "auto", progress: bool = True, total_steps: int = 0
+        self,
+        run_dir: str,
+        *,
+        enabled: bool,
+        tensorboard: str = "auto",
+        progress: bool = True,
+        total_steps: int = 0,
+        wandb: WandbConfig | None = None,
+        run_name: str | None = None,
+        run_config: dict | None = None,
     ):
         self.enabled = enabled
         self.progress = progress
         self.total_steps = total_steps
+        self.run_dir = run_dir
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.tb = None
         self.tb_dir = None
+        self.wandb_cfg = wandb if wandb is not None and wandb.enabled else None
+        self.wandb_run = None
+        self.run_name = run_name
+        self.run_config = run_config or {}
+        self.resumed_step = 0
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
@@ -60,8 +84,26 @@ class RunLogger:
                 if tensorboard == "on":
                     raise ValueError("logging.tensorboard=on but the tensorboard package is not installed") from None
 
+    @classmethod
+    def for_run(cls, cfg: RunConfig, run_dir: str, enabled: bool) -> RunLogger:
+        """The logger of a training run: its logging section, its resolved config recorded in W&B."""
+        from megatron_rlvr.config import resolved_dict
+
+        return cls(
+            run_dir,
+            enabled=enabled,
+            tensorboard=cfg.logging.tensorboard,
+            progress=cfg.logging.progress,
+            total_steps=cfg.schedule.steps,
+            wandb=cfg.logging.wandb,
+            run_name=cfg.logging.name,
+            run_config=resolved_dict(cfg) if enabled and cfg.logging.wandb.enabled else None,
+        )
+
     def truncate_after(self, step: int) -> None:
-        """Drop records of steps > ``step`` (a resumed run repeats them)."""
+        """Drop records of steps > ``step`` (a resumed run repeats them); ``step`` > 0 is a resume: W&B continues
+        the run directory's W&B run."""
+        self.resumed_step = step
         if not self.enabled or not os.path.isfile(self.path):
             return
         kept = []
@@ -90,6 +132,12 @@ class RunLogger:
                 if v == v and abs(v) != math.inf:
                     self.tb.add_scalar(k, v, step)
             self.tb.flush()
+        if self.wandb_cfg is not None:
+            if self.wandb_run is None:
+                self.wandb_run = start_wandb(
+                    self.wandb_cfg, self.run_dir, self.run_name, self.run_config, resume=self.resumed_step > 0
+                )
+            self.wandb_run.log({k: v for k, v in metrics.items() if v == v and abs(v) != math.inf}, step=step)
         if self.progress:
             print(self.progress_line(step, metrics), flush=True)
 
@@ -133,6 +181,42 @@ class RunLogger:
         if self.tb is not None:
             self.tb.close()
             self.tb = None
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+            self.wandb_run = None
+
+
+def start_wandb(cfg: WandbConfig, run_dir: str, run_name: str | None, run_config: dict, resume: bool):
+    """A W&B run writing under ``run_dir/wandb/``, recording the resolved config and the run directory. With
+    ``resume`` (the trainer resumed from a checkpoint) the run directory's W&B run continues: W&B keeps the values
+    it already has for repeated steps, while metrics.jsonl drops them; otherwise a new W&B run starts, its id saved
+    in ``run_dir/wandb_run_id``."""
+    from megatron_rlvr.config.sections import WANDB_MISSING
+
+    try:
+        import wandb
+    except ImportError:
+        raise ValueError(WANDB_MISSING) from None
+    id_path = os.path.join(run_dir, WANDB_ID_FILE)
+    run_id = None
+    if resume and os.path.isfile(id_path):
+        with open(id_path) as f:
+            run_id = f.read().strip() or None
+    if run_id is None:
+        run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+        tmp = id_path + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(run_id + "\n")
+        os.replace(tmp, id_path)
+    return wandb.init(
+        project=cfg.project or os.environ.get("WANDB_PROJECT") or "megatron-rlvr",
+        name=cfg.name or run_name,
+        mode=cfg.mode,
+        dir=run_dir,
+        id=run_id,
+        resume="allow",
+        config={**run_config, "run_dir": os.path.abspath(run_dir)},
+    )
 
 
 def say(msg: str, enabled: bool = True) -> None:

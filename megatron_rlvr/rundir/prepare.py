@@ -45,7 +45,16 @@ def resolve_run_dir(cfg: RunConfig) -> str:
     return os.path.join("runs", f"{cfg.logging.name or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
-PREVIOUS_RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tensorboard", "hf", "curves.png", "config.yaml")
+PREVIOUS_RUN_OUTPUTS = (
+    "checkpoints",
+    "metrics.jsonl",
+    "tensorboard",
+    "wandb",
+    "wandb_run_id",
+    "hf",
+    "curves.png",
+    "config.yaml",
+)
 """What a run writes into its directory; ``checkpoint.resume=never`` on a run that has some sets them aside."""
 
 

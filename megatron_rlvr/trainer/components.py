@@ -156,13 +156,7 @@ def setup(cfg: RunConfig, run_dir: str | None, lock: RunLock | None = None, with
     reward_manager = RewardManager(cfg.reward) if info.leader and with_engine else None
     dataset = build_train_dataset(cfg.data)
     loader = build_train_loader(cfg.data, cfg.train.prompts_per_step, dp_rank=0, dp_world=1, dataset=dataset)
-    logger = RunLogger(
-        run_dir,
-        enabled=d.is_logger,
-        tensorboard=cfg.logging.tensorboard,
-        progress=cfg.logging.progress,
-        total_steps=cfg.schedule.steps,
-    )
+    logger = RunLogger.for_run(cfg, run_dir, enabled=d.is_logger)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     update_settings = UpdateSettings(
         algo=cfg.algorithm,
