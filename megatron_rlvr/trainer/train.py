@@ -358,7 +358,7 @@ def setup(cfg: RunConfig, run_dir: str | None) -> Trainer:
 
     signals = StopSignals().install()
     par = cfg.parallel
-    d = init_distributed(par.tp, par.pp, cfg.train.seed, cfg.launch.backend)
+    d = init_distributed(par.tp, par.pp, cfg.train.seed, cfg.launch.backend, cfg.launch.collective_timeout_s)
     if not torch.cuda.is_available():
         torch.set_num_threads(cpu_threads(cfg, d.world_size))
     run_dir = broadcast_object(run_dir or resolve_run_dir(cfg) if d.rank == 0 else None)
