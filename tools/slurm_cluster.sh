@@ -44,7 +44,7 @@
 #   SLURM_CLUSTER_KILL_WAIT        KillWait, s                         (default 30, Slurm's default)
 #   SLURM_CLUSTER_TIMEOUT_S        how long start / restart wait for idle nodes (default 60)
 #   SLURM_CLUSTER_NO_INSTALL       1: never apt-get install
-# docs/running-on-slurm.md, "10. Trying it on one machine", says what these timeouts mean for a job on a dead node.
+# docs/running-on-slurm.md, "7. Failures end the job", says what these timeouts mean for a job on a dead node.
 set -euo pipefail
 
 DIR=${SLURM_CLUSTER_DIR:-/tmp/megatron-rlvr-slurm-cluster}
