@@ -225,13 +225,14 @@ def job_hosts(environ: Mapping[str, str] | None = None) -> list[str]:
 
 
 def spans_nodes(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether this job's ranks live on more than one node (Slurm's node list; torchrun's LOCAL_WORLD_SIZE)."""
+    """Whether this job's ranks live on more than one node: LOCAL_WORLD_SIZE < WORLD_SIZE where a launcher says so
+    (torchrun; ``megatron-rlvr train``'s own launch is one node, also inside a larger allocation), else more than one
+    node in Slurm's node list (srun tasks)."""
     env = os.environ if environ is None else environ
-    hosts = job_hosts(env)
-    if hosts:
-        return len(hosts) > 1
     world, local = env.get("WORLD_SIZE", ""), env.get("LOCAL_WORLD_SIZE", "")
-    return world.isdigit() and local.isdigit() and int(local) < int(world)
+    if world.isdigit() and local.isdigit():
+        return int(local) < int(world)
+    return len(job_hosts(env)) > 1
 
 
 def on_rank0_node(environ: Mapping[str, str] | None = None) -> bool:

@@ -196,6 +196,8 @@ def test_rendezvous_preparation_without_a_cluster():
     assert not any(k.endswith("SOCKET_IFNAME") for k in one)
     assert spans_nodes({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"})
     assert not spans_nodes({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "8"}) and not spans_nodes({})
+    # our own launcher inside a 2-node allocation: its ranks are on one node
+    assert not spans_nodes({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "SLURM_JOB_NODELIST": "n[1-2]"})
 
     two = {"SLURM_JOB_NODELIST": "localhost,thisnode", "SLURMD_NODENAME": "thisnode", "SLURM_NODEID": "1"}
     assert spans_nodes(two) and not on_rank0_node(two)

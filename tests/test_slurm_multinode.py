@@ -221,7 +221,7 @@ def test_stopped_rank_ends_the_job_after_the_collective_timeout(multi, tmp_path)
             assert argv[1].endswith("megatron-rlvr") and argv[2] == "train", argv
             t_stop = time.monotonic()
             os.kill(pid, signal.SIGSTOP)  # a hung rank: alive, its sockets open, silent
-            info = wait_state(multi, job, DONE, timeout=COLLECTIVE_TIMEOUT_S + 60)
+            info = wait_state(multi, job, DONE, timeout=COLLECTIVE_TIMEOUT_S + 90)
         elapsed = time.monotonic() - t_stop
     finally:
         if pid is not None:
@@ -236,5 +236,5 @@ def test_stopped_rank_ends_the_job_after_the_collective_timeout(multi, tmp_path)
     assert info["JobState"] == "FAILED" and info["Restarts"] == "0", (info, text)
     first_node = hostnames(multi, info["NodeList"])[0]
     assert TIMEOUT_MESSAGE in text and f"{first_node}: task 0: Exited with exit code 1" in text, text
-    # ended by the timeout (rank 0 waited for it), and promptly after it
-    assert COLLECTIVE_TIMEOUT_S - 2 <= elapsed <= COLLECTIVE_TIMEOUT_S + 40, elapsed
+    # ended by the timeout (rank 0 waited for it), and soon after it (exits and srun's clean-up on a busy machine)
+    assert COLLECTIVE_TIMEOUT_S - 2 <= elapsed <= COLLECTIVE_TIMEOUT_S + 60, elapsed
