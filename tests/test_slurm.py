@@ -226,6 +226,8 @@ def test_rendezvous_preparation_without_a_cluster():
 def test_collective_timeout_option_and_message():
     """launch.collective_timeout_s: validated, default 600 s, and a timed-out collective's error becomes a message
     naming it (the multi-node tests fire it for real: a stopped rank, a crashed node)."""
+    import torch
+
     from megatron_rlvr.config import load_run_config
     from megatron_rlvr.config.sections import LaunchConfig
     from megatron_rlvr.megatron import parallel
@@ -249,9 +251,10 @@ def test_collective_timeout_option_and_message():
             "Timeout(ms)=20000) ran for 20001 milliseconds before timing out."
         )
         assert parallel.collective_timeout_message(nccl) == msg
-        store = RuntimeError("Timed out after 21 seconds waiting for clients. 1/2 clients joined.")
+        store = torch.distributed.DistStoreError("Timed out after 21 seconds waiting for clients. 1/2 clients joined.")
         assert parallel.collective_timeout_message(store).startswith("the rendezvous did not complete within launch")
-        assert parallel.collective_timeout_message(RuntimeError("Connection closed by peer")) is None
+        assert parallel.collective_timeout_message(RuntimeError("[gloo/pair.cc:589] Connection closed by peer")) is None
+        assert parallel.collective_timeout_message(RuntimeError("engine step timed out")) is None  # not ours
         assert parallel.collective_timeout_message(ValueError("timed out")) is None
         assert len(msg) < 300  # the CLI's error line keeps the first 300 characters
     finally:

@@ -233,17 +233,20 @@ def all_reduce_sum_(t: torch.Tensor, group=None) -> torch.Tensor:
     return t
 
 
-# A collective that ran past the process group's timeout: gloo's "Timed out waiting 10000ms for recv operation to
-# complete", the TCP store's "Timed out after 11 seconds waiting for clients", NCCL's watchdog "... ran for N
-# milliseconds before timing out".
-_TIMEOUT_RE = re.compile(r"timed out|before timing out|wait timeout", re.IGNORECASE)
-_RENDEZVOUS_RE = re.compile(r"waiting for clients|clients joined|init_process_group|rendezvous", re.IGNORECASE)
+# A collective that ran past the process group's timeout: gloo's "[.../gloo/transport/tcp/unbound_buffer.cc:78] Timed
+# out waiting 10000ms for recv operation to complete" (a plain RuntimeError), the TCP store's DistStoreError "Timed
+# out after 11 seconds waiting for clients", NCCL's watchdog "WorkNCCL(...) ran for N milliseconds before timing out".
+_TIMEOUT_RE = re.compile(r"timed out|before timing out", re.IGNORECASE)
+_FROM_DIST_RE = re.compile(r"gloo|nccl|c10d", re.IGNORECASE)
+_RENDEZVOUS_RE = re.compile(r"waiting for clients|clients joined", re.IGNORECASE)
 
 
 def collective_timeout_message(e: BaseException) -> str | None:
     """A clear one-line explanation when ``e`` is a torch.distributed timeout of this process's groups; else None."""
     if _COLLECTIVE_TIMEOUT_S is None or not isinstance(e, RuntimeError) or not _TIMEOUT_RE.search(str(e)):
         return None
+    if not (isinstance(e, dist.DistError) or _FROM_DIST_RE.search(str(e))):
+        return None  # a timeout of something else (an engine, a file system)
     limit = f"launch.collective_timeout_s={_COLLECTIVE_TIMEOUT_S:g} s"
     if _RENDEZVOUS_RE.search(str(e)):
         return (
