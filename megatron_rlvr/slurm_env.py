@@ -14,14 +14,24 @@ them, so both agree even where scontrol is unavailable inside a container:
                 (a stable port per job, so a requeued job, which keeps its id, reuses it; two jobs sharing a
                 node only collide if their ids are equal modulo the span)
 
+In a job that spans nodes, ``prepare_rendezvous`` also pins the network interface of gloo's and NCCL's sockets
+(GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, unless already set) to the one this node uses to reach the other nodes of
+the job. Left alone, gloo binds to the address that this node's host name resolves to and hands it to its peers:
+on a node whose /etc/hosts maps its own name to 127.0.1.1 (the Debian / Ubuntu default) every rank advertises a
+loopback address and the first collective fails ("Gloo connectFullMesh failed ... remote=[127.0.1.1]"). It also
+refuses, with the reason, a MASTER_ADDR that resolves to a loopback address on a node other than rank 0's (the
+rendezvous would otherwise wait for the whole timeout).
+
     python -m megatron_rlvr.slurm_env      # prints the values as shell assignments (debugging aid)
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import socket
+import struct
 import sys
 from collections.abc import Mapping, MutableMapping
 
@@ -147,6 +157,163 @@ def export_torch_env(dist: Mapping, environ: MutableMapping[str, str] | None = N
     env["LOCAL_RANK"] = str(dist["local_rank"])
     env["MASTER_ADDR"] = str(dist["master_addr"])
     env["MASTER_PORT"] = str(dist["master_port"])
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Network interface and rendezvous address of a job that spans nodes
+# ------------------------------------------------------------------------------------------------------------------
+
+SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def _ipv4_addresses(host: str) -> list[str]:
+    """IPv4 addresses of ``host`` as this node resolves it (its /etc/hosts, DNS), in resolver order; [] if none."""
+    try:
+        infos = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return []
+    return list(dict.fromkeys(info[4][0] for info in infos))
+
+
+def _is_loopback(address: str) -> bool:
+    return ipaddress.ip_address(address).is_loopback
+
+
+def route_source_address(address: str) -> str | None:
+    """The local address this host's routing table uses to reach IPv4 ``address`` (a UDP ``connect`` sends
+    nothing); None when there is no route."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((address, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return None
+
+
+def interface_addresses() -> dict[str, str]:
+    """{interface name: its (primary) IPv4 address} of this host's interfaces that have one."""
+    import fcntl
+
+    out = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:  # SIOCGIFADDR: struct ifreq = 16-byte name, then a sockaddr_in (address at bytes 20..24)
+                res = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address on it
+                continue
+            out[name] = socket.inet_ntoa(res[20:24])
+    return out
+
+
+def _default_route_interface() -> str | None:
+    try:
+        with open("/proc/net/route") as f:
+            rows = [line.split() for line in f.readlines()[1:]]
+    except OSError:
+        return None
+    for row in rows:
+        if len(row) > 3 and row[1] == "00000000" and int(row[3], 16) & 1:  # destination 0.0.0.0, flag RTF_UP
+            return row[0]
+    return None
+
+
+def job_hosts(environ: Mapping[str, str] | None = None) -> list[str]:
+    """The nodes of this srun step (else of the job) from Slurm's environment; [] outside Slurm."""
+    env = os.environ if environ is None else environ
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    return expand_hostlist(nodelist) if nodelist else []
+
+
+def spans_nodes(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this job's ranks live on more than one node: LOCAL_WORLD_SIZE < WORLD_SIZE where a launcher says so
+    (torchrun; ``megatron-rlvr train``'s own launch is one node, also inside a larger allocation), else more than one
+    node in Slurm's node list (srun tasks)."""
+    env = os.environ if environ is None else environ
+    world, local = env.get("WORLD_SIZE", ""), env.get("LOCAL_WORLD_SIZE", "")
+    if world.isdigit() and local.isdigit():
+        return int(local) < int(world)
+    return len(job_hosts(env)) > 1
+
+
+def on_rank0_node(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this process runs on the node of global rank 0 (srun --distribution=block: the step's first node;
+    torchrun: node rank 0)."""
+    env = os.environ if environ is None else environ
+    for key in ("SLURM_NODEID", "GROUP_RANK", "NODE_RANK"):
+        if env.get(key, "").isdigit():
+            return int(env[key]) == 0
+    return True
+
+
+def socket_interface(environ: Mapping[str, str] | None = None) -> tuple[str, str, str] | None:
+    """(interface, its address, how it was found) for gloo's / NCCL's sockets in a job that spans nodes: the
+    interface of the route to another node of the job (resolved here, loopback answers skipped), else of the route
+    to MASTER_ADDR, else of the default route. None on a single node or when no interface is found."""
+    env = os.environ if environ is None else environ
+    if not spans_nodes(env):
+        return None
+    me = env.get("SLURMD_NODENAME") or socket.gethostname()
+    targets = [(h, f"the route to {h}") for h in job_hosts(env) if h != me]
+    if env.get("MASTER_ADDR"):
+        targets.append((env["MASTER_ADDR"], f"the route to MASTER_ADDR={env['MASTER_ADDR']}"))
+    by_address = {a: name for name, a in interface_addresses().items()}
+    for host, how in targets:
+        for address in _ipv4_addresses(host):
+            if _is_loopback(address):
+                continue
+            src = route_source_address(address)
+            if src and not _is_loopback(src) and src in by_address:
+                return by_address[src], src, how
+    name = _default_route_interface()
+    if name:
+        address = interface_addresses().get(name)
+        if address:
+            return name, address, "the default route"
+    return None
+
+
+def check_master_addr(dist: Mapping, environ: Mapping[str, str] | None = None) -> None:
+    """Raise ValueError when MASTER_ADDR cannot be rank 0's address from this node: it resolves to nothing, or only
+    to loopback addresses on a node that is not rank 0's (the rendezvous would wait for its whole timeout)."""
+    env = os.environ if environ is None else environ
+    addr = str(dist["master_addr"])
+    addresses = _ipv4_addresses(addr)
+    if not addresses:
+        try:
+            socket.getaddrinfo(addr, None)  # an IPv6-only name is fine
+            return
+        except (OSError, UnicodeError):
+            raise ValueError(f"MASTER_ADDR={addr} does not resolve on this node ({socket.gethostname()})") from None
+    if spans_nodes(env) and not on_rank0_node(env) and all(_is_loopback(a) for a in addresses):
+        node = env.get("SLURMD_NODENAME") or socket.gethostname()
+        raise ValueError(
+            f"MASTER_ADDR={addr} resolves to the loopback address {addresses[0]} on {node}, which is not the node of "
+            "rank 0: export MASTER_ADDR as an address of rank 0's node that every node can reach"
+        )
+
+
+def prepare_rendezvous(dist: Mapping, environ: MutableMapping[str, str] | None = None) -> str | None:
+    """Before torch.distributed starts in a job that spans nodes: check MASTER_ADDR (``check_master_addr``) and pin
+    GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME (each unless already set) to ``socket_interface()``. Returns a line that
+    says what was chosen (None on a single node: nothing to choose)."""
+    env = os.environ if environ is None else environ
+    if not spans_nodes(env):
+        return None
+    check_master_addr(dist, env)
+    where = f"rank {dist['rank']} on {env.get('SLURMD_NODENAME') or socket.gethostname()}"
+    rendezvous = f"rendezvous {dist['master_addr']}:{dist['master_port']}"
+    preset = {k: env[k] for k in SOCKET_IFNAME_VARS if env.get(k)}
+    if len(preset) == len(SOCKET_IFNAME_VARS):
+        return f"{where}: {rendezvous}, sockets as set: " + " ".join(f"{k}={v}" for k, v in preset.items())
+    found = socket_interface(env)
+    if found is None:
+        return f"{where}: {rendezvous}, no interface found for gloo/NCCL sockets (set GLOO_SOCKET_IFNAME)"
+    name, address, how = found
+    for k in SOCKET_IFNAME_VARS:
+        if not env.get(k):
+            env[k] = name
+    kept = "".join(f", {k}={v} kept" for k, v in preset.items())
+    return f"{where}: {rendezvous}, gloo/NCCL sockets on {name} ({address}, {how}){kept}"
 
 
 def _main(argv: list[str]) -> int:

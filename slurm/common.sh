@@ -4,8 +4,10 @@
 # One srun task per GPU (per CPU slot for tiny_cpu.sh) runs the same SPMD program; no Ray, no launcher daemon.
 # Every task finds its rank from Slurm's environment (megatron_rlvr/slurm_env.py: SLURM_PROCID, SLURM_NTASKS,
 # SLURM_LOCALID) and meets the others at MASTER_ADDR:MASTER_PORT, computed here once and exported to all tasks:
-#   MASTER_ADDR = first host of SLURM_JOB_NODELIST (`scontrol show hostnames`), where task 0 runs
-#                 (srun --distribution=block puts tasks 0..n-1 on the first node)
+#   MASTER_ADDR = the address of the first host of SLURM_JOB_NODELIST, where task 0 runs (srun
+#                 --distribution=block puts tasks 0..n-1 on the first node): its NodeAddr in slurm.conf, the address
+#                 Slurm itself reaches the node at, the same on every node (a host name may resolve differently on
+#                 each node, e.g. to 127.0.1.1 on the node itself); its name where scontrol cannot tell
 #   MASTER_PORT = 20000 + SLURM_JOB_ID % 20000 (stable across requeues, which keep the job id)
 #
 # Preemption / time-limit contract with the trainer (`megatron-rlvr train`):
@@ -75,13 +77,23 @@ rlvr_first_host() {
   echo "$first"
 }
 
+rlvr_master_addr() {
+  # NodeAddr of the first host (see the header), else the host's name.
+  local first addr=""
+  first=$(rlvr_first_host "$1")
+  if command -v scontrol >/dev/null 2>&1; then
+    addr=$(timeout 10 scontrol show node -o "$first" 2>/dev/null | sed -n 's/.* NodeAddr=\([^ ]*\).*/\1/p' || true)
+  fi
+  echo "${addr:-$first}"
+}
+
 rlvr_prepare() {
   : "${SLURM_JOB_ID:?not inside a Slurm allocation: submit with sbatch (or set RLVR_DRY_RUN=1 and SLURM_* by hand)}"
   : "${SLURM_JOB_NODELIST:?SLURM_JOB_NODELIST is not set}"
   cd "$RLVR_HOME"
   export RLVR_HOME RLVR_CONFIG
   export RLVR_RUN_DIR=${RLVR_RUN_DIR:-$RLVR_HOME/runs/${SLURM_JOB_NAME:-rlvr}-${SLURM_JOB_ID}}
-  export MASTER_ADDR=${MASTER_ADDR:-$(rlvr_first_host "$SLURM_JOB_NODELIST")}
+  export MASTER_ADDR=${MASTER_ADDR:-$(rlvr_master_addr "$SLURM_JOB_NODELIST")}
   export MASTER_PORT=${MASTER_PORT:-$((20000 + ${SLURM_JOB_ID%%_*} % 20000))}
   export RLVR_REQUEUE_EXIT_CODE
   if [ -z "${RLVR_VENV+set}" ] && [ -x "$RLVR_HOME/.venv/bin/python" ]; then

@@ -3,7 +3,9 @@
 Run by every srun task (RLVR_CMD="python tests/slurm_standin.py MODE"); ranks come from Slurm's environment
 through megatron_rlvr.slurm_env, exactly as the trainer will get them.
 
-  allreduce  torch.distributed gloo init at MASTER_ADDR:MASTER_PORT, all_reduce(rank + 1) == W (W + 1) / 2
+  allreduce  torch.distributed gloo init at MASTER_ADDR:MASTER_PORT (after the trainer's rendezvous preparation:
+             slurm_env.prepare_rendezvous picks the socket interface when the job spans nodes), then
+             all_reduce(rank + 1) == W (W + 1) / 2
   fail       rank 1 exits 1 after a second; every other rank sleeps 300 s (the job must still end quickly)
   sleep      every rank sleeps 300 s (a test then kills one rank with SIGKILL)
   preempt    the trainer's preemption contract (slurm/common.sh): steps of 0.1 s; on SIGUSR1 or SIGTERM each
@@ -21,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_rlvr.slurm_env import dist_env_from_slurm  # noqa: E402
+from megatron_rlvr.slurm_env import dist_env_from_slurm, prepare_rendezvous  # noqa: E402
 
 REQUEUE_EXIT_CODE = 75
 
@@ -30,6 +32,9 @@ def allreduce(d: dict) -> int:
     import torch
     import torch.distributed as dist
 
+    note = prepare_rendezvous(d)
+    if note:
+        print(note, flush=True)
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://{d['master_addr']}:{d['master_port']}",

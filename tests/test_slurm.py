@@ -14,8 +14,6 @@
    far above chance; SIGKILL of rank 1's trainer process ends its job FAILED within 60 s.
 """
 
-import contextlib
-import json
 import math
 import os
 import re
@@ -26,12 +24,36 @@ import time
 from pathlib import Path
 
 import pytest
+from slurm_helpers import (
+    DONE,
+    REPO,
+    cancel_on_error,
+    cancel_submitted,
+    hostnames,
+    job_info,
+    log_time,
+    metrics,
+    multi_node_env,
+    show_job,
+    single_node_env,
+    submit,
+    task_program_pid,
+    wait_for_log,
+    wait_state,
+)
 
-from megatron_rlvr.slurm_env import dist_env_from_slurm, expand_hostlist, master_port_for_job
-
-REPO = Path(__file__).resolve().parents[1]
-REQUIRE_SLURM = os.environ.get("MEGATRON_RLVR_REQUIRE_SLURM") == "1"
-
+from megatron_rlvr.slurm_env import (
+    check_master_addr,
+    dist_env_from_slurm,
+    expand_hostlist,
+    interface_addresses,
+    master_port_for_job,
+    on_rank0_node,
+    prepare_rendezvous,
+    route_source_address,
+    socket_interface,
+    spans_nodes,
+)
 
 # ------------------------------------------------------------------------------------------------------------
 # 1. rendering and rank mapping (no Slurm needed)
@@ -163,118 +185,104 @@ def test_container_flags_and_other_scripts_render():
     assert d["ntasks"] == "2" and "gpus-per-node" not in d
 
 
+def test_rendezvous_preparation_without_a_cluster():
+    """slurm_env.prepare_rendezvous on fake environments (the multi-node tests run it for real): nothing to choose on
+    one node; a loopback MASTER_ADDR refused on a node other than rank 0's; socket variables already set are kept;
+    without a peer address (here every name resolves to loopback) the default route's interface is chosen. Only
+    /etc/hosts names are resolved: no lookup leaves the machine."""
+    dist = {"rank": 1, "master_addr": "localhost", "master_port": 20001}
+    one = {"SLURM_JOB_NODELIST": "localhost", "SLURMD_NODENAME": "localhost", "SLURM_NODEID": "0"}
+    assert not spans_nodes(one) and socket_interface(one) is None and prepare_rendezvous(dist, one) is None
+    assert not any(k.endswith("SOCKET_IFNAME") for k in one)
+    assert spans_nodes({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"})
+    assert not spans_nodes({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "8"}) and not spans_nodes({})
+    # our own launcher inside a 2-node allocation: its ranks are on one node
+    assert not spans_nodes({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "SLURM_JOB_NODELIST": "n[1-2]"})
+
+    two = {"SLURM_JOB_NODELIST": "localhost,thisnode", "SLURMD_NODENAME": "thisnode", "SLURM_NODEID": "1"}
+    assert spans_nodes(two) and not on_rank0_node(two)
+    with pytest.raises(ValueError, match=r"MASTER_ADDR=localhost resolves to the loopback address 127\.0\.0\.1 on "):
+        prepare_rendezvous(dist, dict(two))
+    check_master_addr(dist, {**two, "SLURMD_NODENAME": "localhost", "SLURM_NODEID": "0"})  # rank 0's own node
+
+    preset = {**two, "SLURM_NODEID": "0", "GLOO_SOCKET_IFNAME": "ib0", "NCCL_SOCKET_IFNAME": "ib1"}
+    note = prepare_rendezvous(dist, preset)
+    assert preset["GLOO_SOCKET_IFNAME"] == "ib0" and preset["NCCL_SOCKET_IFNAME"] == "ib1"
+    assert note.endswith("sockets as set: GLOO_SOCKET_IFNAME=ib0 NCCL_SOCKET_IFNAME=ib1"), note
+
+    assert interface_addresses().get("lo") == "127.0.0.1" and route_source_address("127.0.0.1") == "127.0.0.1"
+    env = {**two, "SLURM_NODEID": "0", "GLOO_SOCKET_IFNAME": "ib0"}
+    found = socket_interface(env)
+    note = prepare_rendezvous(dist, env)
+    if found is None:  # a machine without a default route
+        assert "no interface found" in note and "NCCL_SOCKET_IFNAME" not in env, note
+    else:
+        name, address, how = found
+        assert how == "the default route" and interface_addresses()[name] == address and name != "lo"
+        assert env["NCCL_SOCKET_IFNAME"] == name and env["GLOO_SOCKET_IFNAME"] == "ib0", env
+        assert f"sockets on {name} ({address}, the default route), GLOO_SOCKET_IFNAME=ib0 kept" in note, note
+
+
+def test_collective_timeout_option_and_message():
+    """launch.collective_timeout_s: validated, default 600 s, and a timed-out collective's error becomes a message
+    naming it (the multi-node tests fire it for real: a stopped rank, a crashed node)."""
+    import torch
+
+    from megatron_rlvr.config import load_run_config
+    from megatron_rlvr.config.sections import LaunchConfig
+    from megatron_rlvr.megatron import parallel
+
+    assert LaunchConfig().collective_timeout_s == parallel.DEFAULT_COLLECTIVE_TIMEOUT_S == 600.0
+    assert load_run_config(None, ["launch.collective_timeout_s=45"]).launch.collective_timeout_s == 45
+    for bad in ("0", "-1", "inf", "true"):
+        with pytest.raises(ValueError, match="launch.collective_timeout_s must be a "):
+            load_run_config(None, [f"launch.collective_timeout_s={bad}"])
+
+    saved = parallel._COLLECTIVE_TIMEOUT_S
+    try:
+        parallel._COLLECTIVE_TIMEOUT_S = None  # no process group yet: nothing to explain
+        gloo = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 20000ms for recv operation")
+        assert parallel.collective_timeout_message(gloo) is None
+        parallel._COLLECTIVE_TIMEOUT_S = 20.0
+        msg = parallel.collective_timeout_message(gloo)
+        assert msg.startswith("a collective waited longer than launch.collective_timeout_s=20 s: another rank is hung")
+        nccl = RuntimeError(
+            "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE, "
+            "Timeout(ms)=20000) ran for 20001 milliseconds before timing out."
+        )
+        assert parallel.collective_timeout_message(nccl) == msg
+        store = torch.distributed.DistStoreError("Timed out after 21 seconds waiting for clients. 1/2 clients joined.")
+        assert parallel.collective_timeout_message(store).startswith("the rendezvous did not complete within launch")
+        assert parallel.collective_timeout_message(RuntimeError("[gloo/pair.cc:589] Connection closed by peer")) is None
+        assert parallel.collective_timeout_message(RuntimeError("engine step timed out")) is None  # not ours
+        assert parallel.collective_timeout_message(ValueError("timed out")) is None
+        assert len(msg) < 300  # the CLI's error line keeps the first 300 characters
+    finally:
+        parallel._COLLECTIVE_TIMEOUT_S = saved
+
+
 # ------------------------------------------------------------------------------------------------------------
 # 2. real Slurm
 # ------------------------------------------------------------------------------------------------------------
 
 
-def _slurm_conf() -> str | None:
-    if os.environ.get("SLURM_CONF"):
-        return os.environ["SLURM_CONF"]
-    env_file = Path(os.environ.get("SLURM_LOCAL_DIR", "/tmp/megatron-rlvr-slurm")) / "env.sh"
-    if env_file.exists():
-        m = re.search(r"export SLURM_CONF=(\S+)", env_file.read_text())
-        if m:
-            return m.group(1).strip("'\"")
-    return None
+@pytest.fixture(scope="module")
+def slurm():
+    """Environment for sbatch/scontrol on the single-node cluster; skips (or fails under CI) when there is none."""
+    return single_node_env()
 
 
 @pytest.fixture(scope="module")
-def slurm():
-    """Environment for sbatch/scontrol on a running cluster; skips (or fails under CI) when there is none."""
-    conf = _slurm_conf()
-    why = None
-    if not shutil.which("sbatch"):
-        why = "sbatch not installed"
-    elif not conf:
-        why = "no SLURM_CONF and no tools/slurm_local.sh env file"
-    else:
-        env = {**os.environ, "SLURM_CONF": conf}
-        r = subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True, timeout=15)
-        states = r.stdout.split()
-        if r.returncode or not any(s.rstrip("*") in ("idle", "mixed", "allocated", "completing") for s in states):
-            why = f"Slurm not usable (sinfo rc={r.returncode}, states={states}, {r.stderr.strip()[:200]})"
-    if why:
-        if REQUIRE_SLURM:
-            pytest.fail(f"MEGATRON_RLVR_REQUIRE_SLURM=1 but {why}; start it with: bash tools/slurm_local.sh start")
-        pytest.skip(f"{why} (bash tools/slurm_local.sh start)")
-    env = {**os.environ, "SLURM_CONF": conf}
-    for k in [k for k in env if k.startswith(("SLURM_JOB", "SBATCH_", "SRUN_"))]:
-        del env[k]  # do not leak an outer allocation into the submissions
-    return env
-
-
-SUBMITTED: list[tuple[dict, str]] = []
+def slurm_cluster():
+    """The same on tools/slurm_cluster.sh's multi-node cluster (tests/test_slurm_multinode.py)."""
+    return multi_node_env()
 
 
 @pytest.fixture(autouse=True)
 def _cancel_leftover_jobs():
     """A failed test must not leave its job occupying the single 2-CPU node (the next jobs would only queue)."""
     yield
-    while SUBMITTED:
-        env, job = SUBMITTED.pop()
-        subprocess.run(["scancel", job], env=env, capture_output=True)  # a no-op for a finished job
-
-
-def submit(env, tmp: Path, cmd: str, script="slurm/tiny_cpu.sh", extra_env=None) -> tuple[str, Path]:
-    log = tmp / "job.out"
-    e = {**env, "RLVR_CMD": cmd, "RLVR_RUN_DIR": str(tmp / "run"), **(extra_env or {})}
-    r = subprocess.run(
-        ["sbatch", "--parsable", f"--output={log}", script], cwd=REPO, env=e, capture_output=True, text=True
-    )
-    assert r.returncode == 0, r.stderr
-    job = r.stdout.strip().split(";")[0]
-    SUBMITTED.append((env, job))
-    return job, log
-
-
-def job_info(env, job_id: str) -> dict[str, str]:
-    r = subprocess.run(["scontrol", "show", "job", "-o", job_id], env=env, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    return dict(tok.split("=", 1) for tok in r.stdout.split() if "=" in tok)
-
-
-def wait_state(env, job_id: str, states: set[str], timeout: float) -> dict[str, str]:
-    deadline = time.monotonic() + timeout
-    while True:
-        info = job_info(env, job_id)
-        if info["JobState"] in states:
-            return info
-        if time.monotonic() > deadline:
-            subprocess.run(["scancel", job_id], env=env)
-            pytest.fail(f"job {job_id} still {info['JobState']} after {timeout}s (wanted {states})")
-        time.sleep(0.25)
-
-
-def wait_for_log(log: Path, pattern: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if log.exists() and re.search(pattern, log.read_text()):
-            return
-        time.sleep(0.2)
-    pytest.fail(f"{pattern!r} not in {log} after {timeout}s:\n{log.read_text() if log.exists() else '(no log)'}")
-
-
-def task_program_pid(env, job_id: str, task: int) -> tuple[int, str]:
-    """PID of the program that global task `task` of the job's first step runs (not slurm/common.sh's per-task bash
-    wrapper, nor the program's own children such as reward workers), and the `scontrol listpids` output.
-    listpids columns: PID JOBID STEPID LOCALID GLOBALID."""
-    r = subprocess.run(["scontrol", "listpids", job_id], env=env, capture_output=True, text=True, check=True)
-    rows = [line.split() for line in r.stdout.splitlines()[1:]]
-    # only the process slurmstepd started for the task (the wrapper) carries its task id; descendants show "-"
-    roots = [int(row[0]) for row in rows if len(row) == 5 and row[2] != "batch" and row[4] == str(task)]
-    assert len(roots) == 1, (r.stdout, roots)
-    step_pids = [int(row[0]) for row in rows if len(row) == 5 and row[2] != "batch"]
-
-    def ppid(pid: int) -> int:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-
-    children = [pid for pid in step_pids if ppid(pid) == roots[0]]
-    assert len(children) == 1, (r.stdout, children)
-    return children[0], r.stdout
-
-
-DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+    cancel_submitted()
 
 
 def test_slurm_smoke_gloo_allreduce(slurm, tmp_path):
@@ -298,18 +306,26 @@ def test_slurm_fail_fast_when_one_rank_dies(slurm, tmp_path):
     assert elapsed < 60, f"job took {elapsed:.1f}s to fail"  # the other rank would have slept 300 s
 
 
-def test_slurm_fail_fast_when_one_rank_is_killed(slurm, tmp_path):
-    job, log = submit(slurm, tmp_path, "python tests/slurm_standin.py sleep")
+@pytest.mark.parametrize("cluster", ["single-node", "multi-node"])
+def test_slurm_fail_fast_when_one_rank_is_killed(cluster, request, tmp_path):
+    """SIGKILL of rank 1 ends the job FAILED within 60 s; on the multi-node cluster rank 1 runs on the second node
+    (-N2, one task per node), whose processes `scontrol listpids JOB NODE` lists from this machine."""
+    multi = cluster == "multi-node"
+    env = request.getfixturevalue("slurm_cluster" if multi else "slurm")
+    sbatch_args = ("--nodes=2", "--ntasks-per-node=1") if multi else ()
+    job, log = submit(env, tmp_path, "python tests/slurm_standin.py sleep", sbatch_args=sbatch_args)
     wait_for_log(log, r"rank 1: sleeping", timeout=30)
     # `scontrol listpids` maps the job's processes to task ids: SIGKILL the program of global task 1 only.
-    pid, _ = task_program_pid(slurm, job, 1)
+    pid, node, _ = task_program_pid(env, job, 1)
     assert "slurm_standin.py" in Path(f"/proc/{pid}/cmdline").read_text()
+    nodes = hostnames(env, job_info(env, job)["NodeList"])
+    assert node == nodes[-1] and len(nodes) == (2 if multi else 1), (node, nodes)  # block distribution
     t0 = time.monotonic()
     os.kill(pid, signal.SIGKILL)
-    info = wait_state(slurm, job, DONE, timeout=60)
+    info = wait_state(env, job, DONE, timeout=60)
     text = log.read_text()
     assert info["JobState"] == "FAILED", text
-    assert "task 1: Killed" in text, text
+    assert re.search(rf"{node}: task 1: Killed", text), text
     assert time.monotonic() - t0 < 60
 
 
@@ -349,41 +365,6 @@ TRAIN_CMD = (
 CHANCE = 1 / 19  # the copy task: one right answer among the 19 non-special tokens a random policy draws from
 
 
-def show_job(tag: str, env, job_id: str, log: Path, patterns: tuple[str, ...]) -> dict[str, str]:
-    """Print the `scontrol show job` summary and the job log's key lines (visible with pytest -s / -rA)."""
-    info = job_info(env, job_id)
-    keys = ("JobId", "JobName", "JobState", "Reason", "Restarts", "ExitCode", "RunTime", "NodeList", "NumTasks")
-    print(f"\n[{tag}] scontrol show job {job_id}: " + " ".join(f"{k}={info.get(k, '?')}" for k in keys))
-    text = log.read_text() if log.exists() else ""
-    for line in text.splitlines():
-        if any(re.search(p, line) for p in patterns):
-            print(f"[{tag}] {log.name}: {line}")
-    return info
-
-
-@contextlib.contextmanager
-def cancel_on_error(env, job_id: str):
-    """scancel the job when the block fails, so a broken test does not leave a 30-step job occupying the node."""
-    try:
-        yield
-    except BaseException:
-        subprocess.run(["scancel", job_id], env=env, capture_output=True)
-        raise
-
-
-def _log_time(line: str) -> float:
-    """Epoch seconds of a slurm/common.sh log line '[YYYY-mm-dd HH:MM:SS] ...' (local time, whole seconds)."""
-    m = re.match(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\]", line)
-    assert m, line
-    return time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S"))
-
-
-def _metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    assert path.exists(), f"the trainer writes metrics.jsonl into RLVR_RUN_DIR ({run_dir})"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 @pytest.fixture(scope="module")
 def preempted_trainer_job(slurm, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("trainer_preempt")
@@ -410,7 +391,7 @@ def test_trainer_job_completes_and_trains_under_slurm(preempted_trainer_job):
     job, info, text, run_dir = preempted_trainer_job
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", text
     assert f"finished tiny (mcpo) at step {TRAIN_STEPS}" in text and "finished (exit 0)" in text, text
-    recs = _metrics(run_dir)
+    recs = metrics(run_dir)
     assert [r["step"] for r in recs] == list(range(1, TRAIN_STEPS + 1)), [r["step"] for r in recs]
     for r in recs:
         assert r["loss/total"] is not None and math.isfinite(r["loss/total"]), r  # the logger writes NaN/inf as null
@@ -446,8 +427,8 @@ def test_trainer_preempt_checkpoint_requeue_resume(preempted_trainer_job):
     assert (run_dir / "checkpoints" / f"step_{k:09d}" / "rlvr_meta.json").is_file()
 
     restart_line = next(line for line in text.splitlines() if "restart=1" in line)
-    t_restart = _log_time(restart_line)
-    recs = {r["step"]: r for r in _metrics(run_dir)}
+    t_restart = log_time(restart_line)
+    recs = {r["step"]: r for r in metrics(run_dir)}
     before = [recs[s]["wall_time"] for s in range(1, k + 1)]
     after = [recs[s]["wall_time"] for s in range(k + 1, TRAIN_STEPS + 1)]
     assert max(before) < t_restart <= min(after), (k, before, t_restart, after)
@@ -460,7 +441,7 @@ def test_trainer_fail_fast_when_a_rank_is_killed(slurm, tmp_path):
     with cancel_on_error(slurm, job):
         wait_for_log(log, r"(?m)^step 1/", timeout=240)
         # rank 1's trainer process (its reward worker and slurm/common.sh's task wrapper are left alone)
-        pid, listing = task_program_pid(slurm, job, 1)
+        pid, _, listing = task_program_pid(slurm, job, 1)
         argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
         assert "python" in argv[0] and argv[1].endswith("megatron-rlvr") and argv[2] == "train", argv
         print(f"\n[fail-fast] scontrol listpids {job}:\n{listing.rstrip()}")

@@ -159,6 +159,9 @@ def _report(command: str, e: BaseException) -> None:
     if isinstance(e, _user_errors()):
         print(f"megatron-rlvr {command}: error: {msg}", file=sys.stderr, flush=True)
         return
+    parallel = sys.modules.get("megatron_rlvr.megatron.parallel")  # loaded: a collective may have timed out
+    if parallel is not None:
+        msg = parallel.collective_timeout_message(e) or msg
     fd, path = tempfile.mkstemp(prefix=f"megatron-rlvr-{command}-", suffix=".traceback.txt")
     with os.fdopen(fd, "w") as f:
         traceback.print_exception(e, file=f)

@@ -492,8 +492,9 @@ class EvalConfig:
 
 @dataclass
 class LaunchConfig:
-    """How ``megatron-rlvr train`` starts its ranks on one machine (ignored when RANK/WORLD_SIZE or Slurm task
-    variables are set: then this process IS one of the ranks)."""
+    """How ``megatron-rlvr train`` starts its ranks on one machine (nproc, master_addr, master_port and
+    threads_per_rank are ignored when RANK/WORLD_SIZE or Slurm task variables are set: then this process IS one of the
+    ranks), and how every rank talks to the others (backend, collective_timeout_s)."""
 
     nproc: int | None = None
     """Ranks to start. None: the number of GPUs, or parallel.tp x parallel.pp on a CPU machine."""
@@ -505,10 +506,18 @@ class LaunchConfig:
     """Rendezvous port of a local launch (0: a free port)."""
     threads_per_rank: int | None = None
     """torch intra-op threads per rank; None: CPU cores / ranks (at least 1)."""
+    collective_timeout_s: float = 600.0
+    """Longest wait, in seconds, of any torch.distributed collective and of the rendezvous (every rank, also under
+    torchrun / srun). A rank whose peer is hung, stopped or on a dead node then exits with a message naming this
+    option, and the job ends, instead of waiting 30 minutes (torch's and Megatron's default). Raise it if a step
+    legitimately keeps ranks waiting longer (e.g. a slow checkpoint file system)."""
 
     def __post_init__(self) -> None:
         if self.nproc is not None:
             _positive_int("launch.nproc", self.nproc)
+        t = self.collective_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (t > 0 and math.isfinite(t)):
+            raise ValueError(f"launch.collective_timeout_s must be a positive number of seconds, got {t!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"launch.backend must be one of {BACKENDS}, got {self.backend!r}")
         if not isinstance(self.master_port, int) or not 0 <= self.master_port <= 65535:

@@ -7,13 +7,22 @@ exactly once (``ProcessGroupCollection.use_mpu_process_groups``) and then passed
 
 from __future__ import annotations
 
+import math
 import os
+import re
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from megatron_rlvr.config.sections import LaunchConfig
+
+DEFAULT_COLLECTIVE_TIMEOUT_S: float = LaunchConfig.collective_timeout_s
+"""launch.collective_timeout_s's default: 10 minutes, as Megatron-LM's --distributed-timeout-minutes."""
+_COLLECTIVE_TIMEOUT_S: float | None = None
+"""The timeout init_distributed gave the process groups of this process."""
 
 
 @dataclass
@@ -105,25 +114,42 @@ def init_distributed(
     pp: int,
     seed: int,
     backend: str = "auto",
-    timeout_s: float = 1800.0,
+    timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
     ep: int = 1,
     etp: int | None = None,
 ) -> DistInfo:
     """Join (or reuse) the default process group and (re-)initialise megatron's model parallel groups for (tp, pp)
     and the experts' (ep, etp; etp None: tp).
 
+    ``timeout_s`` (launch.collective_timeout_s) bounds every collective of the default group and of megatron's
+    groups, and the rendezvous: a rank waiting longer for a hung, stopped or unreachable peer raises (gloo; NCCL's
+    watchdog aborts the process), ``collective_timeout_message`` turns that error into a clear message, and the job
+    ends instead of hanging.
+    In a job that spans nodes the rendezvous address is checked and gloo's / NCCL's socket interface is chosen
+    first (megatron_rlvr.slurm_env.prepare_rendezvous); local rank 0 of each node prints the choice.
+
     Reuse: inside a process that already initialised torch.distributed (tests, notebooks), its group is kept; the
     megatron groups are rebuilt only when the layout differs.
     """
+    global _COLLECTIVE_TIMEOUT_S
     from megatron_rlvr.megatron.cpu_shims import apply_cpu_shims
 
     apply_cpu_shims()
+    if not (timeout_s > 0 and math.isfinite(timeout_s)):
+        raise ValueError(f"collective timeout must be a positive number of seconds, got {timeout_s!r}")
+    _COLLECTIVE_TIMEOUT_S = float(timeout_s)
     if not dist.is_initialized():
         info = env_rank_info()
         if info is not None and "RANK" not in os.environ:  # an srun task: give everything the torchrun variables
             from megatron_rlvr.slurm_env import export_torch_env
 
             export_torch_env(info)
+        if info is not None:
+            from megatron_rlvr.slurm_env import prepare_rendezvous
+
+            note = prepare_rendezvous(info)
+            if note and info["local_rank"] == 0:
+                print(f"megatron-rlvr: {note}", flush=True)
         if info is None:
             info = {"rank": 0, "world_size": 1, "local_rank": 0, "master_addr": "127.0.0.1", "master_port": 0}
             if info["master_port"] == 0:
@@ -145,7 +171,7 @@ def init_distributed(
     world = dist.get_world_size()
     if world % (tp * pp):
         raise ValueError(f"parallel.tp x parallel.pp = {tp * pp} does not divide the world size {world}")
-    init_model_parallel(tp, pp, seed, ep=ep, etp=etp)
+    init_model_parallel(tp, pp, seed, ep=ep, etp=etp, timeout_s=timeout_s)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     return DistInfo(
         rank=dist.get_rank(),
@@ -169,11 +195,20 @@ def check_expert_layout(world: int, tp: int, pp: int, ep: int, etp: int) -> None
         )
 
 
-def init_model_parallel(tp: int, pp: int, seed: int, on_rebuild=None, ep: int = 1, etp: int | None = None) -> None:
+def init_model_parallel(
+    tp: int,
+    pp: int,
+    seed: int,
+    on_rebuild=None,
+    ep: int = 1,
+    etp: int | None = None,
+    timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+) -> None:
     """(Re-)initialise megatron's model-parallel groups for (tp, pp) and the experts' (ep, etp; etp None: tp) on an
     initialised default process group (kept when the layout is unchanged; ``on_rebuild()`` runs after the old ones
     are destroyed), then seed torch and megatron's model-parallel RNG tracker. The trainer and the test harness
-    (megatron_rlvr.testing) both use it."""
+    (megatron_rlvr.testing) both use it. ``timeout_s``: the collective timeout of the new groups (megatron's own
+    default is 30 minutes)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -196,6 +231,7 @@ def init_model_parallel(tp: int, pp: int, seed: int, on_rebuild=None, ep: int = 
             pipeline_model_parallel_size=pp,
             expert_model_parallel_size=ep,
             expert_tensor_parallel_size=etp,
+            distributed_timeout_minutes=timeout_s / 60.0,  # only ever used as timedelta(minutes=...)
         )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
@@ -227,3 +263,29 @@ def all_reduce_sum_(t: torch.Tensor, group=None) -> torch.Tensor:
     """In-place SUM all-reduce of a (contiguous) tensor; returns it."""
     dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t
+
+
+# A collective that ran past the process group's timeout: gloo's "[.../gloo/transport/tcp/unbound_buffer.cc:78] Timed
+# out waiting 10000ms for recv operation to complete" (a plain RuntimeError), the TCP store's DistStoreError "Timed
+# out after 11 seconds waiting for clients", NCCL's watchdog "WorkNCCL(...) ran for N milliseconds before timing out".
+_TIMEOUT_RE = re.compile(r"timed out|before timing out", re.IGNORECASE)
+_FROM_DIST_RE = re.compile(r"gloo|nccl|c10d", re.IGNORECASE)
+_RENDEZVOUS_RE = re.compile(r"waiting for clients|clients joined", re.IGNORECASE)
+
+
+def collective_timeout_message(e: BaseException) -> str | None:
+    """A clear one-line explanation when ``e`` is a torch.distributed timeout of this process's groups; else None."""
+    if _COLLECTIVE_TIMEOUT_S is None or not isinstance(e, RuntimeError) or not _TIMEOUT_RE.search(str(e)):
+        return None
+    if not (isinstance(e, dist.DistError) or _FROM_DIST_RE.search(str(e))):
+        return None  # a timeout of something else (an engine, a file system)
+    limit = f"launch.collective_timeout_s={_COLLECTIVE_TIMEOUT_S:g} s"
+    if _RENDEZVOUS_RE.search(str(e)):
+        return (
+            f"the rendezvous did not complete within {limit}: a rank did not start, or cannot reach "
+            f"MASTER_ADDR={os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        )
+    return (
+        f"a collective waited longer than {limit}: another rank is hung or stopped, or its node is down; this rank "
+        "exits so that the job ends (raise the option if a step legitimately keeps ranks waiting longer)"
+    )

@@ -82,7 +82,7 @@ def rendezvous_info() -> dict:
     return info
 
 
-def init_roles(rollout_ranks: int, backend: str = "auto", timeout_s: float = 1800.0) -> Roles:
+def init_roles(rollout_ranks: int, backend: str = "auto", timeout_s: float = 600.0) -> Roles:
     """Join the job's rendezvous store, make this role's default process group and the two groups between the roles.
     Call before anything else touches torch.distributed (megatron_rlvr.megatron.parallel.init_distributed then
     keeps the role's group)."""

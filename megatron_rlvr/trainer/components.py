@@ -128,7 +128,9 @@ def setup(cfg: RunConfig, run_dir: str | None, lock: RunLock | None = None, with
 
     signals = StopSignals().install()
     par = cfg.parallel
-    d = init_distributed(par.tp, par.pp, cfg.train.seed, cfg.launch.backend, ep=par.ep, etp=par.etp)
+    d = init_distributed(
+        par.tp, par.pp, cfg.train.seed, cfg.launch.backend, cfg.launch.collective_timeout_s, ep=par.ep, etp=par.etp
+    )
     if not torch.cuda.is_available():
         torch.set_num_threads(cpu_threads(cfg, d.world_size))
     run_dir = broadcast_object(run_dir or resolve_run_dir(cfg) if d.rank == 0 else None)

@@ -50,7 +50,7 @@ BRIDGE_BUCKET_BYTES = 256 << 20
 
 def train(cfg: RunConfig, run_dir: str | None = None, lock: RunLock | None = None) -> int:
     """Run (or resume) the disaggregated schedule on this rank; returns the process exit code."""
-    roles = init_roles(cfg.parallel.rollout_ranks, cfg.launch.backend)
+    roles = init_roles(cfg.parallel.rollout_ranks, cfg.launch.backend, cfg.launch.collective_timeout_s)
     if roles.role == TRAIN:
         return train_role(cfg, run_dir, lock, roles)
     if lock is not None:  # a launcher's lock is held by the launcher; a rollout rank never writes the run dir
