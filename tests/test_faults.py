@@ -486,6 +486,40 @@ def test_too_many_failed_rewards_fail_the_step_and_counts_show_on_the_progress_l
     assert "reward fn" not in log.progress_line(2, {"reward/mean": 0.5, "reward/n_error": 0.0})
 
 
+def test_a_hanging_reward_fails_the_step_once_the_limit_is_passed_not_after_every_item():
+    """A hanging function fails the step after the timeouts that pass reward.max_error_frac, not one timeout per item
+    of the step (79 s at timeout_s=1 for the tiny preset); the items not reached are counted as not scored."""
+    from megatron_rlvr.data import Example
+    from megatron_rlvr.rewards import RewardConfig, RewardManager
+    from megatron_rlvr.rewards.manager import RewardFailure
+    from megatron_rlvr.rollout.engine import Completion, RolloutOutput, SamplingParams
+    from megatron_rlvr.rollout.groups import engine_info, generate_groups
+
+    class HangingTexts:
+        def generate(self, prompts, params, prompt_keys=None):
+            return [RolloutOutput(p, [Completion([1], [0.0], "stop", text="hang")] * params.n) for p in prompts]
+
+    examples = [Example(prompt="x", answer="1", source="t", id=f"p{i}") for i in range(4)]
+    cfg = RewardConfig(fn=f"{__name__}:raising_reward", num_workers=1, timeout_s=0.3, kill_grace_s=0.5)
+    with RewardManager(cfg, report=lambda text: None) as rm:
+        assert rm.score(["ok"], ["1"])[0] == [1.0]  # the worker is up (its start-up is not part of the timing)
+        t0 = time.monotonic()
+        with pytest.raises(RewardFailure) as e:
+            generate_groups(
+                HangingTexts(), rm, None, examples, [[1]] * 4, SamplingParams(n=4, max_tokens=2),
+                engine_info(0, 1, 1), seed=0, step=1, round_idx=0, gather=lambda obj: [obj],
+                reward_max_error_frac=0.25, reward_fn=cfg.fn,
+            )  # fmt: skip
+        took = time.monotonic() - t0
+        assert rm.score(["ok"], ["1"])[0] == [1.0]  # the pool is usable afterwards
+    # 5 timeouts pass 0.25 of 16 items (1.5 s); every item would be 4.8 s
+    assert took < 3.0, took
+    assert "5 of 16 rewards" in str(e.value) and "timeouts 5" in str(e.value) and "11 not scored" in str(e.value)
+    with RewardManager(RewardConfig(fn=cfg.fn, num_workers=0), report=lambda text: None) as rm:  # in-process too
+        _, stats = rm.score(["raise"] * 3 + ["ok"] * 5, ["1"] * 8, max_error_frac=0.25)
+    assert stats["reward/n_error"] == 3 and stats["reward/n_unscored"] == 5
+
+
 # ----------------------------------------------------------------------------------------------- errors, launcher
 
 
@@ -831,7 +865,7 @@ def test_trainer_level_faults(dist_pool, tmp_path):
         # 6: skipped with the reason, not silently
         assert o["too_long"]["train/skipped_all_too_long"] == 1 and o["too_long"]["data/prompts_too_long"] == 4
         # 5: a broken reward function stops the run with the counts and the option
-        assert o["broken"] is not None and "16 of 16 rewards" in o["broken"] and "max_error_frac" in o["broken"]
+        assert o["broken"] is not None and "of 16 rewards" in o["broken"] and "max_error_frac" in o["broken"]
         # 4
         assert o["train_code"] == 0 and o["resumed_from"] == 1
         assert o["strict"] is not None and "step_000000002" in o["strict"] and "checkpoint.fallback=true" in o["strict"]

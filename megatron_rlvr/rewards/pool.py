@@ -59,7 +59,8 @@ class ItemResult:
     """The reward; 0.0 unless status is "ok"."""
     status: str
     """"ok", "timeout" (interrupted or killed at the limit), "error" (the function raised or returned a
-    non-number, or the worker died) or "nonfinite" (it returned NaN or +-inf)."""
+    non-number, or the worker died), "nonfinite" (it returned NaN or +-inf) or "unscored" (not scored: the batch
+    was stopped early, too many of its items had failed)."""
     error: str = ""
     """Short description of the error or timeout; empty when ok."""
     detail: str = ""
@@ -175,14 +176,28 @@ _worker_main(conn, init["fn"], init["extraction"], init["timeout_s"], init["pare
 """
 
 
-def score_inline(scorer, timeout_s: float, items) -> list[ItemResult]:
+def _too_many_failed(n_failed: int, n: int, max_frac: float | None) -> bool:
+    # the same comparison as the step's check (check_failure_fraction): failed / n > max_frac
+    return max_frac is not None and n_failed / n > max_frac
+
+
+def _unscored() -> ItemResult:
+    return ItemResult(0.0, "unscored", "not scored: too many items of the batch had failed already")
+
+
+def score_inline(scorer, timeout_s: float, items, max_failed_frac: float | None = None) -> list[ItemResult]:
     """Score in the calling process (``num_workers=0``). The timeout interrupts only Python code and only in the
-    main thread; elsewhere it is not enforced. The caller's SIGALRM handler is restored afterwards."""
+    main thread; elsewhere it is not enforced. The caller's SIGALRM handler is restored afterwards.
+    ``max_failed_frac``: as in :meth:`ScoringPool.score`."""
     main = threading.current_thread() is threading.main_thread()
     results = []
+    n_failed = 0
     old = signal.signal(signal.SIGALRM, _on_alarm) if main else None
     try:
         for response, ground_truth, meta in items:
+            if _too_many_failed(n_failed, len(items), max_failed_frac):
+                results.append(_unscored())
+                continue
             if main:
                 results.append(_score_one(scorer, timeout_s, response, ground_truth, meta))
             else:
@@ -190,6 +205,7 @@ def score_inline(scorer, timeout_s: float, items) -> list[ItemResult]:
                     results.append(ItemResult(scorer(response, ground_truth, meta), "ok"))
                 except Exception as e:
                     results.append(_failure(e))
+            n_failed += results[-1].status != "ok"
     finally:
         if main:
             signal.signal(signal.SIGALRM, old)
@@ -267,6 +283,7 @@ class ScoringPool:
         self.on_failure = on_failure
         """Called as ``on_failure(index, ItemResult)`` the moment an item fails (before the batch is done)."""
         self._closed = False
+        self._n_failed = 0
         self._workers: list[_Worker] = []
         _LIVE_POOLS.add(self)
         for _ in range(num_workers):
@@ -313,17 +330,34 @@ class ScoringPool:
 
     def _set(self, results: list, idx: int, result: ItemResult) -> None:
         results[idx] = result
-        if result.status != "ok" and self.on_failure is not None:
-            self.on_failure(idx, result)
+        if result.status != "ok":
+            self._n_failed += 1
+            if self.on_failure is not None:
+                self.on_failure(idx, result)
 
-    def score(self, items: list[tuple[str, str, dict | None]]) -> list[ItemResult]:
+    def score(
+        self, items: list[tuple[str, str, dict | None]], max_failed_frac: float | None = None
+    ) -> list[ItemResult]:
         """Score ``items`` (response, ground_truth, metadata); results in input order. Never raises for a bad item;
-        raises RuntimeError only if a worker cannot start at all (an environment or configuration problem)."""
+        raises RuntimeError only if a worker cannot start at all (an environment or configuration problem).
+
+        ``max_failed_frac``: once more than this fraction of ``items`` has failed, stop: the items not yet scored
+        (queued or in flight; busy workers are replaced) get status "unscored". A hanging function then costs a few
+        timeouts, not one per item."""
         if self._closed:
             raise RuntimeError("ScoringPool is closed")
         results: list[ItemResult | None] = [None] * len(items)
         pending = deque(range(len(items)))
+        self._n_failed = 0
         while True:
+            if _too_many_failed(self._n_failed, len(items), max_failed_frac):
+                for i, w in enumerate(self._workers):
+                    if w.item is not None:
+                        results[w.item] = _unscored()
+                        self._replace(i)
+                for idx in pending:
+                    results[idx] = _unscored()
+                break
             now = time.monotonic()
             for w in self._workers:
                 while w.ready and w.item is None and pending:
