@@ -23,7 +23,11 @@ PANELS: list[tuple[str, list[tuple[str, str]]]] = [
     ("clip fractions", [("loss/clip_frac_low", "low"), ("loss/clip_frac_high", "high")]),
     (
         "forgetting probe (mastered at step s, re-sampled after its update)",
-        [("forget/probe_accuracy", "accuracy"), ("forget/still_mastered_frac", "still mastered")],
+        [
+            ("forget/probe_accuracy", "accuracy"),
+            ("forget/control_accuracy", "control accuracy (before the update)"),
+            ("forget/still_mastered_frac", "still mastered"),
+        ],
     ),
     (
         "token ratio r = pi / pi_old",
