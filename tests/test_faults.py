@@ -757,6 +757,24 @@ def test_convert_accepts_a_run_dir_and_names_the_overwrite_flag(tmp_path):
         convert_main(["to-megatron", "--hf", str(hf), "--out", run + "/checkpoints", "--step", "8"])
 
 
+def test_exported_weights_are_readable_by_the_group_like_any_new_file(tmp_path):
+    """safetensors writes 0600: an exported hf/ on a shared file system was unreadable for teammates. The shards get
+    the mode the umask gives any new file."""
+    import torch
+
+    from megatron_rlvr.models.export import save_shard
+
+    old = os.umask(0o022)
+    try:
+        save_shard({"w": torch.zeros(2)}, str(tmp_path / "a.safetensors"))
+        os.umask(0o027)
+        save_shard({"w": torch.zeros(2)}, str(tmp_path / "b.safetensors"))
+    finally:
+        os.umask(old)
+    assert os.stat(tmp_path / "a.safetensors").st_mode & 0o777 == 0o644
+    assert os.stat(tmp_path / "b.safetensors").st_mode & 0o777 == 0o640
+
+
 def test_non_utf8_row_names_file_and_line_and_can_be_skipped(tmp_path):
     """Item 9."""
     from megatron_rlvr.data.files import load_examples
@@ -835,6 +853,7 @@ def _trainer_faults(root, overrides):
     to_hf_on_rank(run, hf)
     torch.distributed.barrier()
     out["hf_files"] = sorted(os.listdir(hf))
+    out["hf_mode"] = os.stat(os.path.join(hf, "model.safetensors")).st_mode & 0o777
     if torch.distributed.get_rank() == 0:
         step2 = os.path.join(run, "checkpoints", "step_000000002")
         shard = max((os.path.join(step2, n) for n in os.listdir(step2)), key=os.path.getsize)
@@ -872,6 +891,9 @@ def test_trainer_level_faults(dist_pool, tmp_path):
         assert o["changed"] is not None and "algorithm.name: 'mcpo' -> 'dapo'" in o["changed"]
         # 8
         assert "tokenizer.json" in o["hf_files"] and "model.safetensors" in o["hf_files"]
+        umask = os.umask(0)
+        os.umask(umask)
+        assert o["hf_mode"] == 0o666 & ~umask, oct(o["hf_mode"])  # not safetensors' 0600
 
 
 def test_fault_docs_list_this_matrix():
