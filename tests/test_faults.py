@@ -775,6 +775,22 @@ def test_exported_weights_are_readable_by_the_group_like_any_new_file(tmp_path):
     assert os.stat(tmp_path / "b.safetensors").st_mode & 0o777 == 0o640
 
 
+def test_a_reward_module_in_the_working_directory_is_found_by_the_installed_script(tmp_path, monkeypatch):
+    """The installed `megatron-rlvr` script's sys.path starts with its bin/ folder, not the working directory: a
+    reward.fn next to the config was "cannot import module". It is now found (appended: installed packages win), and
+    a module that is nowhere names the working directory and PYTHONPATH."""
+    from megatron_rlvr.rewards.scorers import load_reward_fn
+
+    (tmp_path / "cwd_reward_mod.py").write_text("def fn(response, ground_truth, **metadata):\n    return 1.0\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    assert load_reward_fn("cwd_reward_mod:fn")("a", "b") == 1.0
+    assert sys.path[-1] == str(tmp_path)
+    with pytest.raises(ValueError, match=r"working directory \(.*\) and on PYTHONPATH"):
+        load_reward_fn("no_such_reward_mod:fn")
+    sys.modules.pop("cwd_reward_mod", None)
+
+
 def test_non_utf8_row_names_file_and_line_and_can_be_skipped(tmp_path):
     """Item 9."""
     from megatron_rlvr.data.files import load_examples
