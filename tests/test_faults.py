@@ -733,6 +733,31 @@ def test_eval_refuses_a_folder_without_tokenizer_and_uses_the_runs_settings(tmp_
     assert resolve_settings(ns)[0]["extraction"] == "boxed" and resolve_settings(ns)[0]["reward"] == "gsm8k"
 
 
+def test_eval_checks_its_benchmarks_and_out_before_loading_the_model(tmp_path, monkeypatch, capsys):
+    """A benchmark without usable rows or an unwritable --out failed only after the model was loaded and every
+    other benchmark generated; both are now refused first (exit 2, one line)."""
+    import transformers
+
+    from megatron_rlvr.commands.cli import main
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded before the inputs were checked")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_model)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "tokenizer.json").write_text("{}")
+    good, bad = tmp_path / "good.jsonl", tmp_path / "bad.jsonl"
+    good.write_text('{"problem": "1=", "answer": "1"}\n')
+    bad.write_text('{"question_text": "1="}\n')
+    assert main(["eval", str(hf), "--files", str(good), str(bad), "--reward", "gsm8k"]) == 2
+    assert "bad.jsonl" in capsys.readouterr().err
+    out = tmp_path / "no_such_dir" / "eval.json"
+    assert main(["eval", str(hf), "--files", str(good), "--reward", "gsm8k", "--out", str(out)]) == 2
+    assert "no_such_dir does not exist" in capsys.readouterr().err
+
+
 def test_convert_accepts_a_run_dir_and_names_the_overwrite_flag(tmp_path):
     """Item 8: `--ckpt RUN_DIR` resolves to its newest checkpoint; an existing --out (to-hf) or OUT/step_N
     (to-megatron) names `--overwrite`."""

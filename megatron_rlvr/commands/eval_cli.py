@@ -79,6 +79,17 @@ def check_tokenizer(model_dir: str, tokenizer_dir: str | None) -> str:
     return d
 
 
+def check_out_path(out: str) -> None:
+    """``--out`` can be written: checked before the model is loaded, not after the whole evaluation."""
+    parent = os.path.dirname(os.path.abspath(out))
+    if os.path.isdir(out):
+        raise ValueError(f"--out {out} is a directory; give a file name (e.g. {os.path.join(out, 'eval.json')})")
+    if not os.path.isdir(parent):
+        raise ValueError(f"--out {out}: the folder {parent} does not exist")
+    if not os.access(out if os.path.exists(out) else parent, os.W_OK):
+        raise ValueError(f"--out {out}: not writable")
+
+
 def eval_main(ns) -> int:
     import torch
 
@@ -101,6 +112,10 @@ def eval_main(ns) -> int:
             data_kwargs["prompt_template"] = settings["prompt_template"]
         data_cfg = DataConfig(**data_kwargs)
         reward_cfg = RewardConfig(fn=settings["reward"], extraction=settings["extraction"], num_workers=1)
+        # before the model is loaded and anything generated: the benchmark rows and the --out path
+        benchmarks = [(path, load_dataset([path], "auto", False)) for path in ns.files]
+        if ns.out:
+            check_out_path(ns.out)
     except ValueError as e:
         print(f"megatron-rlvr eval: error: {e}", file=sys.stderr)
         return 2
@@ -122,8 +137,7 @@ def eval_main(ns) -> int:
     )
     results = []
     with RewardManager(reward_cfg) as rm:
-        for path in ns.files:
-            ds = load_dataset([path], "auto", False)
+        for path, ds in benchmarks:
             examples = list(ds.examples)[: ns.max_problems] if ns.max_problems else list(ds.examples)
             correct, lengths = evaluate_examples(
                 engine,
