@@ -758,6 +758,35 @@ def test_eval_checks_its_benchmarks_and_out_before_loading_the_model(tmp_path, m
     assert "no_such_dir does not exist" in capsys.readouterr().err
 
 
+def test_sampling_errors_name_the_config_key_or_flag_not_the_internal_field(tmp_path, monkeypatch, capsys):
+    """`rollout.stop: [""]`, `eval.top_p: 0` and `eval --max-tokens 0` passed the checks and failed later (in the
+    ranks, at the first evaluation, after the model was loaded) as "SamplingParams.stop / top_p / max_tokens"."""
+    import transformers
+
+    from megatron_rlvr.commands.cli import main
+    from megatron_rlvr.config import load_run_config
+
+    with pytest.raises(ValueError, match=r"rollout\.stop must be a list of non-empty strings"):
+        load_run_config(None, ["rollout.stop=['']"])
+    with pytest.raises(ValueError, match=r"eval\.top_p must be in \(0, 1\]"):
+        load_run_config(None, ["eval.top_p=0"])
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded before the flags were checked")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_model)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "tokenizer.json").write_text("{}")
+    bench = tmp_path / "b.jsonl"
+    bench.write_text('{"problem": "1=", "answer": "1"}\n')
+    for flags, name in ((["--max-tokens", "0"], "--max-tokens"), (["--top-p", "0"], "--top-p")):
+        assert main(["eval", str(hf), "--files", str(bench), "--reward", "gsm8k", *flags]) == 2
+        err = capsys.readouterr().err
+        assert f"{name} must be" in err and "SamplingParams" not in err, err
+
+
 def test_convert_accepts_a_run_dir_and_names_the_overwrite_flag(tmp_path):
     """Item 8: `--ckpt RUN_DIR` resolves to its newest checkpoint; an existing --out (to-hf) or OUT/step_N
     (to-megatron) names `--overwrite`."""

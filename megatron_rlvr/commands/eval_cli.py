@@ -105,6 +105,15 @@ def eval_main(ns) -> int:
                 raise ValueError(f"--files: not found: {f}")
         if ns.k < 1:
             raise ValueError(f"--k must be >= 1, got {ns.k}")
+        for flag, value in (("--max-tokens", ns.max_tokens), ("--max-prompt-len", ns.max_prompt_len)):
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        if getattr(ns, "batch_rows", 1) < 1:
+            raise ValueError(f"--batch-rows must be >= 1, got {ns.batch_rows}")
+        if not ns.temperature >= 0:
+            raise ValueError(f"--temperature must be >= 0 (0: greedy), got {ns.temperature}")
+        if not 0 < ns.top_p <= 1:
+            raise ValueError(f"--top-p must be in (0, 1], got {ns.top_p}")
         tok_dir = check_tokenizer(model_dir, getattr(ns, "tokenizer", None))
         settings, notes = resolve_settings(ns)
         data_kwargs = {"template": settings["template"]}

@@ -163,6 +163,8 @@ class RolloutConfig:
             raise ValueError(f"rollout.top_k must be an int >= 0, got {self.top_k!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"rollout.stop must be a list of non-empty strings, got {self.stop!r}")
         if self.old_logprobs not in OLD_LOGPROBS:
             raise ValueError(f"rollout.old_logprobs must be one of {OLD_LOGPROBS}, got {self.old_logprobs!r}")
         if self.tis_cap is not None and not self.tis_cap >= 1:
@@ -389,6 +391,8 @@ class EvalConfig:
         _positive_int("eval.k", self.k)
         if not self.temperature >= 0:
             raise ValueError(f"eval.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"eval.top_p must be in (0, 1], got {self.top_p}")
         if self.max_response_len is not None:
             _positive_int("eval.max_response_len", self.max_response_len)
         if self.max_problems is not None:
