@@ -787,6 +787,25 @@ def test_sampling_errors_name_the_config_key_or_flag_not_the_internal_field(tmp_
         assert f"{name} must be" in err and "SamplingParams" not in err, err
 
 
+def test_plot_names_a_binary_metrics_file_or_config(tmp_path):
+    """`plot` on a run whose metrics.jsonl or config.yaml is binary said only "'utf-8' codec can't decode byte"; it
+    now names the file. A garbled line among good ones is skipped like a line cut by a crash."""
+    from megatron_rlvr.rundir.metrics_log import read_metrics
+    from megatron_rlvr.rundir.plot import read_run
+
+    garbage = bytes(range(128, 256)) * 8
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "metrics.jsonl").write_bytes(garbage)
+    with pytest.raises(ValueError, match=r"a/metrics\.jsonl: no step records"):
+        read_run(str(tmp_path / "a"))
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "metrics.jsonl").write_bytes(b'{"step": 1, "x": 1.0}\n' + garbage + b'\n{"step": 2, "x": 2.0}\n')
+    assert [r["step"] for r in read_metrics(str(tmp_path / "b" / "metrics.jsonl"))] == [1, 2]
+    (tmp_path / "b" / "config.yaml").write_bytes(garbage)
+    with pytest.raises(ValueError, match=r"b/config\.yaml: not a readable config"):
+        read_run(str(tmp_path / "b"))
+
+
 def test_convert_accepts_a_run_dir_and_names_the_overwrite_flag(tmp_path):
     """Item 8: `--ckpt RUN_DIR` resolves to its newest checkpoint; an existing --out (to-hf) or OUT/step_N
     (to-megatron) names `--overwrite`."""

@@ -49,13 +49,19 @@ def read_run(run_dir: str) -> tuple[str, list[dict]]:
     if not os.path.isfile(path):
         raise ValueError(f"{run_dir}: no metrics.jsonl (is it a megatron-rlvr run directory?)")
     records = read_metrics(path)
+    if not records and os.path.getsize(path) > 0:
+        raise ValueError(f"{path}: no step records (not a metrics.jsonl written by megatron-rlvr: binary or garbled?)")
     label = os.path.basename(os.path.normpath(run_dir))
     cfg_path = os.path.join(run_dir, "config.yaml")
     if os.path.isfile(cfg_path):
         import yaml
 
-        with open(cfg_path) as f:
-            algo = ((yaml.safe_load(f) or {}).get("algorithm") or {}).get("name")
+        try:
+            with open(cfg_path) as f:
+                cfg = yaml.safe_load(f)
+        except (UnicodeDecodeError, yaml.YAMLError) as e:
+            raise ValueError(f"{cfg_path}: not a readable config ({type(e).__name__}: {str(e)[:200]})") from None
+        algo = ((cfg if isinstance(cfg, dict) else {}).get("algorithm") or {}).get("name")
         if algo:
             label = f"{label} ({algo})"
     return label, records
