@@ -564,7 +564,8 @@ def test_unexpected_errors_keep_their_traceback_in_a_file_and_debug_shows_it(mon
 
 
 def test_launcher_names_the_dead_rank_and_its_signal(monkeypatch, capsys):
-    """Item 10: a rank killed by SIGKILL is named with its pid and signal; the survivor is stopped (fail fast)."""
+    """Item 10: a rank killed by SIGKILL is named with its pid and signal; the survivor is stopped (fail fast); the
+    line points up to the rank's own error, printed before it."""
     from megatron_rlvr.rundir import local_ranks as launch
 
     monkeypatch.setattr(launch, "FAIL_FAST_GRACE_S", 0.5)
@@ -574,6 +575,8 @@ def test_launcher_names_the_dead_rank_and_its_signal(monkeypatch, capsys):
     assert code == 128 + signal.SIGKILL and survivor.poll() is not None
     err = capsys.readouterr().err
     assert f"rank 1 (pid {dead.pid}) was killed by SIGKILL" in err
+    # the failing rank printed its error before this line (fail-fast said "the other ranks' errors below")
+    assert "below" not in err and "printed above" in err
 
 
 _HUP_RANK = """
