@@ -809,6 +809,41 @@ def test_plot_names_a_binary_metrics_file_or_config(tmp_path):
         read_run(str(tmp_path / "b"))
 
 
+def test_a_vllm_kv_cache_error_names_the_runs_keys(monkeypatch):
+    """vLLM's start-up error for a too-small KV cache says "Try increasing `gpu_memory_utilization` ... decreasing
+    `max_model_len`", flags of vLLM's own API; it now names rollout.kv_cache_gb and the run's lengths."""
+    from megatron_rlvr.config import load_run_config
+    from megatron_rlvr.rollout import vllm_engine
+    from megatron_rlvr.trainer import engine_setup
+
+    said = (
+        "To serve at least one request with the model's max seq len (4096), (0.05 GiB KV cache is needed, which is "
+        "larger than the available KV cache memory (0.01 GiB). Try increasing `gpu_memory_utilization` (which also "
+        "controls CPU memory on the CPU backend) or decreasing `max_model_len` when initializing the engine."
+    )
+
+    class TooSmall:
+        def __init__(self, *a, **k):
+            raise ValueError(said)
+
+    monkeypatch.setattr(vllm_engine, "VLLMRolloutEngine", TooSmall)
+    cfg = load_run_config(None, ["rollout.kv_cache_gb=0.01"])
+    source = SimpleNamespace(hf_config={}, tokenizer_dir=None, weights_dir=None)
+    with pytest.raises(ValueError) as e:
+        engine_setup.ENGINE_BUILDERS["vllm"](cfg, source, None, None)
+    msg = str(e.value)
+    assert "rollout.kv_cache_gb (now 0.01)" in msg and "max_response_len = 10 tokens" in msg  # the tiny preset
+    assert "0.05 GiB KV cache is needed" in msg and "Try increasing" not in msg
+
+    class Other:
+        def __init__(self, *a, **k):
+            raise ValueError("hf_config needs 'architectures'")
+
+    monkeypatch.setattr(vllm_engine, "VLLMRolloutEngine", Other)
+    with pytest.raises(ValueError, match=r"^hf_config needs 'architectures'$"):  # other errors pass unchanged
+        engine_setup.ENGINE_BUILDERS["vllm"](cfg, source, None, None)
+
+
 def test_convert_accepts_a_run_dir_and_names_the_overwrite_flag(tmp_path):
     """Item 8: `--ckpt RUN_DIR` resolves to its newest checkpoint; an existing --out (to-hf) or OUT/step_N
     (to-megatron) names `--overwrite`."""
