@@ -844,6 +844,20 @@ def test_a_vllm_kv_cache_error_names_the_runs_keys(monkeypatch):
         engine_setup.ENGINE_BUILDERS["vllm"](cfg, source, None, None)
 
 
+def test_an_empty_config_says_the_default_model_is_the_tiny_toy(tmp_path):
+    """An empty YAML gets model.name=tiny (64 positions) and rollout lengths 1024 + 1024: the error said only that
+    2048 exceeds 64; it now says where the mismatch comes from and what to do."""
+    from megatron_rlvr.config import ConfigError, load_run_config
+
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    with pytest.raises(ConfigError) as e:
+        load_run_config(str(empty), [])
+    msg = str(e.value)
+    assert "1024 + 1024 = 2048 exceeds the model's max_position_embeddings=64" in msg
+    assert "model.name=tiny (the default model)" in msg and "configs/tiny.yaml" in msg and "model.hf_path" in msg
+
+
 def test_convert_accepts_a_run_dir_and_names_the_overwrite_flag(tmp_path):
     """Item 8: `--ckpt RUN_DIR` resolves to its newest checkpoint; an existing --out (to-hf) or OUT/step_N
     (to-megatron) names `--overwrite`."""
