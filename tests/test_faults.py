@@ -858,6 +858,17 @@ def test_an_empty_config_says_the_default_model_is_the_tiny_toy(tmp_path):
     assert "model.name=tiny (the default model)" in msg and "configs/tiny.yaml" in msg and "model.hf_path" in msg
 
 
+def test_a_missing_relative_path_says_it_was_looked_for_from_the_working_directory():
+    """Relative paths in a config resolve from the working directory, not the config file's folder (docs/training.md);
+    the not-found error said neither."""
+    from megatron_rlvr.config import ConfigError, load_run_config
+
+    with pytest.raises(ConfigError, match=r"not found: rel/x\.jsonl \(relative paths are resolved from the working"):
+        load_run_config(None, ["data.train_files=[rel/x.jsonl]"])
+    with pytest.raises(ConfigError, match=r"model\.hf_path: not found: rel/m \(relative paths are resolved"):
+        load_run_config(None, ["model.hf_path=rel/m"])
+
+
 def test_convert_accepts_a_run_dir_and_names_the_overwrite_flag(tmp_path):
     """Item 8: `--ckpt RUN_DIR` resolves to its newest checkpoint; an existing --out (to-hf) or OUT/step_N
     (to-megatron) names `--overwrite`."""

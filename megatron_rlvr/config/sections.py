@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_rlvr.data.data_config import cwd_note
+
 DTYPES = ("float32", "bfloat16")
 ENGINES = ("auto", "hf", "vllm")
 OLD_LOGPROBS = ("recompute", "rollout")
@@ -70,11 +72,11 @@ class ModelConfig:
         for key in ("hf_path", "hf_config", "tokenizer"):
             path = getattr(self, key)
             if path and not os.path.exists(path):
-                raise ValueError(f"model.{key}: not found: {path}")
+                raise ValueError(f"model.{key}: not found: {path}{cwd_note(path)}")
         if self.hf_path and not os.path.isfile(os.path.join(self.hf_path, "config.json")):
             raise ValueError(f"model.hf_path: {self.hf_path} has no config.json (expected an HF model folder)")
         if self.gguf and self.gguf != "smollm2" and not os.path.isfile(self.gguf):
-            raise ValueError(f"model.gguf: file not found: {self.gguf} (or use 'smollm2')")
+            raise ValueError(f"model.gguf: file not found: {self.gguf}{cwd_note(self.gguf)} (or use 'smollm2')")
 
     @property
     def is_tiny(self) -> bool:
@@ -401,7 +403,7 @@ class EvalConfig:
     def check_files(self) -> None:
         for i, p in enumerate(self.files):
             if not os.path.isfile(p):
-                raise ValueError(f"eval.files[{i}]: file not found: {p}")
+                raise ValueError(f"eval.files[{i}]: file not found: {p}{cwd_note(p)}")
 
 
 @dataclass
