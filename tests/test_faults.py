@@ -438,6 +438,26 @@ def raising_reward(response: str, ground_truth: str, **metadata) -> float:
     return 1.0
 
 
+def noisy_reward(response: str, ground_truth: str, **metadata) -> float:
+    print("x" * (1 << 20))  # 1 MiB of debugging output per item
+    os.write(2, b"y" * (1 << 20))  # and as C code would write it
+    return 1.0
+
+
+def test_reward_function_output_is_capped_per_worker(capfd):
+    """A reward function printing per item wrote 512 MB of log in two steps; each worker now forwards at most
+    OUTPUT_CAP_BYTES of stdout and of stderr (prints and raw writes alike), then one note, and keeps scoring."""
+    from megatron_rlvr.rewards import RewardConfig, RewardManager
+
+    cap = 1 << 20  # OUTPUT_CAP_BYTES
+    with RewardManager(RewardConfig(fn=f"{__name__}:noisy_reward", num_workers=1)) as rm:
+        rewards, _ = rm.score(["a"] * 4, ["1"] * 4)
+    assert rewards == [1.0] * 4
+    out, err = capfd.readouterr()
+    assert out.count("x") == cap and err.count("y") == cap  # not 4 MiB each
+    assert "stdout capped at 1 MiB" in out and "stderr capped at 1 MiB" in err
+
+
 def test_first_failure_of_each_kind_is_reported_once_with_traceback_and_prompt_id():
     """Item 5: the first exception (and the first NaN) is shown with the prompt id and the traceback; later ones of
     the same kind are only counted."""

@@ -126,6 +126,58 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(1.0)
 
 
+OUTPUT_CAP_BYTES = 1 << 20
+"""What one reward worker may write to each of stdout and stderr over its life; the rest is dropped (with one note):
+a reward function printing per item wrote 512 MB of log in two steps."""
+
+
+def _forward_capped(read_fd: int, out_fd: int, cap: int, name: str) -> None:
+    sent = 0
+    while True:
+        try:
+            chunk = os.read(read_fd, 1 << 16)
+        except OSError:
+            return
+        if not chunk:
+            return
+        if sent < cap:
+            part = chunk[: cap - sent]
+            sent += len(part)
+            os.write(out_fd, part)
+            if sent >= cap:
+                note = (
+                    f"\nmegatron-rlvr: reward worker {os.getpid()}: {name} capped at {cap >> 20} MiB; the reward "
+                    "function's further output is dropped\n"
+                )
+                os.write(out_fd, note.encode())
+        # past the cap: keep reading (and dropping), so that the reward function never blocks on a full pipe
+
+
+def _cap_output(cap: int) -> list[threading.Thread]:
+    """Route this process's stdout and stderr (file descriptors 1 and 2: prints, C code, child processes) through
+    pipes that forward at most ``cap`` bytes each."""
+    threads = []
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        out = os.dup(fd)
+        r, w = os.pipe()
+        os.dup2(w, fd)
+        os.close(w)
+        t = threading.Thread(target=_forward_capped, args=(r, out, cap, name), daemon=True)
+        t.start()
+        threads.append(t)
+    return threads
+
+
+def _end_output(threads: list[threading.Thread]) -> None:
+    """Flush, close the pipes' write ends and let the forwarders finish (the tail of the output is not lost)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for fd in (1, 2):
+        os.close(fd)
+    for t in threads:
+        t.join(timeout=2.0)
+
+
 def _worker_main(conn: Connection, fn: str, extraction: str, timeout_s: float, parent_pid: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Slurm signals every process of a job step (USR1 before the time limit, TERM on scancel): the trainer decides
@@ -144,6 +196,10 @@ def _worker_main(conn: Connection, fn: str, extraction: str, timeout_s: float, p
     except BaseException as e:
         conn.send(("init_error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         return
+    # capped from here on: start-up output (an import error, a crash while loading) stays whole
+    sys.stdout.flush()
+    sys.stderr.flush()
+    forwarders = _cap_output(OUTPUT_CAP_BYTES)
     conn.send(("ready", os.getpid()))
     while True:
         try:
@@ -152,8 +208,7 @@ def _worker_main(conn: Connection, fn: str, extraction: str, timeout_s: float, p
             return
         if msg is None:
             # Skip interpreter teardown (seconds with sympy loaded): nothing to clean up but the std streams.
-            sys.stdout.flush()
-            sys.stderr.flush()
+            _end_output(forwarders)
             _REAL_EXIT(0)
         idx, response, ground_truth, meta = msg
         result = _score_one(scorer, timeout_s, response, ground_truth, meta)
