@@ -43,6 +43,73 @@ def test_ratio_quantiles_on_policy_and_empty():
     assert e["ratio/q50"] == 1.0 and e["ratio/out_of_band_frac"] == 0.0
 
 
+def test_probe_resamples_exactly_the_mastered_groups_and_the_control_uses_the_pre_update_policy():
+    """The probe re-samples this step's mastered groups (at most forgetting_prompts, batch order), not others; the
+    control samples the same prompts with the same seeds before the update; forget/drop is their difference. An
+    engine whose answers depend on the prompt and on whether it was updated makes a wrong selection visible."""
+    from types import SimpleNamespace
+
+    from megatron_rlvr.config import load_run_config
+    from megatron_rlvr.data import Example
+    from megatron_rlvr.rollout.engine import Completion, RolloutOutput
+    from megatron_rlvr.rollout.groups import Group, engine_info
+    from megatron_rlvr.trainer.batch import RolloutBatch, group_rewards
+    from megatron_rlvr.trainer.diagnostics import forgetting_control, forgetting_probe
+
+    cfg = load_run_config(
+        None, ["rollout.n=4", "diagnostics.forgetting_every=1", "diagnostics.forgetting_prompts=2",
+               "diagnostics.forgetting_rollouts=3"],
+    )  # fmt: skip
+    # groups 0, 2, 3 mastered (4/4 correct), group 1 not: probed are 0 and 2 (the first two), prompt ids 10 and 12
+    step_rewards = [[1.0] * 4, [1.0, 0.0, 1.0, 1.0], [1.0] * 4, [1.0] * 4]
+    groups = [
+        Group(Example(prompt=str(i), answer="right", source="t", id=f"p{i}"), [10 + i], [[1]] * 4, [[0.0]] * 4,
+              ["stop"] * 4, ["right"] * 4, r)
+        for i, r in enumerate(step_rewards)
+    ]  # fmt: skip
+    rolled = RolloutBatch(groups, list(range(4)), group_rewards(groups, cfg.algorithm), policy_version=0)
+
+    class Engine:
+        """Correct answers per prompt id: before the update 3/3 (prompt 10) and 2/3 (12), after it 1/3 and 2/3."""
+
+        def __init__(self):
+            self.calls, self.right = [], {10: 3, 12: 2}
+
+        def generate(self, prompts, params, prompt_keys=None):
+            self.calls.append(([list(p) for p in prompts], params.n, params.seed))
+            texts = lambda p: ["right"] * self.right.get(p[0], 0) + ["wrong"] * (params.n - self.right.get(p[0], 0))
+            return [RolloutOutput(p, [Completion([1], [0.0], "stop", text=x) for x in texts(p)]) for p in prompts]
+
+    class Rewards:
+        report_now = True
+
+        def score(self, texts, gts, *rest):
+            rewards = [float(x == g) for x, g in zip(texts, gts)]
+            return rewards, {"reward/n_items": float(len(rewards))}
+
+        def take_pending(self):
+            return []
+
+        def report_gathered(self, items):
+            pass
+
+    engine = Engine()
+    t = SimpleNamespace(
+        cfg=cfg, algo=cfg.algorithm, engine=engine, reward_manager=Rewards(), tokenizer=None,
+        engine_info=engine_info(0, 1, 1),
+    )  # fmt: skip
+    control = forgetting_control(t, rolled, 1, gather=lambda obj: [obj])
+    engine.right = {10: 1, 12: 2}  # the update and the weight sync
+    m = forgetting_probe(t, rolled, 1, control, gather=lambda obj: [obj])
+    assert [c[0] for c in engine.calls] == [[[10], [12]], [[10], [12]]]  # exactly the mastered groups, both times
+    assert engine.calls[0][1:] == engine.calls[1][1:] and engine.calls[0][1] == 3  # same n and seed
+    assert m["forget/probe_prompts"] == 2
+    assert m["forget/control_accuracy"] == pytest.approx(5 / 6) and m["forget/probe_accuracy"] == pytest.approx(3 / 6)
+    assert m["forget/drop"] == pytest.approx(2 / 6)
+    assert m["forget/control_still_mastered_frac"] == 0.5 and m["forget/still_mastered_frac"] == 0.0
+    assert forgetting_probe(t, rolled, 1, gather=lambda obj: [obj]).keys().isdisjoint({"forget/drop"})
+
+
 def test_forgetting_metrics_hand_case():
     c = torch.tensor([[True, True, True], [True, False, True]])
     m = forgetting_metrics(c)
@@ -100,5 +167,7 @@ def test_probe_and_ratio_stats_are_logged_by_a_training_run(tmp_path):
     probed = [r for r in recs if r["forget/probe_prompts"] > 0]
     assert probed, "no prompt had a correct rollout in 10 steps"
     assert all(0.0 <= r["forget/probe_accuracy"] <= 1.0 and r["forget/probe_prompts"] <= 4 for r in probed)
+    drop = [r["forget/control_accuracy"] - r["forget/probe_accuracy"] - r["forget/drop"] for r in probed]
+    assert max(map(abs, drop)) < 1e-9
     assert all(r["ratio/q50"] > 0 and r["ratio/q99"] >= r["ratio/q1"] for r in recs if "ratio/q50" in r)
     assert any(r.get("ratio/abs_log_ratio_max", 0.0) > 0 for r in recs)  # the second mini-batch is off-policy

@@ -438,6 +438,26 @@ def raising_reward(response: str, ground_truth: str, **metadata) -> float:
     return 1.0
 
 
+def noisy_reward(response: str, ground_truth: str, **metadata) -> float:
+    print("x" * (1 << 20))  # 1 MiB of debugging output per item
+    os.write(2, b"y" * (1 << 20))  # and as C code would write it
+    return 1.0
+
+
+def test_reward_function_output_is_capped_per_worker(capfd):
+    """A reward function printing per item wrote 512 MB of log in two steps; each worker now forwards at most
+    OUTPUT_CAP_BYTES of stdout and of stderr (prints and raw writes alike), then one note, and keeps scoring."""
+    from megatron_rlvr.rewards import RewardConfig, RewardManager
+
+    cap = 1 << 20  # OUTPUT_CAP_BYTES
+    with RewardManager(RewardConfig(fn=f"{__name__}:noisy_reward", num_workers=1)) as rm:
+        rewards, _ = rm.score(["a"] * 4, ["1"] * 4)
+    assert rewards == [1.0] * 4
+    out, err = capfd.readouterr()
+    assert out.count("x") == cap and err.count("y") == cap  # not 4 MiB each
+    assert "stdout capped at 1 MiB" in out and "stderr capped at 1 MiB" in err
+
+
 def test_first_failure_of_each_kind_is_reported_once_with_traceback_and_prompt_id():
     """Item 5: the first exception (and the first NaN) is shown with the prompt id and the traceback; later ones of
     the same kind are only counted."""
@@ -486,6 +506,40 @@ def test_too_many_failed_rewards_fail_the_step_and_counts_show_on_the_progress_l
     assert "reward fn" not in log.progress_line(2, {"reward/mean": 0.5, "reward/n_error": 0.0})
 
 
+def test_a_hanging_reward_fails_the_step_once_the_limit_is_passed_not_after_every_item():
+    """A hanging function fails the step after the timeouts that pass reward.max_error_frac, not one timeout per item
+    of the step (79 s at timeout_s=1 for the tiny preset); the items not reached are counted as not scored."""
+    from megatron_rlvr.data import Example
+    from megatron_rlvr.rewards import RewardConfig, RewardManager
+    from megatron_rlvr.rewards.manager import RewardFailure
+    from megatron_rlvr.rollout.engine import Completion, RolloutOutput, SamplingParams
+    from megatron_rlvr.rollout.groups import engine_info, generate_groups
+
+    class HangingTexts:
+        def generate(self, prompts, params, prompt_keys=None):
+            return [RolloutOutput(p, [Completion([1], [0.0], "stop", text="hang")] * params.n) for p in prompts]
+
+    examples = [Example(prompt="x", answer="1", source="t", id=f"p{i}") for i in range(4)]
+    cfg = RewardConfig(fn=f"{__name__}:raising_reward", num_workers=1, timeout_s=0.3, kill_grace_s=0.5)
+    with RewardManager(cfg, report=lambda text: None) as rm:
+        assert rm.score(["ok"], ["1"])[0] == [1.0]  # the worker is up (its start-up is not part of the timing)
+        t0 = time.monotonic()
+        with pytest.raises(RewardFailure) as e:
+            generate_groups(
+                HangingTexts(), rm, None, examples, [[1]] * 4, SamplingParams(n=4, max_tokens=2),
+                engine_info(0, 1, 1), seed=0, step=1, round_idx=0, gather=lambda obj: [obj],
+                reward_max_error_frac=0.25, reward_fn=cfg.fn,
+            )  # fmt: skip
+        took = time.monotonic() - t0
+        assert rm.score(["ok"], ["1"])[0] == [1.0]  # the pool is usable afterwards
+    # 5 timeouts pass 0.25 of 16 items (1.5 s); every item would be 4.8 s
+    assert took < 3.0, took
+    assert "5 of 16 rewards" in str(e.value) and "timeouts 5" in str(e.value) and "11 not scored" in str(e.value)
+    with RewardManager(RewardConfig(fn=cfg.fn, num_workers=0), report=lambda text: None) as rm:  # in-process too
+        _, stats = rm.score(["raise"] * 3 + ["ok"] * 5, ["1"] * 8, max_error_frac=0.25)
+    assert stats["reward/n_error"] == 3 and stats["reward/n_unscored"] == 5
+
+
 # ----------------------------------------------------------------------------------------------- errors, launcher
 
 
@@ -530,7 +584,8 @@ def test_unexpected_errors_keep_their_traceback_in_a_file_and_debug_shows_it(mon
 
 
 def test_launcher_names_the_dead_rank_and_its_signal(monkeypatch, capsys):
-    """Item 10: a rank killed by SIGKILL is named with its pid and signal; the survivor is stopped (fail fast)."""
+    """Item 10: a rank killed by SIGKILL is named with its pid and signal; the survivor is stopped (fail fast); the
+    line points up to the rank's own error, printed before it."""
     from megatron_rlvr.rundir import local_ranks as launch
 
     monkeypatch.setattr(launch, "FAIL_FAST_GRACE_S", 0.5)
@@ -540,6 +595,8 @@ def test_launcher_names_the_dead_rank_and_its_signal(monkeypatch, capsys):
     assert code == 128 + signal.SIGKILL and survivor.poll() is not None
     err = capsys.readouterr().err
     assert f"rank 1 (pid {dead.pid}) was killed by SIGKILL" in err
+    # the failing rank printed its error before this line (fail-fast said "the other ranks' errors below")
+    assert "below" not in err and "printed above" in err
 
 
 _HUP_RANK = """
@@ -699,6 +756,139 @@ def test_eval_refuses_a_folder_without_tokenizer_and_uses_the_runs_settings(tmp_
     assert resolve_settings(ns)[0]["extraction"] == "boxed" and resolve_settings(ns)[0]["reward"] == "gsm8k"
 
 
+def test_eval_checks_its_benchmarks_and_out_before_loading_the_model(tmp_path, monkeypatch, capsys):
+    """A benchmark without usable rows or an unwritable --out failed only after the model was loaded and every
+    other benchmark generated; both are now refused first (exit 2, one line)."""
+    import transformers
+
+    from megatron_rlvr.commands.cli import main
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded before the inputs were checked")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_model)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "tokenizer.json").write_text("{}")
+    good, bad = tmp_path / "good.jsonl", tmp_path / "bad.jsonl"
+    good.write_text('{"problem": "1=", "answer": "1"}\n')
+    bad.write_text('{"question_text": "1="}\n')
+    assert main(["eval", str(hf), "--files", str(good), str(bad), "--reward", "gsm8k"]) == 2
+    assert "bad.jsonl" in capsys.readouterr().err
+    out = tmp_path / "no_such_dir" / "eval.json"
+    assert main(["eval", str(hf), "--files", str(good), "--reward", "gsm8k", "--out", str(out)]) == 2
+    assert "no_such_dir does not exist" in capsys.readouterr().err
+
+
+def test_sampling_errors_name_the_config_key_or_flag_not_the_internal_field(tmp_path, monkeypatch, capsys):
+    """`rollout.stop: [""]`, `eval.top_p: 0` and `eval --max-tokens 0` passed the checks and failed later (in the
+    ranks, at the first evaluation, after the model was loaded) as "SamplingParams.stop / top_p / max_tokens"."""
+    import transformers
+
+    from megatron_rlvr.commands.cli import main
+    from megatron_rlvr.config import load_run_config
+
+    with pytest.raises(ValueError, match=r"rollout\.stop must be a list of non-empty strings"):
+        load_run_config(None, ["rollout.stop=['']"])
+    with pytest.raises(ValueError, match=r"eval\.top_p must be in \(0, 1\]"):
+        load_run_config(None, ["eval.top_p=0"])
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded before the flags were checked")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_model)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "tokenizer.json").write_text("{}")
+    bench = tmp_path / "b.jsonl"
+    bench.write_text('{"problem": "1=", "answer": "1"}\n')
+    for flags, name in ((["--max-tokens", "0"], "--max-tokens"), (["--top-p", "0"], "--top-p")):
+        assert main(["eval", str(hf), "--files", str(bench), "--reward", "gsm8k", *flags]) == 2
+        err = capsys.readouterr().err
+        assert f"{name} must be" in err and "SamplingParams" not in err, err
+
+
+def test_plot_names_a_binary_metrics_file_or_config(tmp_path):
+    """`plot` on a run whose metrics.jsonl or config.yaml is binary said only "'utf-8' codec can't decode byte"; it
+    now names the file. A garbled line among good ones is skipped like a line cut by a crash."""
+    from megatron_rlvr.rundir.metrics_log import read_metrics
+    from megatron_rlvr.rundir.plot import read_run
+
+    garbage = bytes(range(128, 256)) * 8
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "metrics.jsonl").write_bytes(garbage)
+    with pytest.raises(ValueError, match=r"a/metrics\.jsonl: no step records"):
+        read_run(str(tmp_path / "a"))
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "metrics.jsonl").write_bytes(b'{"step": 1, "x": 1.0}\n' + garbage + b'\n{"step": 2, "x": 2.0}\n')
+    assert [r["step"] for r in read_metrics(str(tmp_path / "b" / "metrics.jsonl"))] == [1, 2]
+    (tmp_path / "b" / "config.yaml").write_bytes(garbage)
+    with pytest.raises(ValueError, match=r"b/config\.yaml: not a readable config"):
+        read_run(str(tmp_path / "b"))
+
+
+def test_a_vllm_kv_cache_error_names_the_runs_keys(monkeypatch):
+    """vLLM's start-up error for a too-small KV cache says "Try increasing `gpu_memory_utilization` ... decreasing
+    `max_model_len`", flags of vLLM's own API; it now names rollout.kv_cache_gb and the run's lengths."""
+    from megatron_rlvr.config import load_run_config
+    from megatron_rlvr.rollout import vllm_engine
+    from megatron_rlvr.trainer import engine_setup
+
+    said = (
+        "To serve at least one request with the model's max seq len (4096), (0.05 GiB KV cache is needed, which is "
+        "larger than the available KV cache memory (0.01 GiB). Try increasing `gpu_memory_utilization` (which also "
+        "controls CPU memory on the CPU backend) or decreasing `max_model_len` when initializing the engine."
+    )
+
+    class TooSmall:
+        def __init__(self, *a, **k):
+            raise ValueError(said)
+
+    monkeypatch.setattr(vllm_engine, "VLLMRolloutEngine", TooSmall)
+    cfg = load_run_config(None, ["rollout.kv_cache_gb=0.01"])
+    source = SimpleNamespace(hf_config={}, tokenizer_dir=None, weights_dir=None)
+    with pytest.raises(ValueError) as e:
+        engine_setup.ENGINE_BUILDERS["vllm"](cfg, source, None, None)
+    msg = str(e.value)
+    assert "rollout.kv_cache_gb (now 0.01)" in msg and "max_response_len = 10 tokens" in msg  # the tiny preset
+    assert "0.05 GiB KV cache is needed" in msg and "Try increasing" not in msg
+
+    class Other:
+        def __init__(self, *a, **k):
+            raise ValueError("hf_config needs 'architectures'")
+
+    monkeypatch.setattr(vllm_engine, "VLLMRolloutEngine", Other)
+    with pytest.raises(ValueError, match=r"^hf_config needs 'architectures'$"):  # other errors pass unchanged
+        engine_setup.ENGINE_BUILDERS["vllm"](cfg, source, None, None)
+
+
+def test_an_empty_config_says_the_default_model_is_the_tiny_toy(tmp_path):
+    """An empty YAML gets model.name=tiny (64 positions) and rollout lengths 1024 + 1024: the error said only that
+    2048 exceeds 64; it now says where the mismatch comes from and what to do."""
+    from megatron_rlvr.config import ConfigError, load_run_config
+
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    with pytest.raises(ConfigError) as e:
+        load_run_config(str(empty), [])
+    msg = str(e.value)
+    assert "1024 + 1024 = 2048 exceeds the model's max_position_embeddings=64" in msg
+    assert "model.name=tiny (the default model)" in msg and "configs/tiny.yaml" in msg and "model.hf_path" in msg
+
+
+def test_a_missing_relative_path_says_it_was_looked_for_from_the_working_directory():
+    """Relative paths in a config resolve from the working directory, not the config file's folder (docs/training.md);
+    the not-found error said neither."""
+    from megatron_rlvr.config import ConfigError, load_run_config
+
+    with pytest.raises(ConfigError, match=r"not found: rel/x\.jsonl \(relative paths are resolved from the working"):
+        load_run_config(None, ["data.train_files=[rel/x.jsonl]"])
+    with pytest.raises(ConfigError, match=r"model\.hf_path: not found: rel/m \(relative paths are resolved"):
+        load_run_config(None, ["model.hf_path=rel/m"])
+
+
 def test_convert_accepts_a_run_dir_and_names_the_overwrite_flag(tmp_path):
     """Item 8: `--ckpt RUN_DIR` resolves to its newest checkpoint; an existing --out (to-hf) or OUT/step_N
     (to-megatron) names `--overwrite`."""
@@ -721,6 +911,40 @@ def test_convert_accepts_a_run_dir_and_names_the_overwrite_flag(tmp_path):
     (hf / "config.json").write_text("{}")
     with pytest.raises(ValueError, match=r"already holds step 8 .*step_000000008.*pass --overwrite"):
         convert_main(["to-megatron", "--hf", str(hf), "--out", run + "/checkpoints", "--step", "8"])
+
+
+def test_exported_weights_are_readable_by_the_group_like_any_new_file(tmp_path):
+    """safetensors writes 0600: an exported hf/ on a shared file system was unreadable for teammates. The shards get
+    the mode the umask gives any new file."""
+    import torch
+
+    from megatron_rlvr.models.export import save_shard
+
+    old = os.umask(0o022)
+    try:
+        save_shard({"w": torch.zeros(2)}, str(tmp_path / "a.safetensors"))
+        os.umask(0o027)
+        save_shard({"w": torch.zeros(2)}, str(tmp_path / "b.safetensors"))
+    finally:
+        os.umask(old)
+    assert os.stat(tmp_path / "a.safetensors").st_mode & 0o777 == 0o644
+    assert os.stat(tmp_path / "b.safetensors").st_mode & 0o777 == 0o640
+
+
+def test_a_reward_module_in_the_working_directory_is_found_by_the_installed_script(tmp_path, monkeypatch):
+    """The installed `megatron-rlvr` script's sys.path starts with its bin/ folder, not the working directory: a
+    reward.fn next to the config was "cannot import module". It is now found (appended: installed packages win), and
+    a module that is nowhere names the working directory and PYTHONPATH."""
+    from megatron_rlvr.rewards.scorers import load_reward_fn
+
+    (tmp_path / "cwd_reward_mod.py").write_text("def fn(response, ground_truth, **metadata):\n    return 1.0\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    assert load_reward_fn("cwd_reward_mod:fn")("a", "b") == 1.0
+    assert sys.path[-1] == str(tmp_path)
+    with pytest.raises(ValueError, match=r"working directory \(.*\) and on PYTHONPATH"):
+        load_reward_fn("no_such_reward_mod:fn")
+    sys.modules.pop("cwd_reward_mod", None)
 
 
 def test_non_utf8_row_names_file_and_line_and_can_be_skipped(tmp_path):
@@ -770,7 +994,9 @@ def _trainer_faults(root, overrides):
             teardown(t)
 
     # item 14a: the reference model is not the policy: after one update their KL is clearly non-zero
-    out["ref_kl"] = [m.get("loss/ref_kl") for m in steps("grpo", ["algorithm.preset=grpo"], 2)]
+    # (a reward with variance: with all-zero rewards only Adam's amplification of rounding moved the policy)
+    grpo = ["algorithm.preset=grpo", "reward.fn=trainer_helpers:even_digit_reward"]
+    out["ref_kl"] = [m.get("loss/ref_kl") for m in steps("grpo", grpo, 2)]
     # item 14b: MCPO with two mini-batches on a batch with mastered prompts: the hinge sees them and is active in
     # the second mini-batch (the policy moved in the first)
     mcpo = ["algorithm.preset=mcpo", "train.mini_batch_prompts=2", "reward.fn=trainer_helpers:mastery_mix_reward"]
@@ -801,6 +1027,7 @@ def _trainer_faults(root, overrides):
     to_hf_on_rank(run, hf)
     torch.distributed.barrier()
     out["hf_files"] = sorted(os.listdir(hf))
+    out["hf_mode"] = os.stat(os.path.join(hf, "model.safetensors")).st_mode & 0o777
     if torch.distributed.get_rank() == 0:
         step2 = os.path.join(run, "checkpoints", "step_000000002")
         shard = max((os.path.join(step2, n) for n in os.listdir(step2)), key=os.path.getsize)
@@ -831,13 +1058,16 @@ def test_trainer_level_faults(dist_pool, tmp_path):
         # 6: skipped with the reason, not silently
         assert o["too_long"]["train/skipped_all_too_long"] == 1 and o["too_long"]["data/prompts_too_long"] == 4
         # 5: a broken reward function stops the run with the counts and the option
-        assert o["broken"] is not None and "16 of 16 rewards" in o["broken"] and "max_error_frac" in o["broken"]
+        assert o["broken"] is not None and "of 16 rewards" in o["broken"] and "max_error_frac" in o["broken"]
         # 4
         assert o["train_code"] == 0 and o["resumed_from"] == 1
         assert o["strict"] is not None and "step_000000002" in o["strict"] and "checkpoint.fallback=true" in o["strict"]
         assert o["changed"] is not None and "algorithm.name: 'mcpo' -> 'dapo'" in o["changed"]
         # 8
         assert "tokenizer.json" in o["hf_files"] and "model.safetensors" in o["hf_files"]
+        umask = os.umask(0)
+        os.umask(umask)
+        assert o["hf_mode"] == 0o666 & ~umask, oct(o["hf_mode"])  # not safetensors' 0600
 
 
 def test_fault_docs_list_this_matrix():

@@ -116,6 +116,43 @@ def test_full_recompute_and_kv_cache_by_hand():
     assert plan.kv_tokens == int(plan.components["kv_cache"] // kv_per_token)
 
 
+def test_model_dtype_and_rollout_engine_are_planned():
+    """model.dtype: fp32 holds weights, reference, activations, logits and the engine's weights and KV cache in 4 B
+    (and needs no separate master copy); planned as bf16 a 7B fp32 run was said to fit. rollout.engine: the tiny
+    preset's transformers engines were planned as 40 GiB vLLM engines."""
+    bf16 = estimate_memory(load_plan_config(REPO / "configs" / "mcpo_7b.yaml"))
+    fp32 = estimate_memory(load_plan_config(REPO / "configs" / "mcpo_7b.yaml", ["model.dtype=float32"]))
+    assert bf16.fits and not fp32.fits
+    b, f = bf16.components, fp32.components
+    p = bf16.stage_param_counts[0]
+    assert (b["weights"], f["weights"]) == (2 * p, 4 * p) and f["grads"] == b["grads"] == 4 * p
+    assert f["optimizer"] == pytest.approx(b["optimizer"] * 8 / 12)  # Adam m, v only: the fp32 weights are the master
+    for k in ("act_none", "act_full", "logits", "engine_weights"):
+        assert f[k] == pytest.approx(2 * b[k], rel=1e-6), k
+    m = bf16.config.model
+    kv_per_token = 2 * m.layers * m.kv_heads * m.head_dim  # elements, at rollout TP 1
+    assert (bf16.kv_tokens, fp32.kv_tokens) == (
+        b["kv_cache"] // (2 * kv_per_token),
+        f["kv_cache"] // (4 * kv_per_token),
+    )
+    # a model given by name is planned as bf16 unless model.dtype says otherwise
+    assert load_plan_config("qwen2.5-7b").dtype == "bfloat16"
+    assert load_plan_config("qwen2.5-7b", ["model.dtype=float32"]).dtype == "float32"
+
+    tiny = load_plan_config(REPO / "configs" / "tiny.yaml", ["cluster.nodes=1"])
+    assert (tiny.engine, tiny.dtype) == ("hf", "float32")
+    plan = estimate_memory(tiny)
+    m, c = tiny.model, plan.components
+    kv = tiny.rollout.max_batch_rows * tiny.max_model_len * 2 * m.layers * m.kv_heads * m.head_dim * 4
+    assert c["engine_weights"] == 4 * m.param_count() and c["kv_cache"] == kv
+    assert c["engine"] == c["engine_weights"] + kv and c["engine_in_training"] == c["engine_weights"]
+    assert plan.fits and plan.peak < 2.1 * GIB  # the framework's 2 GiB; no vLLM share
+    # rollout.kv_cache_gb sizes a vLLM engine instead of gpu_memory_utilization
+    sized = estimate_memory(load_plan_config(REPO / "configs" / "mcpo_7b.yaml", ["rollout.kv_cache_gb=10"]))
+    assert sized.components["kv_cache"] == 10 * GIB
+    assert sized.components["engine"] == b["engine_weights"] + b["engine_overhead"] + 10 * GIB
+
+
 def test_builtin_specs_match_their_hf_configs(tmp_path):
     qwen3 = {
         "model_type": "qwen3",

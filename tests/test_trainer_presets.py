@@ -33,6 +33,7 @@ def _train_presets(run_root, runs, overrides):
     from megatron_rlvr.config import load_run_config
     from megatron_rlvr.trainer.colocated import train
 
+    sys.path.insert(0, TESTS_DIR)  # reward.fn=trainer_helpers:...
     codes = {}
     for name, extra in runs.items():
         cfg = load_run_config(None, [*overrides, *extra])
@@ -229,7 +230,9 @@ def test_loop_options(dist_pool, tmp_path):
     bench.write_text("".join(json.dumps({"problem": f"{d}=", "answer": str(d)}) + "\n" for d in range(6)))
     runs = {
         "minibatches_x_epochs": ["algorithm.preset=dapo", "train.mini_batch_prompts=2", "train.ppo_epochs=2"],
-        "exact_ref_kl": ["algorithm.preset=grpo", "algorithm.ref_kl.estimator=exact"],
+        # a reward with variance: the update moves the policy away from the reference (all-zero rewards left it in
+        # place, and an exact KL computed from the policy's own logits passed as well)
+        "exact_ref_kl": ["algorithm.preset=grpo", "algorithm.ref_kl.estimator=exact", VARIED_REWARD],
         "rollout_logprobs_tis": ["rollout.old_logprobs=rollout", "rollout.tis_cap=2.0"],
         "eval": [f"eval.files=[{bench}]", "eval.every=2", "eval.k=2", "reward.extraction=lenient"],
     }
@@ -239,7 +242,8 @@ def test_loop_options(dist_pool, tmp_path):
     assert max(r.get("train/updates", 0) for r in mb) >= 2  # up to 2 mini-batches x 2 epochs per step
     assert any(r.get("loss/ratio_max", 1.0) != 1.0 for r in mb)  # later updates are off-policy
     kl = [r for r in _records(tmp_path / "exact_ref_kl") if "loss/ref_kl" in r]
-    assert kl and kl[-1]["loss/ref_kl"] >= 0  # exact KL(pi || ref) after one update: non-negative
+    # exact KL(pi || ref): 0 before the first update (the reference is the start policy), > 0 after it
+    assert [r["step"] for r in kl] == [1, 2] and abs(kl[0]["loss/ref_kl"]) < 1e-9 and kl[1]["loss/ref_kl"] > 1e-6, kl
     tis = _records(tmp_path / "rollout_logprobs_tis")
     assert all("mismatch/kl_k3" not in r for r in tis)  # no recompute: the engine's log-probs are the old policy
     assert all(r["train/skipped_nonfinite"] == 0 for r in tis)

@@ -185,6 +185,17 @@ def _join_ranks(tp: int):
     return info["rank"], engine_info(info["rank"], info["world_size"], tp)
 
 
+def check_out_path(out: str) -> None:
+    """``--out`` can be written: checked before the model is loaded, not after the whole evaluation."""
+    parent = os.path.dirname(os.path.abspath(out))
+    if os.path.isdir(out):
+        raise ValueError(f"--out {out} is a directory; give a file name (e.g. {os.path.join(out, 'eval.json')})")
+    if not os.path.isdir(parent):
+        raise ValueError(f"--out {out}: the folder {parent} does not exist")
+    if not os.access(out if os.path.exists(out) else parent, os.W_OK):
+        raise ValueError(f"--out {out}: not writable")
+
+
 def eval_main(ns) -> int:
     import time
 
@@ -203,6 +214,15 @@ def eval_main(ns) -> int:
         if ns.k < 1:
             raise ValueError(f"--k must be >= 1, got {ns.k}")
         check_engine_args(ns)
+        for flag, value in (("--max-tokens", ns.max_tokens), ("--max-prompt-len", ns.max_prompt_len)):
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        if getattr(ns, "batch_rows", None) is not None and ns.batch_rows < 1:
+            raise ValueError(f"--batch-rows must be >= 1, got {ns.batch_rows}")
+        if not ns.temperature >= 0:
+            raise ValueError(f"--temperature must be >= 0 (0: greedy), got {ns.temperature}")
+        if not 0 < ns.top_p <= 1:
+            raise ValueError(f"--top-p must be in (0, 1], got {ns.top_p}")
         tok_dir = check_tokenizer(model_dir, getattr(ns, "tokenizer", None))
         settings, notes = resolve_settings(ns)
         data_kwargs = {"template": settings["template"]}
@@ -210,6 +230,10 @@ def eval_main(ns) -> int:
             data_kwargs["prompt_template"] = settings["prompt_template"]
         data_cfg = DataConfig(**data_kwargs)
         reward_cfg = RewardConfig(fn=settings["reward"], extraction=settings["extraction"], num_workers=1)
+        # before the model is loaded and anything generated: the benchmark rows and the --out path
+        benchmarks = [(path, load_dataset([path], "auto", False)) for path in ns.files]
+        if ns.out:
+            check_out_path(ns.out)
     except ValueError as e:
         print(f"megatron-rlvr eval: error: {e}", file=sys.stderr)
         return 2
@@ -251,8 +275,7 @@ def eval_main(ns) -> int:
     leader = info is None or info.leader
     results = []
     with RewardManager(reward_cfg) if leader else _nothing() as rm:
-        for path in ns.files:
-            ds = load_dataset([path], "auto", False)
+        for path, ds in benchmarks:
             examples = list(ds.examples)[: ns.max_problems] if ns.max_problems else list(ds.examples)
             name = bench_name(path)
             started = time.perf_counter()

@@ -237,9 +237,16 @@ def validate_cross_section(cfg: RunConfig, hf: dict) -> None:
         )
     max_pos = hf.get("max_position_embeddings")
     if max_pos and seq > int(max_pos):
+        # an empty or partial config gets model.name=tiny (a 64-position toy) with lengths sized for real models
+        tiny = (
+            "; model.name=tiny (the default model) is the built-in toy of configs/tiny.yaml, whose rollout "
+            "lengths fit it: start from that file, or name your model (model.hf_path / model.gguf / model.hf_config)"
+            if cfg.model.is_tiny
+            else ""
+        )
         raise ConfigError(
-            f"rollout.max_prompt_len + rollout.max_response_len = {seq} exceeds the model's "
-            f"max_position_embeddings={max_pos}"
+            f"rollout.max_prompt_len + rollout.max_response_len = {r.max_prompt_len} + {r.max_response_len} = {seq} "
+            f"exceeds the model's max_position_embeddings={max_pos}; lower them{tiny}"
         )
     if t.ref_model is False and cfg.needs_ref_model:
         raise ConfigError(

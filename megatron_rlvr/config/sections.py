@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_rlvr.data.data_config import cwd_note
+
 DTYPES = ("float32", "bfloat16")
 ENGINES = ("auto", "hf", "vllm")
 OLD_LOGPROBS = ("recompute", "rollout")
@@ -70,11 +72,11 @@ class ModelConfig:
         for key in ("hf_path", "hf_config", "tokenizer"):
             path = getattr(self, key)
             if path and not os.path.exists(path):
-                raise ValueError(f"model.{key}: not found: {path}")
+                raise ValueError(f"model.{key}: not found: {path}{cwd_note(path)}")
         if self.hf_path and not os.path.isfile(os.path.join(self.hf_path, "config.json")):
             raise ValueError(f"model.hf_path: {self.hf_path} has no config.json (expected an HF model folder)")
         if self.gguf and self.gguf != "smollm2" and not os.path.isfile(self.gguf):
-            raise ValueError(f"model.gguf: file not found: {self.gguf} (or use 'smollm2')")
+            raise ValueError(f"model.gguf: file not found: {self.gguf}{cwd_note(self.gguf)} (or use 'smollm2')")
 
     @property
     def is_tiny(self) -> bool:
@@ -195,6 +197,8 @@ class RolloutConfig:
             raise ValueError(f"rollout.top_k must be an int >= 0, got {self.top_k!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"rollout.stop must be a list of non-empty strings, got {self.stop!r}")
         if self.old_logprobs not in OLD_LOGPROBS:
             raise ValueError(f"rollout.old_logprobs must be one of {OLD_LOGPROBS}, got {self.old_logprobs!r}")
         if self.tis_cap is not None and not self.tis_cap >= 1:
@@ -479,6 +483,8 @@ class EvalConfig:
         _positive_int("eval.k", self.k)
         if not self.temperature >= 0:
             raise ValueError(f"eval.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"eval.top_p must be in (0, 1], got {self.top_p}")
         if self.max_response_len is not None:
             _positive_int("eval.max_response_len", self.max_response_len)
         if self.max_problems is not None:
@@ -487,7 +493,7 @@ class EvalConfig:
     def check_files(self) -> None:
         for i, p in enumerate(self.files):
             if not os.path.isfile(p):
-                raise ValueError(f"eval.files[{i}]: file not found: {p}")
+                raise ValueError(f"eval.files[{i}]: file not found: {p}{cwd_note(p)}")
 
 
 @dataclass

@@ -77,7 +77,15 @@ class DataConfig:
         for name in ("train_files", "eval_files"):
             for i, path in enumerate(getattr(self, name)):
                 if not os.path.isfile(path):
-                    raise ValueError(f"data.{name}[{i}]: file not found: {path}")
+                    raise ValueError(f"data.{name}[{i}]: file not found: {path}{cwd_note(path)}")
+
+
+def cwd_note(path: str) -> str:
+    """For a path that was not found: where a relative one was looked for (the working directory, not the config
+    file's folder)."""
+    if os.path.isabs(os.path.expanduser(path)):
+        return ""
+    return f" (relative paths are resolved from the working directory {os.getcwd()}, not from the config file)"
 
 
 def build_train_dataset(cfg: DataConfig) -> PromptDataset:

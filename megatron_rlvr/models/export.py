@@ -129,7 +129,6 @@ def export_hf(
     ``dtype``: tensor dtype in the files (default: the source config's dtype, else the parameter dtype).
     """
     from megatron.core.process_groups_config import ProcessGroupCollection
-    from safetensors.torch import save_file
 
     if pg_collection is None:
         pg_collection = ProcessGroupCollection.use_mpu_process_groups()
@@ -167,7 +166,7 @@ def export_hf(
         if not pending:
             return
         path = os.path.join(out_dir, f".tmp-pp{pp_rank:03d}-{len(files):05d}.safetensors")
-        save_file(pending, path, metadata={"format": "pt"})
+        save_shard(pending, path)
         files.append((path, list(pending), pending_bytes))
         pending, pending_bytes = {}, 0
 
@@ -197,6 +196,17 @@ def export_hf(
     if err:
         raise RuntimeError(f"HF export to {out_dir} failed on rank 0: {err}")
     return out_dir
+
+
+def save_shard(tensors: dict[str, torch.Tensor], path: str) -> None:
+    """safetensors' ``save_file``, leaving the file with the mode any new file gets (0644 under umask 022): it writes
+    0600, so teammates on a shared file system could not read an exported model."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, path, metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def _finalise(files, out_dir, args: MegatronModelArgs, dtype, source_dir) -> None:

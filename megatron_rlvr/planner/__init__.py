@@ -10,12 +10,14 @@ CONFIG is one of
   * a run-config YAML: the same file ``megatron-rlvr train`` runs, loaded and validated by the same code
     (megatron_rlvr.config), so a file one accepts the other accepts. Files it names (weights, data) need not exist
     where ``plan`` runs: they are warnings here. The model's shapes come from its HF config.json when readable,
-    else from the built-in spec named by ``model.name``. The planner reads ``parallel``, ``rollout`` (lengths,
-    gpu_memory_utilization, sleep_level), ``train`` (micro_batch_tokens, recompute, logits_chunk, ref_model) and
+    else from the built-in spec named by ``model.name``. The planner reads ``model.dtype``, ``parallel``,
+    ``rollout`` (engine, lengths, gpu_memory_utilization, kv_cache_gb, max_batch_rows, sleep_level), ``train``
+    (micro_batch_tokens, recompute, logits_chunk, ref_model) and
     ``cluster`` (the allocation and the memory assumptions: vllm_overhead_gb, vllm_sleep_residual_gb,
     train_overhead_gb, offload_during_rollout);
   * a built-in model name (``qwen2.5-14b``, ``Qwen/Qwen2.5-14B-Instruct``, ... see ``families.table.BUILTIN_SPECS``)
-    or an HF ``config.json`` (or a folder holding one): the default run config for that model.
+    or an HF ``config.json`` (or a folder holding one): the default run config for that model, in bf16 unless
+    ``model.dtype=float32`` is given.
 
 ``key=value`` arguments override any key (``parallel.tp=8``). Exit status: 0 the layout fits, 1 it is
 invalid or does not fit (the reasons are printed), 2 bad input (unreadable config, unknown model, bad value).
@@ -23,7 +25,9 @@ invalid or does not fit (the reasons are printed), 2 bad input (unreadable confi
 Memory model (per GPU, bytes; GiB = 2**30). Every term is a formula of the config, stated where it is computed:
   * weights bf16 2 B/param, main grads fp32 4 B/param, fp32 master weights + Adam m, v 12 B/param divided by DP
     when the distributed optimizer is on: "bf16 parameters, fp32 gradients: 6 + 12/d bytes per parameter"
-    (Megatron-Core developer guide, "Distributed Optimizer").
+    (Megatron-Core developer guide, "Distributed Optimizer"). With ``model.dtype=float32`` the weights take 4 B
+    and the optimizer 8 B (m, v; the weights are the master copy), and every bf16 term below (activations,
+    logits, reference model, the engine's weights and KV cache) doubles.
   * activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", Sec. 4,
     re-derived for SwiGLU + GQA + flash attention (no s^2 score term, no dropout masks): see
     ``activation_bytes_per_layer``. 1F1B pipelining keeps ``pp - stage`` micro-batches in flight (Sec. 4.2.3).
@@ -32,7 +36,10 @@ Memory model (per GPU, bytes; GiB = 2**30). Every term is a formula of the confi
   * colocated vLLM: the engine claims ``gpu_memory_utilization`` x GPU while rolling out (weights at rollout TP,
     a fixed overhead for activations / CUDA graphs, the rest is KV cache); during training it sleeps (level 1
     offloads weights to host RAM, level 2 discards them; both discard the KV cache), keeping only
-    ``cluster.vllm_sleep_residual_gb``. Peak = max(training phase, rollout phase).
+    ``cluster.vllm_sleep_residual_gb``; ``rollout.kv_cache_gb`` replaces the utilisation share by weights +
+    overhead + that cache. ``rollout.engine=hf`` (the transformers engine, rollout TP 1) instead keeps the whole
+    model on every GPU in both phases, plus a KV cache of ``max_batch_rows`` full-length rows while generating;
+    ``auto`` is planned as vLLM. Peak = max(training phase, rollout phase).
 """
 
 from megatron_rlvr.config.sections import ClusterConfig, ParallelConfig, RolloutConfig, TrainConfig

@@ -50,12 +50,14 @@ def plan_config_from_run(run: RunConfig, spec: ModelSpec | None = None) -> PlanC
         train=run.train,
         cluster=run.cluster,
         ref_model=run.keeps_ref_model,
+        dtype=run.model.dtype,
     )
 
 
 def load_plan_config(source: str | Path, overrides: Sequence[str] = (), warn=None) -> PlanConfig:
     """PlanConfig from a run-config YAML (validated exactly as ``train`` validates it, except that missing files are
-    warnings), or from a built-in model name / HF config.json (file or folder) with the default run sections."""
+    warnings), or from a built-in model name / HF config.json (file or folder) with the default run sections, except
+    that the model is planned in bfloat16 (what a GPU run of such a model sets) unless ``model.dtype`` is given."""
     warn = warn or (lambda msg: print(f"warning: {msg}", file=sys.stderr))
     p = Path(source).expanduser()
     if p.suffix in (".yaml", ".yml"):
@@ -66,9 +68,12 @@ def load_plan_config(source: str | Path, overrides: Sequence[str] = (), warn=Non
             warn(f"{e} (not needed for the plan; `train` refuses to start without it)")
         return plan_config_from_run(run)
     raw = apply_overrides({}, list(overrides))
-    if "model" in raw:
-        raise ConfigError("model.* overrides need a run-config YAML; give the model as the CONFIG argument")
-    raw["model"] = {"name": str(source)}
+    model = raw.get("model", {})
+    if not isinstance(model, dict) or set(model) - {"dtype"}:
+        raise ConfigError(
+            "model.* overrides other than model.dtype need a run-config YAML; give the model as the CONFIG argument"
+        )
+    raw["model"] = {"name": str(source), "dtype": model.get("dtype", "bfloat16")}
     run = build_run_config(raw, check_files=False)
     if p.suffix == ".json" or p.is_dir():
         try:

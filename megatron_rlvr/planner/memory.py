@@ -10,6 +10,9 @@ from megatron_rlvr.families.table import ModelSpec
 
 GIB = 1024**3
 
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+"""Bytes per element of each ``model.dtype``."""
+
 
 class LayoutError(ValueError):
     """The requested parallel layout cannot run (a size does not divide, an axis is too large)."""
@@ -31,6 +34,23 @@ class PlanConfig:
     """Allocation and memory assumptions."""
     ref_model: bool | None = None
     """Whether a reference model is kept; None: train.ref_model (the run config resolves it from the algorithm)."""
+    dtype: str = "bfloat16"
+    """Parameter dtype (the run's ``model.dtype``): weights, activations, logits, the reference model and the
+    rollout engine's weights and KV cache are held in it; float32 also drops the separate fp32 master weights."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"model.dtype must be one of {tuple(DTYPE_BYTES)}, got {self.dtype!r}")
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def engine(self) -> str:
+        """The rollout engine planned: ``rollout.engine``, ``auto`` being vLLM (its choice on a CUDA machine with
+        vLLM installed, which is what a plan is for)."""
+        return "vllm" if self.rollout.engine == "auto" else self.rollout.engine
 
     @property
     def micro_batch_tokens(self) -> int:
@@ -116,8 +136,11 @@ def stage_params(model: ModelSpec, par: ParallelConfig) -> list[int]:
     return out
 
 
-def activation_bytes_per_layer(model: ModelSpec, tokens: int, tp: int, sequence_parallel: bool) -> int:
-    """Bytes of bf16 activations one transformer layer saves for backward, for `tokens` tokens of one micro-batch.
+def activation_bytes_per_layer(
+    model: ModelSpec, tokens: int, tp: int, sequence_parallel: bool, dtype_bytes: int = 2
+) -> int:
+    """Bytes of activations one transformer layer saves for backward, for `tokens` tokens of one micro-batch, in a
+    dtype of ``dtype_bytes`` bytes (2: bf16, as below; 4: fp32 doubles every term).
 
     Korthikanti et al. 2022 (Sec. 4.1) count 34 s*b*h + 5 a s^2 b per layer for GPT (GeLU, MHA, dropout,
     materialised softmax). Re-derived here for Llama/Qwen layers trained with flash attention and no dropout
@@ -133,15 +156,16 @@ def activation_bytes_per_layer(model: ModelSpec, tokens: int, tp: int, sequence_
     gives 8h + 4h + 4h + 16h = 32h, the paper's 34 s*b*h minus its two s*b*h dropout masks.
     """
     h, f = model.hidden, model.ffn
-    replicated = 8 * h
-    sharded = 4 * model.q_dim + 4 * model.kv_dim + (6 * f if model.gated_mlp else 4 * f)
+    b = dtype_bytes
+    replicated = 4 * h * b
+    sharded = (2 * model.q_dim + 2 * model.kv_dim + (3 * f if model.gated_mlp else 2 * f)) * b
     if sequence_parallel:
         return tokens * (replicated + sharded) // tp
     return tokens * (replicated + sharded // tp)
 
 
 _TRAIN_PHASE_TERMS = ("weights", "grads", "optimizer", "ref_model", "activations", "logits", "logits_chunk")
-_TRAIN_PHASE_TERMS += ("train_overhead", "vllm_sleeping")
+_TRAIN_PHASE_TERMS += ("train_overhead", "engine_in_training")
 
 LOGITS_CHUNK_FACTOR = 4
 """fp32 [chunk, V/tp] buffers alive at once in the vocab-parallel ops: upcast logits, exp/softmax, grad, a temp."""
@@ -174,7 +198,8 @@ class MemoryPlan:
     rollout_peak: float = 0.0
     """Bytes per GPU while vLLM generates (training state resident unless offloaded), worst stage."""
     kv_tokens: int = 0
-    """KV-cache capacity of one vLLM engine in tokens (all layers)."""
+    """KV-cache capacity of one rollout engine in tokens (all layers): vLLM's pool, or the transformers engine's
+    ``max_batch_rows`` full-length rows."""
 
     @property
     def peak(self) -> float:
@@ -208,8 +233,13 @@ def estimate_memory(cfg: PlanConfig) -> MemoryPlan:
     """Validate the layout and estimate per-GPU memory of every pipeline stage; keeps the worst stage.
 
     ``components`` keys (bytes, worst stage): weights, grads, optimizer, ref_model, act_none, act_full, activations
-    (the configured recompute mode), logits, logits_chunk, train_overhead, vllm_sleeping, train_state_in_rollout,
-    vllm_engine, vllm_weights, vllm_overhead, kv_cache, host_ram_per_node (sleep level 1 weight backup).
+    (the configured recompute mode), logits, logits_chunk, train_overhead, engine_in_training (vLLM asleep, or the
+    transformers engine's resident weights), train_state_in_rollout, engine (the rollout engine awake), of which
+    engine_weights, engine_overhead, kv_cache; host_ram_per_node (vLLM sleep level 1 weight backup).
+
+    The engine is ``rollout.engine``: vLLM claims ``gpu_memory_utilization`` x GPU (or its weights + overhead +
+    ``rollout.kv_cache_gb``) and sleeps while training; the transformers engine (rollout TP 1) keeps its full weights
+    on the GPU throughout and, while generating, a KV cache of ``max_batch_rows`` rows of ``max_model_len`` tokens.
     """
     m, par, ro, tr, cl = cfg.model, cfg.parallel, cfg.rollout, cfg.train, cfg.cluster
     world = cl.world_size
@@ -226,63 +256,80 @@ def estimate_memory(cfg: PlanConfig) -> MemoryPlan:
         return plan
 
     G = cl.gpu_mem_gb * GIB
+    b = cfg.dtype_bytes
     params = stage_params(m, par)
     plan.stage_param_counts = params
-    a_layer = activation_bytes_per_layer(m, T, par.tp, cfg.sequence_parallel)
+    a_layer = activation_bytes_per_layer(m, T, par.tp, cfg.sequence_parallel, b)
     n_local = m.layers // par.pp
     vocab_shard = m.padded_vocab(par.tp) // par.tp
-    vllm_w = 2 * _vllm_weight_params(m, par.rollout_tp)
-    vllm_engine = ro.gpu_memory_utilization * G
-    kv_cache = vllm_engine - vllm_w - cl.vllm_overhead_gb * GIB
-    # K and V for every layer; vLLM keeps max(1, kv_heads / rollout_tp) heads per GPU, bf16.
-    kv_per_token = 2 * m.layers * max(1, m.kv_heads // par.rollout_tp) * m.head_dim * 2
+    # K and V for every layer in the model dtype; an engine keeps max(1, kv_heads / rollout_tp) heads per GPU.
+    kv_per_token = 2 * m.layers * max(1, m.kv_heads // par.rollout_tp) * m.head_dim * b
+    vllm = cfg.engine == "vllm"
+    if vllm:
+        engine_w = b * _vllm_weight_params(m, par.rollout_tp)
+        engine_overhead = cl.vllm_overhead_gb * GIB
+        if ro.kv_cache_gb is not None:  # vLLM sizes its cache from this instead of gpu_memory_utilization
+            kv_cache = ro.kv_cache_gb * GIB
+            engine = engine_w + engine_overhead + kv_cache
+        else:
+            engine = ro.gpu_memory_utilization * G
+            kv_cache = engine - engine_w - engine_overhead
+        in_training = cl.vllm_sleep_residual_gb * GIB
+    else:  # the transformers engine: whole model on every rank, never asleep; a cache per batch of rows
+        engine_w = b * m.param_count()
+        engine_overhead = 0.0
+        kv_cache = ro.max_batch_rows * cfg.max_model_len * kv_per_token
+        engine = engine_w + kv_cache
+        in_training = engine_w
     plan.kv_tokens = max(0, int(kv_cache // kv_per_token))
 
     best = None
     for s, p in enumerate(params):
         in_flight = par.pp - s  # 1F1B: stage s holds pp - s micro-batches of activations (Korthikanti Sec. 4.2.3)
         c: dict[str, float] = {}
-        c["weights"] = 2 * p
+        c["weights"] = b * p
         c["grads"] = 4 * p
-        c["optimizer"] = 12 * p / (dp if par.distributed_optimizer else 1)
-        c["ref_model"] = 2 * p if cfg.keeps_ref_model else 0
+        # bf16: fp32 master weights + Adam m, v; fp32: the parameters are the master copy, only m and v
+        c["optimizer"] = (8 if b == 4 else 12) * p / (dp if par.distributed_optimizer else 1)
+        c["ref_model"] = b * p if cfg.keeps_ref_model else 0
         c["act_none"] = in_flight * n_local * a_layer
         # Full recompute stores only each layer's input ([T, h] bf16, sharded by SP) and rebuilds one layer.
-        layer_input = 2 * T * m.hidden // (par.tp if cfg.sequence_parallel else 1)
+        layer_input = b * T * m.hidden // (par.tp if cfg.sequence_parallel else 1)
         c["act_full"] = in_flight * n_local * layer_input + a_layer
         c["activations"] = c["act_full"] if tr.recompute == "full" else c["act_none"]
         last = s == par.pp - 1
-        c["logits"] = T * vocab_shard * (2 + 2) if last else 0  # bf16 logits + their grad
+        c["logits"] = T * vocab_shard * (b + b) if last else 0  # logits + their grad, in the model dtype
         c["logits_chunk"] = min(tr.logits_chunk, T) * vocab_shard * 4 * LOGITS_CHUNK_FACTOR if last else 0
         c["train_overhead"] = cl.train_overhead_gb * GIB
-        c["vllm_sleeping"] = cl.vllm_sleep_residual_gb * GIB
+        c["engine_in_training"] = in_training
         train_peak = sum(c[k] for k in _TRAIN_PHASE_TERMS)
         state = c["weights"] + c["grads"] + c["optimizer"] + c["ref_model"]
         c["train_state_in_rollout"] = 0 if cl.offload_during_rollout else state
-        c["vllm_engine"] = vllm_engine
-        c["vllm_weights"] = vllm_w
-        c["vllm_overhead"] = cl.vllm_overhead_gb * GIB
+        c["engine"] = engine
+        c["engine_weights"] = engine_w
+        c["engine_overhead"] = engine_overhead
         c["kv_cache"] = kv_cache
-        rollout_peak = c["train_state_in_rollout"] + vllm_engine + c["train_overhead"]
+        rollout_peak = c["train_state_in_rollout"] + engine + c["train_overhead"]
         if best is None or max(train_peak, rollout_peak) > max(best[1], best[2]):
             best = (s, train_peak, rollout_peak, c)
     s, plan.train_peak, plan.rollout_peak, plan.components = best
     plan.worst_stage = s
-    plan.components["host_ram_per_node"] = vllm_w * cl.gpus_per_node if ro.sleep_level == 1 else 0
+    plan.components["host_ram_per_node"] = engine_w * cl.gpus_per_node if vllm and ro.sleep_level == 1 else 0
 
     limit = plan.limit
     lim_txt = f"{limit / GIB:.1f} GiB usable ({cl.gpu_mem_gb:g} x {cl.usable_fraction:g})"
-    if kv_cache <= 0:
+    raise_kv = "rollout.kv_cache_gb" if ro.kv_cache_gb is not None else "rollout.gpu_memory_utilization"
+    if vllm and kv_cache <= 0:
         plan.reasons.append(
             f"vLLM: rollout.gpu_memory_utilization={ro.gpu_memory_utilization:g} gives "
-            f"{vllm_engine / GIB:.1f} GiB, less than its weights ({vllm_w / GIB:.1f} GiB at rollout_tp="
+            f"{engine / GIB:.1f} GiB, less than its weights ({engine_w / GIB:.1f} GiB at rollout_tp="
             f"{par.rollout_tp}) + overhead ({cl.vllm_overhead_gb:g} GiB): no room for a KV cache; raise "
             "gpu_memory_utilization or rollout_tp"
         )
-    elif plan.kv_tokens < cfg.max_model_len:
+    elif vllm and plan.kv_tokens < cfg.max_model_len:
         plan.reasons.append(
             f"vLLM: KV cache holds {plan.kv_tokens} tokens, less than one sequence of max_model_len="
-            f"{cfg.max_model_len} (vLLM refuses to start); raise gpu_memory_utilization or rollout_tp"
+            f"{cfg.max_model_len} (vLLM refuses to start); raise {raise_kv} or parallel.rollout_tp"
         )
     if plan.train_peak > limit:
         hint = "set train.recompute=full, " if tr.recompute != "full" else ""
@@ -291,10 +338,10 @@ def estimate_memory(cfg: PlanConfig) -> MemoryPlan:
             f"{hint}lower train.micro_batch_tokens, raise tp/pp, or add nodes (shards the optimizer further)"
         )
     if plan.rollout_peak > limit:
+        name, lower = ("vLLM", raise_kv) if vllm else ("transformers engine", "rollout.max_batch_rows")
         plan.reasons.append(
             f"rollout phase needs {plan.rollout_peak / GIB:.1f} GiB (training state "
-            f"{plan.components['train_state_in_rollout'] / GIB:.1f} + vLLM {vllm_engine / GIB:.1f} + overhead), "
-            f"over {lim_txt}; lower rollout.gpu_memory_utilization, set cluster.offload_during_rollout=true, "
-            "or raise tp"
+            f"{plan.components['train_state_in_rollout'] / GIB:.1f} + {name} {engine / GIB:.1f} + overhead), "
+            f"over {lim_txt}; lower {lower}, set cluster.offload_during_rollout=true, or raise tp"
         )
     return plan

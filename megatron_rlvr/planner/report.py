@@ -24,12 +24,16 @@ def format_plan(plan: MemoryPlan) -> str:
     """Human-readable table (GiB per GPU) with the verdict and reasons."""
     cfg = plan.config
     m, par, ro, tr, cl = cfg.model, cfg.parallel, cfg.rollout, cfg.train, cfg.cluster
+    vllm = cfg.engine == "vllm"
+    engine = "vLLM" if vllm else "transformers"
+    dt = {"bfloat16": "bf16", "float32": "fp32"}[cfg.dtype]
     lines = [
-        f"model   {m.name}: {m.param_count() / 1e9:.2f} B params, L={m.layers} h={m.hidden} f={m.ffn} "
+        f"model   {m.name} ({cfg.dtype}): {m.param_count() / 1e9:.2f} B params, L={m.layers} h={m.hidden} f={m.ffn} "
         f"heads={m.heads} kv_heads={m.kv_heads} d={m.head_dim} V={m.vocab}",
         f"cluster {cl.nodes} node(s) x {cl.gpus_per_node} GPUs x {cl.gpu_mem_gb:g} GiB = world {plan.world_size}",
         f"layout  TP={par.tp} PP={par.pp} DP={plan.dp} SP={'on' if cfg.sequence_parallel else 'off'} | rollout "
-        f"TP={par.rollout_tp} ({plan.world_size // par.rollout_tp} vLLM engines)",
+        f"TP={par.rollout_tp} ({plan.world_size // par.rollout_tp} {engine} engines"
+        f"{', rollout.engine=auto' if ro.engine == 'auto' else ''})",
     ]
     for w in plan.warnings:
         lines.append(f"warning: {w}")
@@ -49,45 +53,64 @@ def format_plan(plan: MemoryPlan) -> str:
     lines.append("")
     lines.append(f"{'GiB per GPU':<58}{'':>8}")
     lines.append(f"-- training phase (pipeline stage {plan.worst_stage} of {par.pp}, the largest) " + "-" * 12)
+    opt = "Adam m,v (8 B/param" if cfg.dtype == "float32" else "fp32 master + Adam m,v (12 B/param"
     rows = [
-        (f"weights bf16 ({p / 1e9:.3f} B params on this GPU)", c["weights"]),
+        (f"weights {dt} ({p / 1e9:.3f} B params on this GPU)", c["weights"]),
         ("main grads fp32 (4 B/param)", c["grads"]),
-        (f"fp32 master + Adam m,v (12 B/param / DP={dp_div})", c["optimizer"]),
+        (f"{opt} / DP={dp_div})", c["optimizer"]),
     ]
     if cfg.keeps_ref_model:
-        rows.append(("reference model bf16", c["ref_model"]))
+        rows.append((f"reference model {dt}", c["ref_model"]))
     mark_n = " <-" if tr.recompute == "none" else ""
     mark_f = " <-" if tr.recompute == "full" else ""
     rows += [
         (f"activations, no recompute{mark_n}", c["act_none"]),
         (f"activations, full recompute{mark_f}", c["act_full"]),
-        (f"logits [{T} x {vp // par.tp}] bf16 + grad", c["logits"]),
+        (f"logits [{T} x {vp // par.tp}] {dt} + grad", c["logits"]),
         (
             f"logits chunk work [{min(tr.logits_chunk, T)} x {vp // par.tp}] fp32 x{LOGITS_CHUNK_FACTOR}",
             c["logits_chunk"],
         ),
         ("framework (CUDA context, NCCL, fragmentation)", c["train_overhead"]),
-        (f"vLLM asleep (level {ro.sleep_level}, residual)", c["vllm_sleeping"]),
+        (
+            f"vLLM asleep (level {ro.sleep_level}, residual)"
+            if vllm
+            else f"transformers engine weights {dt} (resident)",
+            c["engine_in_training"],
+        ),
     ]
     lines += [f"  {label:<56}{_g(v)}" for label, v in rows]
     lines.append(f"  {'= training peak':<56}{_g(plan.train_peak)}")
-    lines.append(
-        f"-- rollout phase (vLLM TP={par.rollout_tp}, gpu_memory_utilization={ro.gpu_memory_utilization:g}) " + "-" * 8
-    )
+    if not vllm:
+        head = f"transformers engine, max_batch_rows={ro.max_batch_rows}"
+    elif ro.kv_cache_gb is not None:
+        head = f"vLLM TP={par.rollout_tp}, kv_cache_gb={ro.kv_cache_gb:g}"
+    else:
+        head = f"vLLM TP={par.rollout_tp}, gpu_memory_utilization={ro.gpu_memory_utilization:g}"
+    lines.append(f"-- rollout phase ({head}) " + "-" * 8)
     kv_seqs = plan.kv_tokens / cfg.max_model_len
     off = " (offloaded)" if cfg.cluster.offload_during_rollout else ""
-    rows = [
-        (f"training state kept on GPU{off}", c["train_state_in_rollout"]),
-        ("vLLM engine = util x GPU, of which:", c["vllm_engine"]),
-        ("    weights bf16 (KV heads replicated if rtp > kv_heads)", c["vllm_weights"]),
-        ("    activations, CUDA graphs, sampler (assumed)", c["vllm_overhead"]),
-        (f"    KV cache: {plan.kv_tokens} tokens = {kv_seqs:.1f} seqs of {cfg.max_model_len}", c["kv_cache"]),
+    rows = [(f"training state kept on GPU{off}", c["train_state_in_rollout"])]
+    if vllm:
+        whole = "util x GPU" if ro.kv_cache_gb is None else "weights + overhead + kv_cache_gb"
+        rows += [
+            (f"vLLM engine = {whole}, of which:", c["engine"]),
+            (f"    weights {dt} (KV heads replicated if rtp > kv_heads)", c["engine_weights"]),
+            ("    activations, CUDA graphs, sampler (assumed)", c["engine_overhead"]),
+        ]
+    else:
+        rows += [
+            ("transformers engine, of which:", c["engine"]),
+            (f"    weights {dt} (whole model on every rank)", c["engine_weights"]),
+        ]
+    rows += [
+        (f"    KV cache {dt}: {plan.kv_tokens} tokens = {kv_seqs:.1f} seqs of {cfg.max_model_len}", c["kv_cache"]),
         ("framework (CUDA context, NCCL, fragmentation)", c["train_overhead"]),
     ]
     lines += [f"  {label:<56}{_g(v)}" for label, v in rows]
     lines.append(f"  {'= rollout peak':<56}{_g(plan.rollout_peak)}")
     lines.append("")
-    if ro.sleep_level == 1:
+    if vllm and ro.sleep_level == 1:
         lines.append(f"host RAM per node for vLLM sleep level 1 weight backup: {c['host_ram_per_node'] / GIB:.1f} GiB")
     verdict = "FITS" if plan.fits else "DOES NOT FIT"
     lines.append(

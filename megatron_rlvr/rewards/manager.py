@@ -20,15 +20,23 @@ class RewardFailure(RuntimeError):
 
 
 def check_failure_fraction(stats: dict[str, float], max_frac: float, fn: str) -> None:
-    """Raise RewardFailure when errors + timeouts + non-finite rewards exceed ``max_frac`` of ``reward/n_items``."""
+    """Raise RewardFailure when errors + timeouts + non-finite rewards exceed ``max_frac`` of ``reward/n_items``,
+    or when scoring was stopped early (``reward/n_unscored`` > 0: more than ``max_frac`` of one scorer's share had
+    failed)."""
     n = stats.get("reward/n_items", 0.0)
     bad = sum(stats.get(k, 0.0) for k in ("reward/n_error", "reward/n_timeout", "reward/n_nonfinite"))
-    if n > 0 and bad / n > max_frac:
+    unscored = stats.get("reward/n_unscored", 0.0)
+    if n > 0 and (bad / n > max_frac or unscored > 0):
+        stopped = (
+            f"; scoring stopped early once more than that fraction had failed, {unscored:.0f} not scored"
+            if unscored
+            else ""
+        )
         raise RewardFailure(
             f"reward fn {fn!r}: {bad:.0f} of {n:.0f} rewards of this step failed (errors "
             f"{stats.get('reward/n_error', 0):.0f}, timeouts {stats.get('reward/n_timeout', 0):.0f}, non-finite "
-            f"{stats.get('reward/n_nonfinite', 0):.0f}), more than reward.max_error_frac={max_frac:g}; the first "
-            "failure of each kind is printed above. Fix the function (or raise reward.max_error_frac)"
+            f"{stats.get('reward/n_nonfinite', 0):.0f}), more than reward.max_error_frac={max_frac:g}{stopped}; the "
+            "first failure of each kind is printed above. Fix the function (or raise reward.max_error_frac)"
         )
 
 
@@ -124,9 +132,12 @@ class RewardManager:
         ground_truths: Sequence[str],
         metas: Sequence[dict | None] | None = None,
         ids: Sequence | None = None,
+        max_error_frac: float | None = None,
     ) -> list[ItemResult]:
-        """Per-item results (reward, status "ok"/"timeout"/"error"/"nonfinite", error text), in input order.
-        ``ids``: the items' prompt ids, named when a failure is reported."""
+        """Per-item results (reward, status "ok"/"timeout"/"error"/"nonfinite"/"unscored", error text), in input
+        order. ``ids``: the items' prompt ids, named when a failure is reported. ``max_error_frac``: stop scoring once
+        more than this fraction of the batch has failed; the rest is "unscored" (the step fails anyway: a hanging
+        function must not hold it for one timeout per item)."""
         if self._closed:
             raise RuntimeError("RewardManager is closed")
         if len(responses) != len(ground_truths):
@@ -146,10 +157,10 @@ class RewardManager:
         self._batch_ids = ids
         try:
             if self._pool is not None:
-                return self._pool.score(items)
-            results = score_inline(self._scorer, self.cfg.timeout_s, items)
+                return self._pool.score(items, max_error_frac)
+            results = score_inline(self._scorer, self.cfg.timeout_s, items, max_error_frac)
             for i, r in enumerate(results):
-                if r.status != "ok":
+                if r.status not in ("ok", "unscored"):
                     self._on_failure(i, r)
             return results
         finally:
@@ -161,18 +172,19 @@ class RewardManager:
         ground_truths: Sequence[str],
         metas: Sequence[dict | None] | None = None,
         ids: Sequence | None = None,
+        max_error_frac: float | None = None,
     ) -> tuple[list[float], dict[str, float]]:
-        """Rewards for a batch and namespaced stats.
+        """Rewards for a batch and namespaced stats; ``max_error_frac`` as in :meth:`score_detailed`.
 
         Stats: ``reward/mean``, ``reward/n_items``, ``reward/n_timeout``, ``reward/n_error``, ``reward/n_nonfinite``
-        (NaN / inf returned; all three scored 0),
+        (NaN / inf returned; all three scored 0), ``reward/n_unscored`` (not scored: stopped early),
         ``reward/n_no_answer`` (built-in rewards: no answer could be extracted; 0 for user functions),
         ``reward/workers_restarted`` (in this batch), ``reward/time_s``. An empty batch gives no rewards and
         ``reward/mean`` = NaN (there is no mean of nothing).
         """
         t0 = time.perf_counter()
         restarts_before = self._pool.restarts if self._pool is not None else 0
-        results = self.score_detailed(responses, ground_truths, metas, ids)
+        results = self.score_detailed(responses, ground_truths, metas, ids, max_error_frac)
         rewards = [r.reward for r in results]
         n_no_answer = 0
         if self.cfg.fn in REWARD_FNS:
@@ -184,6 +196,7 @@ class RewardManager:
             "reward/n_timeout": float(sum(r.status == "timeout" for r in results)),
             "reward/n_error": float(sum(r.status == "error" for r in results)),
             "reward/n_nonfinite": float(sum(r.status == "nonfinite" for r in results)),
+            "reward/n_unscored": float(sum(r.status == "unscored" for r in results)),
             "reward/n_no_answer": float(n_no_answer),
             "reward/workers_restarted": float((self._pool.restarts if self._pool is not None else 0) - restarts_before),
             "reward/time_s": time.perf_counter() - t0,

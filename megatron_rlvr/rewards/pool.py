@@ -59,7 +59,8 @@ class ItemResult:
     """The reward; 0.0 unless status is "ok"."""
     status: str
     """"ok", "timeout" (interrupted or killed at the limit), "error" (the function raised or returned a
-    non-number, or the worker died) or "nonfinite" (it returned NaN or +-inf)."""
+    non-number, or the worker died), "nonfinite" (it returned NaN or +-inf) or "unscored" (not scored: the batch
+    was stopped early, too many of its items had failed)."""
     error: str = ""
     """Short description of the error or timeout; empty when ok."""
     detail: str = ""
@@ -125,6 +126,58 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(1.0)
 
 
+OUTPUT_CAP_BYTES = 1 << 20
+"""What one reward worker may write to each of stdout and stderr over its life; the rest is dropped (with one note):
+a reward function printing per item wrote 512 MB of log in two steps."""
+
+
+def _forward_capped(read_fd: int, out_fd: int, cap: int, name: str) -> None:
+    sent = 0
+    while True:
+        try:
+            chunk = os.read(read_fd, 1 << 16)
+        except OSError:
+            return
+        if not chunk:
+            return
+        if sent < cap:
+            part = chunk[: cap - sent]
+            sent += len(part)
+            os.write(out_fd, part)
+            if sent >= cap:
+                note = (
+                    f"\nmegatron-rlvr: reward worker {os.getpid()}: {name} capped at {cap >> 20} MiB; the reward "
+                    "function's further output is dropped\n"
+                )
+                os.write(out_fd, note.encode())
+        # past the cap: keep reading (and dropping), so that the reward function never blocks on a full pipe
+
+
+def _cap_output(cap: int) -> list[threading.Thread]:
+    """Route this process's stdout and stderr (file descriptors 1 and 2: prints, C code, child processes) through
+    pipes that forward at most ``cap`` bytes each."""
+    threads = []
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        out = os.dup(fd)
+        r, w = os.pipe()
+        os.dup2(w, fd)
+        os.close(w)
+        t = threading.Thread(target=_forward_capped, args=(r, out, cap, name), daemon=True)
+        t.start()
+        threads.append(t)
+    return threads
+
+
+def _end_output(threads: list[threading.Thread]) -> None:
+    """Flush, close the pipes' write ends and let the forwarders finish (the tail of the output is not lost)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for fd in (1, 2):
+        os.close(fd)
+    for t in threads:
+        t.join(timeout=2.0)
+
+
 def _worker_main(conn: Connection, fn: str, extraction: str, timeout_s: float, parent_pid: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Slurm signals every process of a job step (USR1 before the time limit, TERM on scancel): the trainer decides
@@ -143,6 +196,10 @@ def _worker_main(conn: Connection, fn: str, extraction: str, timeout_s: float, p
     except BaseException as e:
         conn.send(("init_error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         return
+    # capped from here on: start-up output (an import error, a crash while loading) stays whole
+    sys.stdout.flush()
+    sys.stderr.flush()
+    forwarders = _cap_output(OUTPUT_CAP_BYTES)
     conn.send(("ready", os.getpid()))
     while True:
         try:
@@ -151,8 +208,7 @@ def _worker_main(conn: Connection, fn: str, extraction: str, timeout_s: float, p
             return
         if msg is None:
             # Skip interpreter teardown (seconds with sympy loaded): nothing to clean up but the std streams.
-            sys.stdout.flush()
-            sys.stderr.flush()
+            _end_output(forwarders)
             _REAL_EXIT(0)
         idx, response, ground_truth, meta = msg
         result = _score_one(scorer, timeout_s, response, ground_truth, meta)
@@ -175,14 +231,28 @@ _worker_main(conn, init["fn"], init["extraction"], init["timeout_s"], init["pare
 """
 
 
-def score_inline(scorer, timeout_s: float, items) -> list[ItemResult]:
+def _too_many_failed(n_failed: int, n: int, max_frac: float | None) -> bool:
+    # the same comparison as the step's check (check_failure_fraction): failed / n > max_frac
+    return max_frac is not None and n_failed / n > max_frac
+
+
+def _unscored() -> ItemResult:
+    return ItemResult(0.0, "unscored", "not scored: too many items of the batch had failed already")
+
+
+def score_inline(scorer, timeout_s: float, items, max_failed_frac: float | None = None) -> list[ItemResult]:
     """Score in the calling process (``num_workers=0``). The timeout interrupts only Python code and only in the
-    main thread; elsewhere it is not enforced. The caller's SIGALRM handler is restored afterwards."""
+    main thread; elsewhere it is not enforced. The caller's SIGALRM handler is restored afterwards.
+    ``max_failed_frac``: as in :meth:`ScoringPool.score`."""
     main = threading.current_thread() is threading.main_thread()
     results = []
+    n_failed = 0
     old = signal.signal(signal.SIGALRM, _on_alarm) if main else None
     try:
         for response, ground_truth, meta in items:
+            if _too_many_failed(n_failed, len(items), max_failed_frac):
+                results.append(_unscored())
+                continue
             if main:
                 results.append(_score_one(scorer, timeout_s, response, ground_truth, meta))
             else:
@@ -190,6 +260,7 @@ def score_inline(scorer, timeout_s: float, items) -> list[ItemResult]:
                     results.append(ItemResult(scorer(response, ground_truth, meta), "ok"))
                 except Exception as e:
                     results.append(_failure(e))
+            n_failed += results[-1].status != "ok"
     finally:
         if main:
             signal.signal(signal.SIGALRM, old)
@@ -267,6 +338,7 @@ class ScoringPool:
         self.on_failure = on_failure
         """Called as ``on_failure(index, ItemResult)`` the moment an item fails (before the batch is done)."""
         self._closed = False
+        self._n_failed = 0
         self._workers: list[_Worker] = []
         _LIVE_POOLS.add(self)
         for _ in range(num_workers):
@@ -313,17 +385,34 @@ class ScoringPool:
 
     def _set(self, results: list, idx: int, result: ItemResult) -> None:
         results[idx] = result
-        if result.status != "ok" and self.on_failure is not None:
-            self.on_failure(idx, result)
+        if result.status != "ok":
+            self._n_failed += 1
+            if self.on_failure is not None:
+                self.on_failure(idx, result)
 
-    def score(self, items: list[tuple[str, str, dict | None]]) -> list[ItemResult]:
+    def score(
+        self, items: list[tuple[str, str, dict | None]], max_failed_frac: float | None = None
+    ) -> list[ItemResult]:
         """Score ``items`` (response, ground_truth, metadata); results in input order. Never raises for a bad item;
-        raises RuntimeError only if a worker cannot start at all (an environment or configuration problem)."""
+        raises RuntimeError only if a worker cannot start at all (an environment or configuration problem).
+
+        ``max_failed_frac``: once more than this fraction of ``items`` has failed, stop: the items not yet scored
+        (queued or in flight; busy workers are replaced) get status "unscored". A hanging function then costs a few
+        timeouts, not one per item."""
         if self._closed:
             raise RuntimeError("ScoringPool is closed")
         results: list[ItemResult | None] = [None] * len(items)
         pending = deque(range(len(items)))
+        self._n_failed = 0
         while True:
+            if _too_many_failed(self._n_failed, len(items), max_failed_frac):
+                for i, w in enumerate(self._workers):
+                    if w.item is not None:
+                        results[w.item] = _unscored()
+                        self._replace(i)
+                for idx in pending:
+                    results[idx] = _unscored()
+                break
             now = time.monotonic()
             for w in self._workers:
                 while w.ready and w.item is None and pending:

@@ -6,6 +6,8 @@ import importlib
 import inspect
 import math
 import numbers
+import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +18,20 @@ __all__ = ["NonFiniteReward", "Scorer", "build_scorer", "load_reward_fn"]
 
 class NonFiniteReward(ValueError):
     """The reward function returned NaN or +-inf (counted in reward/n_nonfinite, scored 0)."""
+
+
+def _import_user_module(name: str):
+    """Import a reward function's module; a module in the working directory is found as with ``python -m`` (the
+    installed ``megatron-rlvr`` script's sys.path starts with its bin/ folder instead). The working directory is
+    appended, so installed packages still win; reward workers copy this sys.path."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        cwd = os.getcwd()
+        if e.name != name.partition(".")[0] or cwd in sys.path or "" in sys.path:
+            raise
+        sys.path.append(cwd)
+        return importlib.import_module(name)
 
 
 def load_reward_fn(spec: str) -> Callable[..., float]:
@@ -40,8 +56,18 @@ def load_reward_fn(spec: str) -> Callable[..., float]:
     if not module_name or not attr:
         raise ValueError(f"reward fn path {spec!r}: expected 'module:function' with both parts non-empty")
     try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # ImportError, or the user's module raising at import
+        module = _import_user_module(module_name)
+    except ModuleNotFoundError as e:
+        hint = ""
+        if e.name == module_name.partition(".")[0]:
+            hint = (
+                f"; it is looked for in the working directory ({os.getcwd()}) and on PYTHONPATH: run from its folder "
+                "or add that folder to PYTHONPATH"
+            )
+        raise ValueError(
+            f"reward fn {spec!r}: cannot import module {module_name!r}: {type(e).__name__}: {e}{hint}"
+        ) from e
+    except Exception as e:  # the user's module raising at import
         raise ValueError(f"reward fn {spec!r}: cannot import module {module_name!r}: {type(e).__name__}: {e}") from e
     obj: Any = module
     for part in attr.split("."):

@@ -107,7 +107,7 @@ def generate_groups(
 
     ``gather(obj) -> list`` is an all-gather over the world (rank order); ``params.seed`` is replaced by the
     round's derived seed. ``reward_max_error_frac``: raise RewardFailure (on every rank) when more of the round's
-    rewards failed."""
+    rewards failed, or when an engine's scoring stopped early because more of its share had failed."""
     share = shard_range(len(examples), info.index, info.count)
     mine: list[Group] = []
     stats = {"time/generate_s": 0.0, "time/reward_s": 0.0}
@@ -135,7 +135,8 @@ def generate_groups(
                 item_ids.append(examples[i].id)
             mine.append(g)
         t0 = time.perf_counter()
-        rewards, reward_stats = reward_manager.score(texts, gts, metas, item_ids)
+        # stops early once more than the allowed fraction of this share failed (the step fails below on every rank)
+        rewards, reward_stats = reward_manager.score(texts, gts, metas, item_ids, reward_max_error_frac)
         stats["time/reward_s"] = time.perf_counter() - t0
         bad = {i for i, r in enumerate(rewards) if not (isinstance(r, (int, float)) and math.isfinite(r))}
         # the manager scores NaN/inf as 0 and counts it; anything else non-finite here is counted too
@@ -160,6 +161,7 @@ def generate_groups(
             "reward/n_error",
             "reward/n_no_answer",
             "reward/n_nonfinite",
+            "reward/n_unscored",
             "reward/workers_restarted",
         ):
             merged[key] = merged.get(key, 0.0) + float(rstats.get(key, 0.0))

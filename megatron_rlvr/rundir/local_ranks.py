@@ -196,7 +196,12 @@ def _supervise(
                 first_bad, bad_since = c, time.monotonic()
                 if signalled:  # a forwarded stop signal: the ranks' documented exit codes, not a failure
                     continue
-                others = " (the other ranks' errors below are the consequence)" if len(procs) > 1 and c != 2 else ""
+                # the rank printed its error before it exited: above this line; the others' come before or after it
+                others = (
+                    " (its error, if any, is printed above; the other ranks' errors are its consequence)"
+                    if len(procs) > 1 and c != 2
+                    else ""
+                )
                 print(
                     f"megatron-rlvr: rank {rank} (pid {procs[rank].pid}) {describe_exit(c)}; stopping the job{others}",
                     file=sys.stderr,

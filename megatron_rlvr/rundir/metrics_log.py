@@ -21,14 +21,17 @@ WANDB_ID_FILE = "wandb_run_id"
 
 def read_metrics(path: str) -> list[dict]:
     """The records of a metrics.jsonl, one per step in step order; records of the same step are merged, later keys
-    winning (a resumed run repeats steps; evaluation adds its own record). Lines cut by a crash are skipped."""
+    winning (a resumed run repeats steps; evaluation adds its own record). Lines cut by a crash (or garbled, not
+    UTF-8) are skipped."""
     by_step: dict[int, dict] = {}
     if os.path.isfile(path):
-        with open(path) as f:
+        with open(path, errors="replace") as f:
             for line in f:
                 try:
                     rec = json.loads(line)
                 except ValueError:
+                    continue
+                if not isinstance(rec, dict):
                     continue
                 step = rec.get("step")
                 if step is not None:
@@ -107,13 +110,13 @@ class RunLogger:
         if not self.enabled or not os.path.isfile(self.path):
             return
         kept = []
-        with open(self.path) as f:
+        with open(self.path, errors="replace") as f:
             for line in f:
                 try:
                     rec = json.loads(line)
                 except ValueError:
                     continue  # a line cut by a crash
-                if rec.get("step", 0) <= step:
+                if isinstance(rec, dict) and rec.get("step", 0) <= step:
                     kept.append(json.dumps(rec))
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:

@@ -23,7 +23,11 @@ PANELS: list[tuple[str, list[tuple[str, str]]]] = [
     ("clip fractions", [("loss/clip_frac_low", "low"), ("loss/clip_frac_high", "high")]),
     (
         "forgetting probe (mastered at step s, re-sampled after its update)",
-        [("forget/probe_accuracy", "accuracy"), ("forget/still_mastered_frac", "still mastered")],
+        [
+            ("forget/probe_accuracy", "accuracy"),
+            ("forget/control_accuracy", "control accuracy (before the update)"),
+            ("forget/still_mastered_frac", "still mastered"),
+        ],
     ),
     (
         "token ratio r = pi / pi_old",
@@ -45,13 +49,19 @@ def read_run(run_dir: str) -> tuple[str, list[dict]]:
     if not os.path.isfile(path):
         raise ValueError(f"{run_dir}: no metrics.jsonl (is it a megatron-rlvr run directory?)")
     records = read_metrics(path)
+    if not records and os.path.getsize(path) > 0:
+        raise ValueError(f"{path}: no step records (not a metrics.jsonl written by megatron-rlvr: binary or garbled?)")
     label = os.path.basename(os.path.normpath(run_dir))
     cfg_path = os.path.join(run_dir, "config.yaml")
     if os.path.isfile(cfg_path):
         import yaml
 
-        with open(cfg_path) as f:
-            algo = ((yaml.safe_load(f) or {}).get("algorithm") or {}).get("name")
+        try:
+            with open(cfg_path) as f:
+                cfg = yaml.safe_load(f)
+        except (UnicodeDecodeError, yaml.YAMLError) as e:
+            raise ValueError(f"{cfg_path}: not a readable config ({type(e).__name__}: {str(e)[:200]})") from None
+        algo = ((cfg if isinstance(cfg, dict) else {}).get("algorithm") or {}).get("name")
         if algo:
             label = f"{label} ({algo})"
     return label, records

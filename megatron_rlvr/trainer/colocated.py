@@ -16,7 +16,7 @@ from megatron_rlvr.rundir.metrics_log import read_metrics
 from megatron_rlvr.rundir.plot import plot_runs
 from megatron_rlvr.rundir.signals import StopSignals, exit_code_for
 from megatron_rlvr.trainer.components import Trainer, setup, teardown
-from megatron_rlvr.trainer.diagnostics import forgetting_probe
+from megatron_rlvr.trainer.diagnostics import forgetting_control, forgetting_probe
 from megatron_rlvr.trainer.engine_setup import sleep_engine
 from megatron_rlvr.trainer.stages import publish_weights, rollout, train_batch, update, update_mismatch_metrics
 
@@ -25,6 +25,7 @@ def rl_step(t: Trainer, step: int) -> dict[str, float]:
     """One synchronous colocated RL step; returns the step's metrics (identical on every rank)."""
     t0 = time.perf_counter()
     rolled = rollout(t, step)
+    control = forgetting_control(t, rolled, step)  # diagnostics: the probe's prompts and seeds, pre-update policy
     sleep_engine(t.engine, t.cfg.rollout.sleep_level)  # GPU: the engine frees its memory while the trainer runs
     batch, m = train_batch(t, rolled)
     if not batch.trains:  # empty or all-truncated batch: nothing to learn from
@@ -43,7 +44,7 @@ def rl_step(t: Trainer, step: int) -> dict[str, float]:
     t.scheduler.step(increment=1)
     m.update(publish_weights(t, updated=m.get("train/updates", 0) > 0))
     t.policy_version = step  # the engines now hold the weights after this step's update
-    m.update(forgetting_probe(t, rolled, step))  # diagnostics: this step's mastered prompts, updated policy
+    m.update(forgetting_probe(t, rolled, step, control))  # diagnostics: the same prompts, updated policy
     m["train/skipped"] = float(m.get("train/updates", 0) == 0)
     m["optim/lr"] = t.current_lr()
     m["time/step_s"] = time.perf_counter() - t0

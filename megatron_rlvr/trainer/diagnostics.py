@@ -4,8 +4,13 @@
   t + 1 under DAPO, ~98% with the hinge-KL"). Every ``diagnostics.forgetting_every`` steps, after the update and the
   weight sync, the prompts that were MASTERED in this step's rollouts (all rollouts correct, the hinge-KL's
   definition) are re-sampled ``forgetting_rollouts`` times with the UPDATED policy and scored:
-  ``forget/probe_accuracy`` is their accuracy (1.0 = nothing forgotten), ``forget/still_mastered_frac`` the fraction
-  still all-correct. Cost: ``forgetting_prompts x forgetting_rollouts`` extra samples per probed step. Off by default.
+  ``forget/probe_accuracy`` is their accuracy, ``forget/still_mastered_frac`` the fraction still all-correct.
+  Prompts selected for being all-correct are partly lucky draws, so their accuracy falls on re-sampling even with no
+  update (regression to the mean). The same-policy control measures that part: right after the rollout, before the
+  update and the weight sync, the same prompts are re-sampled with the same seeds by the policy that generated the
+  step (``forget/control_accuracy``, ``forget/control_still_mastered_frac``); ``forget/drop`` = control accuracy -
+  probe accuracy is the forgetting the update caused (0 when the update changed nothing: the samples are then
+  identical). Cost: ``2 x forgetting_prompts x forgetting_rollouts`` extra samples per probed step. Off by default.
 - **Ratio statistics** (CPGD, arXiv 2505.12504: ratio-based losses show unstable ratio dynamics): per micro-batch,
   quantiles of r = exp(logp - logp_old) over response tokens, the fraction of tokens outside the PPO band
   |r - 1| > 0.2 and the largest |log r|. Always on (a sort of the micro-batch's token ratios, small next to the
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -63,11 +69,13 @@ def ratio_quantile_metrics(
     return out
 
 
-def forgetting_metrics(correct_P_m: Tensor) -> dict[str, float]:
+def forgetting_metrics(correct_P_m: Tensor, control_P_m: Tensor | None = None) -> dict[str, float]:
     """Accuracy of re-sampled previously mastered prompts: bool [P prompts, m samples] -> metrics.
 
     ``forget/probe_accuracy`` mean correctness, ``forget/still_mastered_frac`` prompts with every sample correct,
-    ``forget/probe_prompts`` P. P = 0 gives only the count (no accuracy to report)."""
+    ``forget/probe_prompts`` P. P = 0 gives only the count (no accuracy to report). ``control_P_m``: the same prompts
+    re-sampled by the pre-update policy -> ``forget/control_accuracy``, ``forget/control_still_mastered_frac`` and
+    ``forget/drop`` (control accuracy - probe accuracy)."""
     c = correct_P_m.bool()
     if c.dim() != 2:
         raise ValueError(f"forgetting_metrics expects [P, m] correctness, got shape {tuple(c.shape)}")
@@ -76,6 +84,13 @@ def forgetting_metrics(correct_P_m: Tensor) -> dict[str, float]:
         return out
     out["forget/probe_accuracy"] = float(c.double().mean())
     out["forget/still_mastered_frac"] = float(c.all(dim=1).double().mean())
+    if control_P_m is not None:
+        k = control_P_m.bool()
+        if k.shape != c.shape:
+            raise ValueError(f"control shape {tuple(k.shape)} differs from the probe's {tuple(c.shape)}")
+        out["forget/control_accuracy"] = float(k.double().mean())
+        out["forget/control_still_mastered_frac"] = float(k.all(dim=1).double().mean())
+        out["forget/drop"] = out["forget/control_accuracy"] - out["forget/probe_accuracy"]
     return out
 
 
@@ -85,21 +100,31 @@ def probe_selection(mastered_G: Tensor, max_prompts: int) -> list[int]:
     return idx[:max_prompts]
 
 
-def forgetting_probe(t, rolled, step: int) -> dict[str, float]:
-    """Trainer glue: re-sample this step's mastered prompts (of ``rolled``, the step's RolloutBatch) with the updated
-    engine weights (every rank calls it with the same batch; generation is split over the engines like the
-    rollout). Returns {} when not due."""
+@dataclass
+class ProbeControl:
+    """The forgetting probe's same-policy control: its prompts re-sampled before the update."""
+
+    correct_P_m: Tensor
+    seconds: float
+
+
+def probe_prompts(t, rolled, step: int) -> list[int] | None:
+    """Indices into ``rolled.groups`` of the prompts probed at ``step`` (its mastered groups, at most
+    ``forgetting_prompts``); None when the probe is not due."""
     cfg = t.cfg.diagnostics
-    groups = rolled.groups
-    if not cfg.probe_due(step) or not groups:
-        return {}
-    t0 = time.perf_counter()
-    mastered_G = mastered_rollouts(t.algo, rolled.rewards.shaped_G_n, correct_G_n=rolled.rewards.correct_G_n).any(1)
-    chosen = probe_selection(mastered_G, cfg.forgetting_prompts)
-    if not chosen:
-        return {"forget/probe_prompts": 0.0}
+    if not cfg.probe_due(step) or not rolled.groups:
+        return None
+    r = rolled.rewards
+    mastered_G = mastered_rollouts(t.algo, r.shaped_G_n, correct_G_n=r.correct_G_n).any(1)
+    return probe_selection(mastered_G, cfg.forgetting_prompts)
+
+
+def _resample(t, rolled, chosen: list[int], step: int, gather) -> Tensor:
+    """bool [P, m]: the chosen prompts sampled ``forgetting_rollouts`` times by the engine's current weights, with
+    the probe's seeds (the same for the control and the probe), and scored."""
     params = sampling_params(t.cfg.rollout)
-    params = type(params)(**{**params.__dict__, "n": cfg.forgetting_rollouts})
+    params = type(params)(**{**params.__dict__, "n": t.cfg.diagnostics.forgetting_rollouts})
+    groups = rolled.groups
     probed, _ = generate_groups(
         t.engine,
         t.reward_manager,
@@ -111,11 +136,35 @@ def forgetting_probe(t, rolled, step: int) -> dict[str, float]:
         seed=t.cfg.train.seed,
         step=step,
         round_idx=PROBE_ROUND,
-        gather=all_gather_objects,
+        gather=gather,
     )
     a = t.algo.advantage
     thr = 0.5 * (a.reward_correct + a.reward_wrong)
-    c = torch.tensor([[r >= thr for r in g.rewards] for g in probed], dtype=torch.bool)
-    out = forgetting_metrics(c)
-    out["time/forget_probe_s"] = time.perf_counter() - t0
+    return torch.tensor([[r >= thr for r in g.rewards] for g in probed], dtype=torch.bool)
+
+
+def forgetting_control(t, rolled, step: int, gather=all_gather_objects) -> ProbeControl | None:
+    """Trainer glue, after the rollout and before the update and the weight sync: the probe's prompts re-sampled by
+    the policy that generated them (every rank calls it with the same batch). None when the probe is not due."""
+    t0 = time.perf_counter()
+    chosen = probe_prompts(t, rolled, step)
+    if not chosen:
+        return None
+    return ProbeControl(_resample(t, rolled, chosen, step, gather), time.perf_counter() - t0)
+
+
+def forgetting_probe(t, rolled, step: int, control: ProbeControl | None = None, gather=all_gather_objects):
+    """Trainer glue: re-sample this step's mastered prompts (of ``rolled``, the step's RolloutBatch) with the updated
+    engine weights (every rank calls it with the same batch; generation is split over the engines like the
+    rollout); ``control`` (from :func:`forgetting_control`) adds the same-policy control's metrics. Returns {} when
+    not due."""
+    t0 = time.perf_counter()
+    chosen = probe_prompts(t, rolled, step)
+    if chosen is None:
+        return {}
+    if not chosen:
+        return {"forget/probe_prompts": 0.0}
+    c = _resample(t, rolled, chosen, step, gather)
+    out = forgetting_metrics(c, control.correct_P_m if control is not None else None)
+    out["time/forget_probe_s"] = time.perf_counter() - t0 + (control.seconds if control is not None else 0.0)
     return {k: (v if math.isfinite(v) else 0.0) for k, v in out.items()}

@@ -68,19 +68,41 @@ def _vllm_engine(cfg, source, tokenizer, dist_info):
     from megatron_rlvr.rollout.vllm_engine import VLLMEngineConfig, VLLMRolloutEngine
 
     r = cfg.rollout
-    return VLLMRolloutEngine(
-        source.hf_config,
-        tokenizer=source.tokenizer_dir,
-        eos_token_ids=_eos_ids(source, tokenizer),
-        config=VLLMEngineConfig(
-            tensor_parallel_size=cfg.parallel.rollout_tp,
-            gpu_memory_utilization=r.gpu_memory_utilization,
-            kv_cache_bytes=None if r.kv_cache_gb is None else int(r.kv_cache_gb * (1 << 30)),
-            dtype=cfg.model.dtype,
-            max_model_len=r.max_prompt_len + r.max_response_len,
-            max_num_seqs=r.max_batch_rows,
-            seed=cfg.train.seed,
-        ),
+    try:
+        return VLLMRolloutEngine(
+            source.hf_config,
+            tokenizer=source.tokenizer_dir,
+            eos_token_ids=_eos_ids(source, tokenizer),
+            config=VLLMEngineConfig(
+                tensor_parallel_size=cfg.parallel.rollout_tp,
+                gpu_memory_utilization=r.gpu_memory_utilization,
+                kv_cache_bytes=None if r.kv_cache_gb is None else int(r.kv_cache_gb * (1 << 30)),
+                dtype=cfg.model.dtype,
+                max_model_len=r.max_prompt_len + r.max_response_len,
+                max_num_seqs=r.max_batch_rows,
+                seed=cfg.train.seed,
+            ),
+        )
+    except ValueError as e:  # vLLM names its own flags: say which keys of the run to change
+        better = kv_cache_error(e, r)
+        if better is None:
+            raise
+        raise better from e
+
+
+def kv_cache_error(e: ValueError, rollout) -> ValueError | None:
+    """vLLM's KV-cache start-up errors name its flags (``gpu_memory_utilization``, ``max_model_len``): the error with
+    the run's keys instead, or None for any other error."""
+    text = str(e)
+    if "KV cache" not in text and "cache blocks" not in text:
+        return None
+    said = text.split(" Try increasing")[0].strip()
+    seq = rollout.max_prompt_len + rollout.max_response_len
+    size = "" if rollout.kv_cache_gb is None else f" (now {rollout.kv_cache_gb:g})"
+    return ValueError(
+        f"rollout.engine=vllm: the KV cache cannot hold one sequence of rollout.max_prompt_len + max_response_len = "
+        f"{seq} tokens; raise rollout.kv_cache_gb{size} (on GPU without it: rollout.gpu_memory_utilization="
+        f"{rollout.gpu_memory_utilization:g}) or lower rollout.max_response_len. vLLM: {said}"
     )
 
 
