@@ -523,17 +523,15 @@ def test_a_hanging_reward_fails_the_step_once_the_limit_is_passed_not_after_ever
     cfg = RewardConfig(fn=f"{__name__}:raising_reward", num_workers=1, timeout_s=0.3, kill_grace_s=0.5)
     with RewardManager(cfg, report=lambda text: None) as rm:
         assert rm.score(["ok"], ["1"])[0] == [1.0]  # the worker is up (its start-up is not part of the timing)
-        t0 = time.monotonic()
         with pytest.raises(RewardFailure) as e:
             generate_groups(
                 HangingTexts(), rm, None, examples, [[1]] * 4, SamplingParams(n=4, max_tokens=2),
                 engine_info(0, 1, 1), seed=0, step=1, round_idx=0, gather=lambda obj: [obj],
                 reward_max_error_frac=0.25, reward_fn=cfg.fn,
             )  # fmt: skip
-        took = time.monotonic() - t0
         assert rm.score(["ok"], ["1"])[0] == [1.0]  # the pool is usable afterwards
-    # 5 timeouts pass 0.25 of 16 items (1.5 s); every item would be 4.8 s
-    assert took < 3.0, took
+    # 5 timeouts pass 0.25 of 16 items: the other 11 are never sent to a worker (no timeout each; counts, not wall
+    # time, so a loaded machine cannot flake it)
     assert "5 of 16 rewards" in str(e.value) and "timeouts 5" in str(e.value) and "11 not scored" in str(e.value)
     with RewardManager(RewardConfig(fn=cfg.fn, num_workers=0), report=lambda text: None) as rm:  # in-process too
         _, stats = rm.score(["raise"] * 3 + ["ok"] * 5, ["1"] * 8, max_error_frac=0.25)
