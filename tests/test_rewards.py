@@ -140,6 +140,26 @@ def test_numeric_reward_gsm8k_style():
         boxed(r"\boxed{1}", r"\frac{\pi}{2}")
 
 
+def test_exact_stop_reward_needs_the_answer_and_a_stop():
+    """exact_stop: 1 only for exactly the answer (stripped) in a response that ended by itself; a response cut at the
+    length limit scores 0 even when its text is the answer; a caller that does not say how the sample ended is an
+    error, not a silent 0."""
+    from megatron_rlvr.rewards import ExactStopReward
+
+    full, lenient = ExactStopReward("full"), ExactStopReward("lenient")
+    assert full("7", "7", finish_reason="stop") == 1.0
+    assert full(" 7 ", "7", finish_reason="stop") == 1.0
+    assert full("7", "7", finish_reason="length") == 0.0
+    assert full("77", "7", finish_reason="stop") == 0.0
+    assert full("=7", "7", finish_reason="stop") == 0.0  # the exact answer, not the last number
+    assert full("", "7", finish_reason="stop") == 0.0
+    assert lenient("so \\boxed{7}", "7", finish_reason="stop") == 1.0
+    assert lenient("Answer: 7", "7", finish_reason="length") == 0.0
+    assert lenient("7", "7", finish_reason="stop") == 1.0  # nothing to extract: the whole response
+    with pytest.raises(ValueError, match="finish_reason"):
+        full("7", "7")
+
+
 # --------------------------------------------------------------------------------------- RewardManager, math-verify
 @pytest.fixture(scope="module")
 def math_rm():
