@@ -140,6 +140,82 @@ def test_numeric_reward_gsm8k_style():
         boxed(r"\boxed{1}", r"\frac{\pi}{2}")
 
 
+def test_exact_stop_reward_needs_the_answer_and_a_stop():
+    """exact_stop: 1 only for exactly the answer (stripped) in a response that ended by itself; a response cut at the
+    length limit scores 0 even when its text is the answer; a caller that does not say how the sample ended is an
+    error, not a silent 0."""
+    from megatron_rlvr.rewards import ExactStopReward
+
+    full, lenient = ExactStopReward("full"), ExactStopReward("lenient")
+    assert full("7", "7", finish_reason="stop") == 1.0
+    assert full(" 7 ", "7", finish_reason="stop") == 1.0
+    assert full("7", "7", finish_reason="length") == 0.0
+    assert full("77", "7", finish_reason="stop") == 0.0
+    assert full("=7", "7", finish_reason="stop") == 0.0  # the exact answer, not the last number
+    assert full("", "7", finish_reason="stop") == 0.0
+    assert lenient("so \\boxed{7}", "7", finish_reason="stop") == 1.0
+    assert lenient("Answer: 7", "7", finish_reason="length") == 0.0
+    assert lenient("7", "7", finish_reason="stop") == 1.0  # nothing to extract: the whole response
+    with pytest.raises(ValueError, match="finish_reason"):
+        full("7", "7")
+
+
+def test_tiny_preset_reward_requires_eos():
+    """The default run's reward, on the tiny tokenizer's own samples as the trainer's rollout step hands them over
+    (text decoded without special tokens, the engine's finish reason with the metadata). Hand-computed: prompt "7=",
+    answer "7", rollout.max_response_len = 4:
+
+    - "7" EOS: stopped, exactly the answer -> 1
+    - "7" <pad> <pad> <pad>: decodes to the same text "7", but cut at 4 tokens -> 0
+    - "7777": cut -> 0
+    - "8" EOS: stopped, wrong digit -> 0
+    - EOS: stopped, empty -> 0
+    """
+    import dataclasses
+
+    from megatron_rlvr.config import load_run_config
+    from megatron_rlvr.data import Example
+    from megatron_rlvr.models.tiny import tiny_tokenizer
+    from megatron_rlvr.rollout.engine import Completion, RolloutOutput, SamplingParams
+    from megatron_rlvr.trainer.generation import engine_info, generate_groups
+
+    cfg = load_run_config(None, [], check_files=False)
+    assert (cfg.reward.fn, cfg.reward.extraction, cfg.rollout.max_response_len) == ("exact_stop", "full", 4)
+    tok = tiny_tokenizer()
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    d7, d8 = tok.convert_tokens_to_ids("7"), tok.convert_tokens_to_ids("8")
+    samples = [([d7, eos], "stop"), ([d7, pad, pad, pad], "length"), ([d7] * 4, "length"), ([d8, eos], "stop")]
+    samples.append(([eos], "stop"))
+    expected = [1.0, 0.0, 0.0, 0.0, 0.0]
+
+    class ScriptedEngine:
+        def generate(self, prompts, params, prompt_keys=None):
+            assert params.max_tokens == 4
+            comps = [
+                Completion(ids, [0.0] * len(ids), why, None, tok.decode(ids, skip_special_tokens=True))
+                for ids, why in samples
+            ]
+            return [RolloutOutput(list(prompts[0]), comps)]
+
+    texts = [tok.decode(ids, skip_special_tokens=True) for ids, _ in samples]
+    assert texts == ["7", "7", "7777", "8", ""]  # the text alone cannot tell the first two apart
+    with RewardManager(dataclasses.replace(cfg.reward, num_workers=0)) as rm:
+        groups, _ = generate_groups(
+            ScriptedEngine(),
+            rm,
+            tok,
+            [Example("7=", "7", "procedural:copy", "copy-0-0", {"level": 1})],
+            [tok("7=", add_special_tokens=False)["input_ids"]],
+            SamplingParams(n=len(samples), max_tokens=cfg.rollout.max_response_len),
+            engine_info(rank=0, world_size=1, rollout_tp=1),
+            seed=0,
+            step=1,
+            round_idx=0,
+            gather=lambda obj: [obj],
+        )
+    assert groups[0].rewards == expected
+
+
 # --------------------------------------------------------------------------------------- RewardManager, math-verify
 @pytest.fixture(scope="module")
 def math_rm():

@@ -1,9 +1,11 @@
 """``megatron-rlvr train`` end to end, as a user runs it: the tiny preset on 2 ranks (TP = 2, gloo), launched by the
 CLI itself.
 
-1. The mean training reward rises from <= 0.2 (a random policy is right ~6% of the time) to >= 0.6 within 50 steps,
-   which no broken pipeline reaches (no weight sync, wrong advantage sign, wrong log-probs or masks all stay near
-   chance); the run ends with a checkpoint, an HF export that ``megatron-rlvr eval`` scores, and a PNG of curves.
+1. The mean training reward rises from <= 0.2 (a random policy copies the digit and stops well under 1% of the time)
+   to >= 0.6 within 50 steps, which no broken pipeline reaches (no weight sync, wrong advantage sign, wrong log-probs
+   or masks all stay near chance); the run ends with a checkpoint, an HF export that ``megatron-rlvr eval`` scores,
+   and a PNG of curves. The same run shows what sets MCPO apart (two updates per step: ratios off 1, the clip and the
+   hinge-KL on mastered prompts act at some step) and the answers learning to stop (truncation and length fall).
 2. A second run SIGKILLed mid-training (launcher and ranks at once) and resumed from its newest checkpoint repeats
    the uninterrupted run's per-step metrics exactly; SIGTERM then makes it save a checkpoint and exit 0.
 """
@@ -110,7 +112,8 @@ def test_tiny_reward_rises_past_what_a_broken_pipeline_reaches(reference_run, tm
     assert f"HF model:    {hf}" in out and os.path.isfile(os.path.join(hf, "model.safetensors"))
     assert os.path.isfile(_ckpt(run, STEPS)) and os.path.isfile(os.path.join(run, "curves.png"))
 
-    # the exported HF folder is a working model: it copies digits far above chance at temperature 0.7
+    # the exported HF folder is a working model: it copies digits and stops far above chance at temperature 0.7
+    # (scored as in training: the digit, then EOS within 4 tokens)
     bench = tmp_path / "copy.jsonl"
     bench.write_text("".join(json.dumps({"problem": f"{d}=", "answer": str(d)}) + "\n" for d in range(10)))
     ev = subprocess.run(
@@ -122,15 +125,15 @@ def test_tiny_reward_rises_past_what_a_broken_pipeline_reaches(reference_run, tm
             "--k",
             "4",
             "--reward",
-            "gsm8k",
+            "exact_stop",
             "--extraction",
-            "lenient",
+            "full",
             "--template",
             "plain",
             "--prompt-template",
             "{problem}",
             "--max-tokens",
-            "2",
+            "4",
         ),
         cwd=REPO,
         env=_env(),
@@ -142,6 +145,34 @@ def test_tiny_reward_rises_past_what_a_broken_pipeline_reaches(reference_run, tm
     row = next(line for line in ev.stdout.splitlines() if line.startswith("copy "))
     avg_at_4 = float(row.split()[3])
     assert avg_at_4 >= 0.5, ev.stdout
+
+
+def test_tiny_run_shows_mcpo_at_work_and_learns_to_stop(reference_run):
+    """The default run is not on-policy GRPO in disguise: with two updates per step the second mini-batch sees a
+    moved policy, so token ratios leave 1, the PPO clip cuts some tokens, and on mastered prompts the hinge-KL is
+    active (|logp - logp_old| > delta); and the answers learn to stop (the reward needs EOS within 4 tokens): a random
+    policy is cut at the limit on most samples, the trained one on almost none, at 2 tokens (digit, EOS)."""
+    run, proc = reference_run
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    recs = _records(run)
+    steps = sorted(recs)
+
+    def first_step(pred):
+        return next((s for s in steps if pred(recs[s])), None)
+
+    hinge = first_step(lambda r: r.get("mcpo/hinge_active_frac", 0.0) > 0 and r.get("mcpo/mastered_abs_d", 0.0) > 0)
+    clip = first_step(lambda r: r.get("loss/clip_frac_low", 0.0) + r.get("loss/clip_frac_high", 0.0) > 0)
+    ratio = first_step(lambda r: r.get("loss/ratio_max", 1.0) != 1.0)
+    assert hinge is not None, [recs[s].get("mcpo/hinge_active_frac") for s in steps]
+    assert clip is not None and ratio is not None, [recs[s].get("loss/clip_frac_low") for s in steps]
+    assert recs[hinge]["mcpo/hinge_kl"] > 0
+    assert all(recs[s]["train/updates"] == 2 for s in steps), [recs[s]["train/updates"] for s in steps]
+    print(f"first active: hinge step {hinge}, clip step {clip}, ratio != 1 step {ratio}")
+
+    trunc = [recs[s]["response/truncated_frac"] for s in steps]
+    length = [recs[s]["response/length_mean"] for s in steps]
+    assert sum(trunc[:5]) / 5 >= 0.5 and sum(trunc[-5:]) / 5 <= 0.05, trunc
+    assert sum(length[:5]) / 5 >= 3.0 and abs(sum(length[-5:]) / 5 - 2.0) <= 0.1, length
 
 
 def test_sigkill_resume_reproduces_metrics_and_sigterm_saves(reference_run, tmp_path):

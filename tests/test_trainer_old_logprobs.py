@@ -19,6 +19,7 @@ from megatron_rlvr.algorithms import PRESETS
 SMALL = [
     "train.prompts_per_step=4",
     "rollout.n=4",
+    *trainer_helpers.DENSE_TINY,
     *trainer_helpers.QUIET,
     "optimizer.lr=1e-2",
     # reward variance in every batch (the exact-copy reward of a random policy can be 0 for all 16 samples, and then

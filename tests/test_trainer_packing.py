@@ -20,6 +20,7 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 SMALL = [
     "train.prompts_per_step=4",
     "rollout.n=4",
+    *trainer_helpers.DENSE_TINY,
     *trainer_helpers.QUIET,
     "optimizer.lr=1e-2",
     "reward.fn=trainer_helpers:even_digit_reward",  # reward variance in every batch: a gradient to compare

@@ -41,7 +41,7 @@ def test_default_config_is_the_tiny_preset():
         ("algorithm.preset=mcpp", "unknown preset 'mcpp'; did you mean 'mcpo'?"),
         ("data.procedural.tsk=copy", "data.procedural.task"),
         ("train.prompts_per_step=abc", "train.prompts_per_step must be an integer"),
-        ("train.mini_batch_prompts=5", "train.mini_batch_prompts=5 does not divide train.prompts_per_step=16"),
+        ("train.mini_batch_prompts=5", "train.mini_batch_prompts=5 does not divide train.prompts_per_step=32"),
         ("train.micro_batch_tokens=4", "cannot hold one sequence"),
         ("rollout.max_response_len=100", "exceeds the model's max_position_embeddings=64"),
         ("eval.every=5", "eval.every > 0 needs eval.files"),

@@ -14,8 +14,18 @@ QUIET = [
     "logging.plot_at_end=false",
 ]
 """Overrides of the in-process trainer tests: rewards inline, no checkpoints, exports, progress lines or plots."""
-SMALL = ["schedule.steps=2", "train.prompts_per_step=4", "rollout.n=4", *QUIET]
-"""A 2-step, 4-prompt x 4-rollout tiny run with QUIET."""
+DENSE_TINY = [
+    "rollout.max_response_len=2",
+    "reward.fn=gsm8k",
+    "reward.extraction=lenient",
+    "train.mini_batch_prompts=null",
+]
+"""The tiny preset's task and loop that the trainer-mechanics tests were written for: responses of at most 2 tokens
+scored on their last number, whether or not they stopped (a random policy is right ~7% of the time, so a 16-sample
+step has reward variance; the preset's own exact_stop reward is right well under 1% of the time), and one update per
+step whatever train.prompts_per_step a test sets (a test that wants mini-batches sets train.mini_batch_prompts)."""
+SMALL = ["schedule.steps=2", "train.prompts_per_step=4", "rollout.n=4", *DENSE_TINY, *QUIET]
+"""A 2-step, 4-prompt x 4-rollout tiny run with DENSE_TINY and QUIET."""
 
 
 def flaky_reward(response: str, ground_truth: str, **metadata) -> float:

@@ -147,7 +147,7 @@ def evaluate_examples(
             for c in out.completions:
                 texts.append(c.text if c.text is not None else tokenizer.decode(c.token_ids, skip_special_tokens=True))
                 gts.append(ex.answer)
-                metas.append(ex.metadata)
+                metas.append({**ex.metadata, "finish_reason": c.finish_reason})
         rewards, _ = reward_manager.score(texts, gts, metas) if texts else ([], {})
         it_out = iter(outputs)
         pos = 0

@@ -7,9 +7,9 @@
   tokenizer's.
   Qwen2 rather than Llama because its QKV bias exercises one more mapping rule on every weight sync.
 
-The task (``configs/tiny.yaml``): the procedural ``copy`` task in terse style, "7=" -> "7". A random model answers
-correctly with probability ~1/|V| (~0.06); a working RL pipeline drives that to ~1 within a few dozen steps, and a
-broken one (no weight sync, wrong advantage sign, wrong log-probs) cannot.
+The task (``configs/tiny.yaml``): the procedural ``copy`` task in terse style, "7=" -> "7" and then EOS (reward
+``exact_stop``). A random model answers so with probability ~1/|V|^2 (well under 1%); a working RL pipeline drives
+that to ~1 within a few dozen steps, and a broken one (no weight sync, wrong advantage sign, wrong log-probs) cannot.
 """
 
 from __future__ import annotations

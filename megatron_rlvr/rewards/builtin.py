@@ -14,7 +14,7 @@ import re
 
 from megatron_rlvr.rewards.extract import EXTRACTION_MODES, extract_answer, last_number, parse_number
 
-__all__ = ["REWARD_FNS", "MathVerifyReward", "NumericReward", "ReasoningGymReward"]
+__all__ = ["REWARD_FNS", "ExactStopReward", "MathVerifyReward", "NumericReward", "ReasoningGymReward"]
 
 
 class MathVerifyReward:
@@ -156,5 +156,36 @@ class ReasoningGymReward:
         return float(score(candidate, metadata["rg_entry"]))
 
 
-REWARD_FNS = {"math": MathVerifyReward, "gsm8k": NumericReward, "reasoning_gym": ReasoningGymReward}
+class ExactStopReward:
+    """1.0 if the response ended by itself and its answer is exactly the ground truth, else 0.0: the sample's
+    ``finish_reason`` (passed with the metadata of every trained or evaluated sample) must be ``"stop"`` (EOS or a
+    stop string within the generation limit; ``"length"``, cut at ``rollout.max_response_len``, scores 0), and the
+    extracted answer, stripped, must equal the stripped ground truth as a string. In ``lenient`` mode a response
+    without an extractable answer is compared whole. Meant for procedural tasks whose answers are just a number
+    (``extraction: full``): the ``tiny`` preset's copy task, "7=" -> "7" then EOS."""
+
+    def __init__(self, extraction: str = "full"):
+        if extraction not in EXTRACTION_MODES:
+            raise ValueError(f"extraction must be one of {EXTRACTION_MODES}, got {extraction!r}")
+        self.extraction = extraction
+
+    def __call__(self, response: str, ground_truth: str, finish_reason: str | None = None, **metadata) -> float:
+        if finish_reason not in ("stop", "length"):
+            raise ValueError(
+                f"reward fn 'exact_stop' needs the sample's finish_reason ('stop' or 'length'), got {finish_reason!r}"
+            )
+        if finish_reason != "stop":
+            return 0.0
+        candidate = extract_answer(response, self.extraction)
+        if candidate is None and self.extraction == "lenient":
+            candidate = response
+        return 1.0 if candidate is not None and candidate.strip() == ground_truth.strip() else 0.0
+
+
+REWARD_FNS = {
+    "math": MathVerifyReward,
+    "gsm8k": NumericReward,
+    "reasoning_gym": ReasoningGymReward,
+    "exact_stop": ExactStopReward,
+}
 """Built-in reward names (``RewardConfig.fn``) -> class built as ``cls(extraction=...)``."""

@@ -14,8 +14,11 @@ __all__ = ["RewardConfig"]
 class RewardConfig:
     fn: str = "math"
     """Reward function: a built-in name ("math": math-verify equivalence; "gsm8k": exact numeric match;
-    "reasoning_gym": the reasoning-gym task's own scorer) or a user function's dotted path ("my_pkg.my_mod:fn" or
-    "my_pkg.my_mod.fn") with signature fn(response: str, ground_truth: str, **metadata) -> float."""
+    "reasoning_gym": the reasoning-gym task's own scorer; "exact_stop": the answer exactly, and the response ended
+    by itself, not cut at rollout.max_response_len) or a user function's dotted path ("my_pkg.my_mod:fn" or
+    "my_pkg.my_mod.fn") with signature fn(response: str, ground_truth: str, **metadata) -> float. The metadata are
+    the example's fields plus the sample's ``finish_reason``: "stop" (EOS or a stop string) or "length" (cut at the
+    generation limit)."""
 
     extraction: str = "boxed"
     """How built-in rewards take the answer from a response: "boxed" (last \\boxed{}/\\fbox{}), "lenient" (boxed,

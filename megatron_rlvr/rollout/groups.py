@@ -131,7 +131,7 @@ def generate_groups(
                 g.texts.append(text)
                 texts.append(text)
                 gts.append(examples[i].answer)
-                metas.append(examples[i].metadata)
+                metas.append({**examples[i].metadata, "finish_reason": c.finish_reason})
                 item_ids.append(examples[i].id)
             mine.append(g)
         t0 = time.perf_counter()
