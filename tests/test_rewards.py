@@ -175,9 +175,9 @@ def test_tiny_preset_reward_requires_eos():
 
     from megatron_rlvr.config import load_run_config
     from megatron_rlvr.data import Example
-    from megatron_rlvr.models.tiny import tiny_tokenizer
+    from megatron_rlvr.families.tiny import tiny_tokenizer
     from megatron_rlvr.rollout.engine import Completion, RolloutOutput, SamplingParams
-    from megatron_rlvr.trainer.generation import engine_info, generate_groups
+    from megatron_rlvr.rollout.groups import engine_info, generate_groups
 
     cfg = load_run_config(None, [], check_files=False)
     assert (cfg.reward.fn, cfg.reward.extraction, cfg.rollout.max_response_len) == ("exact_stop", "full", 4)

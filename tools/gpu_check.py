@@ -89,7 +89,7 @@ def entry_point() -> list[str]:
     so the check needs no installed console script)."""
     text = open(os.path.join(REPO, "pyproject.toml")).read()
     m = re.search(r'^megatron-rlvr\s*=\s*"([\w.]+):(\w+)"', text, re.M)
-    module, func = m.groups() if m else ("megatron_rlvr.cli", "main")
+    module, func = m.groups() if m else ("megatron_rlvr.commands.cli", "main")
     return [sys.executable, "-c", f"import sys; from {module} import {func}; sys.exit({func}())"]
 
 
@@ -220,9 +220,10 @@ def prepare_qwen(work: str, dry: bool) -> tuple[str, str, dict]:
     """config.json (Qwen2.5-0.5B's shape, or a reduced one for the dry run) and a tokenizer folder whose vocabulary
     is the model's: the tiny preset's characters (the procedural prompts) plus filler tokens up to 151936."""
     sys.path.insert(0, REPO)
-    from megatron_rlvr.models.tiny import tiny_vocab
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
+
+    from megatron_rlvr.families.tiny import tiny_vocab
 
     cfg = dict(QWEN05_DRY if dry else QWEN05)
     vocab = tiny_vocab()
