@@ -105,7 +105,8 @@ def config_path(workdir: str, model: str = "base") -> str:
 def prepare(workdir: str) -> None:
     """config.json (base), config-small.json, the tokenizer folder, prompts.jsonl (the procedural single-digit
     addition task) and bench.yaml (the config file of the bare mode: only the prompt template) in ``workdir``."""
-    sys.path.insert(0, REPO)
+    if REPO not in sys.path:  # last: a checkout already on the path (PYTHONPATH) keeps its own code
+        sys.path.append(REPO)
     from megatron_rlvr.data.procedural import ProceduralConfig, generate_examples
     from megatron_rlvr.families.tiny import save_tiny_tokenizer, tiny_tokenizer
 
