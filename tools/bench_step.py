@@ -45,6 +45,10 @@ lines are, per size (``_small`` appended for the small model):
 and, for the base model with TP=2 in ``--tp``, ``step_vs_trl_tp2=<ours TP=2 lean on 2 ranks (1 thread each) / TRL>``.
 TRL has no tensor parallelism: its baseline is the same single process with 2 threads.
 
+On a machine busy with other work, ``--threads 1`` (both sides): with two threads every parallel op waits at its
+barrier for the second thread to get a core again, and a step took 14 s instead of 0.17 s; one thread degrades
+with the load, not with the scheduler's time slice.
+
 TRL (the ``bench`` extra, trl==1.16.0) may live in another environment: ``--trl-python`` (or
 $MEGATRON_RLVR_TRL_PYTHON) names its interpreter; it needs trl, transformers and torch only (not this package).
 Without TRL the benchmark says so and exits 0. ``--baseline-repo`` runs another checkout's trainer too (``base``
@@ -355,7 +359,7 @@ def find_trl_python(flag: str | None) -> str | None:
 def run_trl(python: str, workdir: str, steps: int, warmup: int, index: int, model: str = "base") -> dict[str, float]:
     out = os.path.join(workdir, f"trl-{model}-{index}.json")
     cmd = [python, os.path.abspath(__file__), "--trl-worker", workdir, "--steps", str(steps)]
-    cmd += ["--warmup", str(warmup), "--out", out, "--model", model]
+    cmd += ["--warmup", str(warmup), "--out", out, "--model", model, "--threads", str(THREADS)]
     env = dict(os.environ, OMP_NUM_THREADS=str(THREADS), TOKENIZERS_PARALLELISM="false")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -434,6 +438,7 @@ RATIOS = (
 
 
 def main() -> int:
+    global THREADS
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=5, help="runs of each side (alternating)")
     ap.add_argument("--steps", type=int, default=8, help="RL steps per run")
@@ -441,6 +446,9 @@ def main() -> int:
     ap.add_argument("--tp", default="1,2", help="our lean layouts to run: comma-separated TP sizes (1 and/or 2)")
     ap.add_argument("--model", default="base,small", help=f"model sizes, comma-separated: {', '.join(MODELS)}")
     ap.add_argument("--modes", default="lean,defaults", help=f"our side's modes, comma-separated: {', '.join(MODES)}")
+    ap.add_argument(
+        "--threads", type=int, default=THREADS, help="CPU threads of each side (1 on a busy machine, see the docstring)"
+    )
     ap.add_argument("--trl-python", default=None, help="interpreter with trl installed (default: this one)")
     ap.add_argument("--workdir", default=None, help="where inputs and run dirs go (default: a temp dir)")
     ap.add_argument(
@@ -449,6 +457,7 @@ def main() -> int:
     ap.add_argument("--trl-worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    THREADS = a.threads
     if a.trl_worker:
         trl_worker(a.trl_worker, a.steps, a.warmup, a.out, a.model)
         return 0
