@@ -4,7 +4,7 @@ The work (both sides): a randomly initialised Llama over the built-in character 
 (transformers' init under the same seed), 8 single-digit "a+b=" prompts x 8 rollouts x at most 8 new tokens
 (temperature 1), exact-answer reward, GRPO (no KL term), Adam at lr 1e-3 with gradient clipping 1.0, fp32, no
 activation recomputation (TRL's default gradient checkpointing and our ``train.recompute=full`` default are both
-switched off), 2 CPU threads in all. Generation on both sides is transformers ``generate`` (our
+switched off), 2 CPU threads in all (``--threads``). Generation on both sides is transformers ``generate`` (our
 ``rollout.engine=hf``, set explicitly). Two model sizes (``--model``, both by default):
 
     base   hidden 256, 4 layers, 8 query / 4 KV heads, FFN 512
