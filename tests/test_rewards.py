@@ -393,6 +393,41 @@ def test_forked_child_of_the_reward_fn_still_exits(user_rm):
     assert user_rm.score(["3", "x"], ["3", "3"])[0] == [1.0, 0.0]
 
 
+@pytest.fixture(scope="module")
+def one_worker_rm():
+    """One worker: its items come in chunks, so every failure below happens with items queued behind it."""
+    cfg = RewardConfig(fn=f"{__name__}:misbehaving_reward", num_workers=1, timeout_s=1.0, kill_grace_s=1.5)
+    rm = RewardManager(cfg)
+    yield rm
+    rm.close()
+
+
+def test_items_queued_behind_a_failure_in_a_chunk_are_scored(one_worker_rm):
+    """An error, a NaN and an interrupted hang in the middle of a worker's chunk: the items after each are scored
+    by the same worker, in order, and the batch takes the one timeout."""
+    rm = one_worker_rm
+    pids = rm.worker_pids
+    responses = ["1", "raise", "2", "sleep", "1", "nan", "1"] + ["1", "2"] * 20
+    t0 = time.monotonic()
+    details = rm.score_detailed(responses, ["1"] * len(responses))
+    elapsed = time.monotonic() - t0
+    want = {"raise": ("error", 0.0), "sleep": ("timeout", 0.0), "nan": ("nonfinite", 0.0), "2": ("ok", 0.0)}
+    assert [(d.status, d.reward) for d in details] == [want.get(r, ("ok", 1.0)) for r in responses]
+    assert 0.95 < elapsed < 2.5 and rm.worker_pids == pids
+
+
+def test_a_killed_or_dead_workers_unstarted_items_go_back_to_the_queue(one_worker_rm):
+    """The worker is killed on a stuck item (or dies on one) with more of its chunk still to do: those items are
+    scored by the replacement, none is lost or scored twice."""
+    rm = one_worker_rm
+    for bad, status in (("stubborn", "timeout"), ("die", "error")):
+        responses = [bad, "1", "2", "1", "1", "2"]
+        details = rm.score_detailed(responses, ["1"] * len(responses))
+        assert details[0].status == status
+        assert [(d.status, d.reward) for d in details[1:]] == [("ok", float(r == "1")) for r in responses[1:]]
+    assert rm.score(["1", "2"], ["1", "1"])[0] == [1.0, 0.0]
+
+
 def test_non_numeric_return_is_rejected_with_the_value(user_rm):
     """A string "1.0" used to be converted silently; it is an error that shows the value."""
     detail = user_rm.score_detailed(["str"], ["1"])[0]

@@ -476,3 +476,23 @@ def test_grads_finite_is_exact_through_the_sum_shortcut():
     assert _grads_finite(ddp)
     flat[7] = float("inf")
     assert not _grads_finite(ddp)
+
+
+def test_tensorboard_gets_every_finite_metric_of_every_step(tmp_path):
+    """One event per step holds the step's scalars: TensorBoard reads them as add_scalar's (tag, step, float32)."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from megatron_rlvr.rundir.metrics_log import RunLogger
+
+    log = RunLogger(str(tmp_path), enabled=True, tensorboard="on", progress=False)
+    steps = {1: {"loss/total": 0.25, "reward/mean": 1 / 3, "optim/grad_norm": math.nan}, 2: {"loss/total": -1e-9}}
+    for step, m in steps.items():
+        log.log(step, m)
+    log.close()
+    acc = EventAccumulator(log.tb_dir)
+    acc.Reload()
+    assert sorted(acc.Tags()["scalars"]) == ["loss/total", "reward/mean"]  # non-finite values are left out
+    got = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    f32 = lambda v: torch.tensor(v, dtype=torch.float32).item()  # noqa: E731
+    assert got == {"loss/total": [(1, 0.25), (2, f32(-1e-9))], "reward/mean": [(1, f32(1 / 3))]}

@@ -237,8 +237,16 @@ def init_model_parallel(
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
 
+# The object and scalar collectives below return at once in a one-process world (or group): a step calls several
+# (the rollout's gather, the loss metrics', the mismatch metrics', the finite-gradients and stop checks), and each
+# costs a pickle round trip and two gloo collectives, ~1 ms on a busy CPU, for nothing. Their callers get the object
+# itself rather than a copy; they build it for the call and do not change it afterwards.
+
+
 def broadcast_object(obj, src: int = 0, group=None):
     """``obj`` of rank ``src`` on every rank."""
+    if dist.get_world_size(group) == 1:
+        return obj
     box = [obj]
     dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
@@ -246,12 +254,16 @@ def broadcast_object(obj, src: int = 0, group=None):
 
 def all_gather_objects(obj, group=None) -> list:
     """Every rank's ``obj`` (in rank order of ``group``)."""
+    if dist.get_world_size(group) == 1:
+        return [obj]
     out = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
 
 
 def all_reduce_max(value: float, group=None) -> float:
+    if dist.get_world_size(group) == 1:
+        return float(value)
     t = torch.tensor([float(value)], dtype=torch.float64)
     if dist.get_backend(group) == "nccl":
         t = t.cuda()

@@ -1,5 +1,10 @@
 """The run's metrics outputs: metrics.jsonl (one record per step), TensorBoard when installed, Weights & Biases when
-``logging.wandb.enabled``, and the progress line. Only global rank 0 writes."""
+``logging.wandb.enabled``, and the progress line. Only global rank 0 writes.
+
+TensorBoard gets one event per step holding all of that step's scalars (what ``SummaryWriter.add_scalar`` writes
+per scalar, merged: the same tags, steps and float32 values): ``add_scalar`` costs about 0.2 ms a call, 20 ms a step
+for the ~90 metrics of a step, the one event about 0.1 ms. The event file writer's own thread writes it and flushes
+every ``TB_FLUSH_S`` seconds and at close, not every step (a flush waits for that thread)."""
 
 from __future__ import annotations
 
@@ -17,6 +22,9 @@ if TYPE_CHECKING:
 
 WANDB_ID_FILE = "wandb_run_id"
 """The run directory's W&B run id (a resumed run continues that W&B run)."""
+
+TB_FLUSH_S = 10
+"""Seconds between flushes of the TensorBoard event file (its writer thread does them; close flushes the rest)."""
 
 
 def read_metrics(path: str) -> list[dict]:
@@ -79,10 +87,12 @@ class RunLogger:
         os.makedirs(run_dir, exist_ok=True)
         if tensorboard != "off":
             try:
-                from torch.utils.tensorboard import SummaryWriter
+                from tensorboard.compat.proto.summary_pb2 import Summary
+                from torch.utils.tensorboard.writer import FileWriter
 
                 self.tb_dir = os.path.join(run_dir, "tensorboard")
-                self.tb = SummaryWriter(self.tb_dir)
+                self.tb = FileWriter(self.tb_dir, flush_secs=TB_FLUSH_S)
+                self._summary = Summary
             except ImportError:
                 if tensorboard == "on":
                     raise ValueError("logging.tensorboard=on but the tensorboard package is not installed") from None
@@ -131,10 +141,9 @@ class RunLogger:
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
         if self.tb is not None:
-            for k, v in metrics.items():
-                if v == v and abs(v) != math.inf:
-                    self.tb.add_scalar(k, v, step)
-            self.tb.flush()
+            value = self._summary.Value
+            scalars = [value(tag=k, simple_value=float(v)) for k, v in metrics.items() if v == v and abs(v) != math.inf]
+            self.tb.add_summary(self._summary(value=scalars), step)
         if self.wandb_cfg is not None:
             if self.wandb_run is None:
                 self.wandb_run = start_wandb(

@@ -13,12 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from megatron_rlvr.algorithms import AlgorithmConfig, LossNormalizers
 from megatron_rlvr.data import shard_range
 from megatron_rlvr.megatron.optimizer_step import apply_gradients, zero_grads
-from megatron_rlvr.megatron.parallel import all_reduce_max
+from megatron_rlvr.megatron.parallel import all_gather_objects, all_reduce_max
 from megatron_rlvr.megatron.schedule import run_microbatches
 from megatron_rlvr.rollout.mismatch import MismatchCorrectionConfig
 from megatron_rlvr.trainer.batch import TrainBatch
@@ -217,8 +216,7 @@ def policy_update(ctx: UpdateSettings, ddp_model, optimizer, batch: TrainBatch, 
             if outcome.grad_norm is not None:
                 grad_norms.append(outcome.grad_norm)
     contributor = ctx.pg.pp.rank() == ctx.pg.pp.size() - 1 and ctx.pg.tp.rank() == 0
-    states = [None] * dist.get_world_size()
-    dist.all_gather_object(states, acc.state() if contributor else None)
+    states = all_gather_objects(acc.state() if contributor else None)
     out = LossMetrics.merge([s for s in states if s is not None], max(updates + skipped, 1))
     out["train/updates"] = float(updates)
     out["train/skipped_nonfinite"] = float(skipped)
