@@ -196,9 +196,9 @@ def test_a_changed_reward_function_on_resume_is_refused(tmp_path):
     run = tmp_path / "run"
     _prepare(None, [f"logging.run_dir={run}"])
     _fake_checkpoint(str(run), 10)
-    with pytest.raises(ResumeError, match=r"reward\.fn: 'gsm8k' -> 'math'"):
+    with pytest.raises(ResumeError, match=r"reward\.fn: 'exact_stop' -> 'math'"):
         _prepare(str(run), ["reward.fn=math"])
-    with pytest.raises(ResumeError, match=r"reward\.extraction: 'lenient' -> 'boxed'"):
+    with pytest.raises(ResumeError, match=r"reward\.extraction: 'full' -> 'boxed'"):
         _prepare(str(run), ["reward.extraction=boxed"])
     cfg, _ = _prepare(str(run), ["reward.timeout_s=5", "reward.num_workers=2"])
     assert cfg.reward.timeout_s == 5 and cfg.reward.num_workers == 2

@@ -169,6 +169,12 @@ class ExactStopReward:
             raise ValueError(f"extraction must be one of {EXTRACTION_MODES}, got {extraction!r}")
         self.extraction = extraction
 
+    @staticmethod
+    def has_answer(response: str, extraction: str) -> bool:
+        """An answer was found to score (``reward/n_no_answer`` counts the others); ``lenient`` compares the whole
+        response, so every response has one there."""
+        return extraction == "lenient" or extract_answer(response, extraction) is not None
+
     def __call__(self, response: str, ground_truth: str, finish_reason: str | None = None, **metadata) -> float:
         if finish_reason not in ("stop", "length"):
             raise ValueError(
