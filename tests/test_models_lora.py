@@ -1,0 +1,177 @@
+"""LoRA adapters on megatron's parallel linears (models/lora.py): a tiny random Qwen3 (GQA, q/k norms, head_dim !=
+hidden/heads) with adapters on qkv, proj, fc1 and fc2 gives the same logits and the same adapter gradients (fp32,
+relative 1e-5) at TP=1, TP=2 and TP=2 with sequence parallelism, per target module; the forward with the adapters
+merged into the weights equals the hooked forward; adapters disabled give exactly the base model (the reference
+policy without a second model); megatron's DDP and optimizer hold the adapters only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_rlvr.config.lora_config import LORA_TARGETS, LoRAConfig
+
+VOCAB = 300
+SEQ = 12
+RANK = 4
+
+
+def _hf_config():
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        num_hidden_layers=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        architectures=["Qwen3ForCausalLM"],
+    )
+
+
+@pytest.fixture(scope="module")
+def base_folder(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(_hf_config(), dtype=torch.float32)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(
+                (1.0 + 0.2 * torch.randn(p.shape, generator=g))
+                if "norm" in name
+                else 0.08 * torch.randn(p.shape, generator=g)
+            )
+    folder = tmp_path_factory.mktemp("lora_base")
+    model.save_pretrained(folder)
+    return str(folder)
+
+
+def random_peft(hf_config: dict, targets, rank: int, seed: int) -> dict[str, torch.Tensor]:
+    """Random PEFT tensors (A and B both non-zero, so every gradient is) for the given targets of an HF config."""
+    from megatron_rlvr.models.lora import peft_names
+
+    h, f = hf_config["hidden_size"], hf_config["intermediate_size"]
+    d = hf_config.get("head_dim") or h // hf_config["num_attention_heads"]
+    q, kv = hf_config["num_attention_heads"] * d, hf_config["num_key_value_heads"] * d
+    shapes = {
+        "qkv": {"self_attn.q_proj": (h, q), "self_attn.k_proj": (h, kv), "self_attn.v_proj": (h, kv)},
+        "proj": {"self_attn.o_proj": (q, h)},
+        "fc1": {"mlp.gate_proj": (h, f), "mlp.up_proj": (h, f)},
+        "fc2": {"mlp.down_proj": (f, h)},
+    }
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for layer in range(hf_config["num_hidden_layers"]):
+        for t in targets:
+            for mod, (fan_in, fan_out) in shapes[t].items():
+                a, b = peft_names(f"model.layers.{layer}.{mod}.weight")
+                out[a] = 0.2 * torch.randn(rank, fan_in, generator=g)
+                out[b] = 0.2 * torch.randn(fan_out, rank, generator=g)
+    return out
+
+
+def _rank_forward_backward(folder: str, peft: dict, ids: torch.Tensor, targets: list, sp: bool) -> dict:
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    from megatron_rlvr.megatron.policy import wrap_ddp
+    from megatron_rlvr.models.build import build_gpt_model, gather_vocab_parallel
+    from megatron_rlvr.models.hf_config import megatron_model_args
+    from megatron_rlvr.models.hf_loading import load_hf_weights
+    from megatron_rlvr.models.lora import (
+        adapters_disabled,
+        attach_lora,
+        gather_peft_tensors,
+        is_lora_param,
+        load_peft_tensors,
+        merged_weight,
+    )
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    tp_group = ps.get_tensor_model_parallel_group()
+    # one padded vocabulary at every TP: the padding's zero logits enter the loss's softmax
+    args = megatron_model_args(folder, tp_size=tp, sequence_parallel=sp, padded_vocab_size=512)
+    model = build_gpt_model(args)
+    load_hf_weights(model, args, folder)
+    attach_lora(model, LoRAConfig(rank=RANK, alpha=2.0 * RANK, targets=targets), args, seed=0)
+    load_peft_tensors(model, peft)
+    pos = torch.arange(ids.shape[1]).unsqueeze(0).expand(ids.shape[0], -1)
+
+    def logits_of(m):
+        with torch.no_grad():
+            return gather_vocab_parallel(m(ids, pos, None).float(), tp_group, VOCAB)
+
+    # the trainer's path: megatron DDP (adapters only), backward, finalize_model_grads (DP average; with sequence
+    # parallelism also the TP sum of the replicated adapters' partial gradients)
+    ddp = wrap_ddp(model, distributed_optimizer=False)
+    ddp.zero_grad_buffer()
+    out = ddp(ids, pos, None)  # [b, s, V/tp]
+    loss = vocab_parallel_cross_entropy(
+        out.float().transpose(0, 1).contiguous(), ids.roll(-1, 1).t().contiguous()
+    ).mean()
+    loss.backward()
+    finalize_model_grads([ddp])
+    res = {"logits": gather_vocab_parallel(out.detach().float(), tp_group, VOCAB), "loss": loss.item()}
+    res["grads"] = gather_peft_tensors(model, grads=True)
+    res["base_grads"] = [
+        n
+        for n, p in model.named_parameters()
+        if not is_lora_param(p) and (p.grad is not None or hasattr(p, "main_grad"))
+    ]
+    res["ddp_buffer_numel"] = sum(b.grad_data.numel() for b in ddp.buffers)
+    res["trainable"] = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    with adapters_disabled(model):
+        res["disabled"] = logits_of(model)
+    base = build_gpt_model(args)
+    load_hf_weights(base, args, folder)
+    res["base"] = logits_of(base)
+    with torch.no_grad():
+        for p in model.parameters():
+            if getattr(p, "lora_adapter", None) is not None:
+                p.copy_(merged_weight(p))
+    with adapters_disabled(model):
+        res["merged"] = logits_of(model)
+    return res
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("targets", [[t] for t in LORA_TARGETS] + [list(LORA_TARGETS)], ids=lambda t: "+".join(t))
+def test_tp1_tp2_forward_and_gradients_agree(dist_pool, base_folder, targets):
+    from megatron_rlvr.models.hf_config import load_hf_config
+
+    peft = random_peft(load_hf_config(base_folder), targets, RANK, seed=7)
+    ids = torch.randint(3, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    runs = {
+        "tp1": dist_pool.run(_rank_forward_backward, tp=1, args=(base_folder, peft, ids, targets, False))[0],
+        "tp2": dist_pool.run(_rank_forward_backward, tp=2, args=(base_folder, peft, ids, targets, False))[0],
+    }
+    if len(targets) == len(LORA_TARGETS):
+        runs["tp2_sp"] = dist_pool.run(_rank_forward_backward, tp=2, args=(base_folder, peft, ids, targets, True))[0]
+    ref = runs["tp1"]
+    assert set(ref["grads"]) == set(peft)
+    assert _rel(ref["logits"], ref["base"]) > 1e-2  # the adapter changes the model
+    for name, r in runs.items():
+        assert not r["base_grads"], f"{name}: frozen base weights got gradients: {r['base_grads'][:3]}"
+        assert all(n.startswith("lora_adapters.") for n in r["trainable"]), r["trainable"]
+        assert torch.equal(r["disabled"], r["base"]), f"{name}: adapters disabled != base model"
+        assert _rel(r["merged"], r["logits"]) < 1e-5, name
+        assert _rel(r["logits"], ref["logits"]) < 1e-5, name
+        assert abs(r["loss"] - ref["loss"]) < 1e-5 * abs(ref["loss"])
+        for k, g in ref["grads"].items():
+            assert g.abs().sum() > 0, k
+            assert _rel(r["grads"][k], g) < 1e-5, f"{name}: gradient of {k}"
