@@ -175,3 +175,132 @@ def test_tp1_tp2_forward_and_gradients_agree(dist_pool, base_folder, targets):
         for k, g in ref["grads"].items():
             assert g.abs().sum() > 0, k
             assert _rel(r["grads"][k], g) < 1e-5, f"{name}: gradient of {k}"
+
+
+def _rank_step_and_export(folder: str, peft: dict | None, ids: torch.Tensor, out_root: str) -> dict:
+    """One optimizer step of the policy (LoRA when ``peft`` is given, else full fine-tuning) through the trainer's
+    builders, then the merged HF export and the PEFT export."""
+    import os
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    from megatron_rlvr.config import OptimizerConfig, ParallelConfig, ScheduleConfig
+    from megatron_rlvr.megatron.policy import ModelSource, _torch_optimizers, build_model, build_optimizer, wrap_ddp
+    from megatron_rlvr.models.export import export_hf
+    from megatron_rlvr.models.hf_config import load_hf_config, megatron_model_args
+    from megatron_rlvr.models.lora import adapter_params, export_peft, load_peft_tensors
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    pg = ProcessGroupCollection.use_mpu_process_groups()
+    args = megatron_model_args(folder, tp_size=tp, padded_vocab_size=512)
+    source = ModelSource(load_hf_config(folder), folder, None, False)
+    lora = LoRAConfig(rank=RANK, alpha=2.0 * RANK) if peft is not None else None
+    model = build_model(args, source, 0, pg, lora=lora)
+    if peft is not None:
+        load_peft_tensors(model, peft)
+    ddp = wrap_ddp(model, distributed_optimizer=False)
+    optimizer, _ = build_optimizer(
+        ddp,
+        OptimizerConfig(lr=1e-2),
+        ScheduleConfig(steps=2),
+        ParallelConfig(tp=tp, distributed_optimizer=False),
+        "float32",
+    )
+    frozen_before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    pos = torch.arange(ids.shape[1]).unsqueeze(0).expand(ids.shape[0], -1)
+    out = ddp(ids, pos, None)
+    loss = vocab_parallel_cross_entropy(out.float().transpose(0, 1).contiguous(), ids.roll(-1, 1).t().contiguous())
+    loss.mean().backward()
+    finalize_model_grads([ddp])
+    ok, _, _ = optimizer.step()
+    opt_params = [p for o in _torch_optimizers(optimizer) for g in o.param_groups for p in g["params"]]
+    state_bytes = sum(
+        t.numel() * t.element_size()
+        for o in _torch_optimizers(optimizer)
+        for st in o.state.values()
+        for t in st.values()
+        if torch.is_tensor(t)
+    )
+    res = {
+        "step_ok": ok,
+        "optimizer_params": len(opt_params),
+        "optimizer_numel": sum(p.numel() for p in opt_params),
+        "optimizer_state_bytes": state_bytes,
+        "ddp_grad_buffer_numel": sum(b.grad_data.numel() for b in ddp.buffers),
+        "frozen_unchanged": all(
+            torch.equal(p, frozen_before[n]) for n, p in model.named_parameters() if n in frozen_before
+        ),
+        "n_frozen": len(frozen_before),
+    }
+    if peft is not None:
+        ids_opt = {id(p) for p in opt_params}
+        res["optimizer_is_adapters"] = ids_opt == {id(p) for p in adapter_params(model)}
+        tag = f"tp{tp}"
+        res["merged_dir"] = export_hf(ddp, args, os.path.join(out_root, f"merged_{tag}"), source_dir=folder)
+        res["peft_dir"] = export_peft(ddp, os.path.join(out_root, f"peft_{tag}"), base_model=folder)
+    return res
+
+
+def test_optimizer_holds_adapters_only_and_exports_merge(dist_pool, base_folder, tmp_path):
+    """One step at TP=1 and TP=2: the optimizer, its state and DDP's gradient buffer cover the adapters only, the
+    base weights do not move, the PEFT exports of both layouts agree, and the merged HF export equals
+    W + (alpha/r) B A computed by hand from the base checkpoint and the PEFT export."""
+    from safetensors.torch import load_file
+
+    from megatron_rlvr.models.hf_config import load_hf_config
+    from megatron_rlvr.models.lora import read_peft_folder
+
+    hf_cfg = load_hf_config(base_folder)
+    peft = random_peft(hf_cfg, LORA_TARGETS, RANK, seed=11)
+    ids = torch.randint(3, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(2))
+    full = dist_pool.run(_rank_step_and_export, tp=2, args=(base_folder, None, ids, str(tmp_path)))[0]
+    runs = {
+        tp: dist_pool.run(_rank_step_and_export, tp=tp, args=(base_folder, peft, ids, str(tmp_path)))[0]
+        for tp in (1, 2)
+    }
+    lora = runs[2]
+    n_adapter = sum(v.numel() for v in peft.values())
+    print(
+        f"\noptimizer state bytes per rank at TP=2: LoRA r={RANK} {lora['optimizer_state_bytes']} vs full "
+        f"{full['optimizer_state_bytes']}; DDP grad buffer numel {lora['ddp_grad_buffer_numel']} vs "
+        f"{full['ddp_grad_buffer_numel']}"
+    )
+    assert full["n_frozen"] == 0 and full["step_ok"]
+    for tp, r in runs.items():
+        assert r["step_ok"] and r["optimizer_is_adapters"], tp
+        assert r["frozen_unchanged"] and r["n_frozen"] > 0, tp
+        # Adam: exp_avg + exp_avg_sq (fp32) per adapter element, plus a step counter per tensor
+        assert r["optimizer_state_bytes"] < 2 * 4 * r["optimizer_numel"] + 64 * r["optimizer_params"]
+    assert runs[1]["optimizer_numel"] == n_adapter
+    assert lora["optimizer_state_bytes"] * 10 < full["optimizer_state_bytes"]
+    assert lora["ddp_grad_buffer_numel"] * 10 < full["ddp_grad_buffer_numel"]
+
+    cfg1, t1 = read_peft_folder(runs[1]["peft_dir"])
+    cfg2, t2 = read_peft_folder(runs[2]["peft_dir"])
+    assert cfg1 == cfg2 and cfg1["r"] == RANK and cfg1["peft_type"] == "LORA"
+    assert sorted(cfg1["target_modules"]) == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    assert set(t1) == set(peft)
+    for k in t1:
+        assert not torch.equal(t1[k], peft[k]), f"{k} did not train"
+        assert _rel(t2[k], t1[k]) < 1e-5, k
+    base = load_file(f"{base_folder}/model.safetensors")
+    scale = cfg1["lora_alpha"] / cfg1["r"]
+    for tp, r in runs.items():
+        merged = load_file(f"{r['merged_dir']}/model.safetensors")
+        assert set(merged) == set(base)
+        _, t = read_peft_folder(r["peft_dir"])
+        for name, w in base.items():
+            stem = "base_model.model." + name.removesuffix(".weight")
+            want = (
+                w + scale * t[f"{stem}.lora_B.weight"] @ t[f"{stem}.lora_A.weight"]
+                if f"{stem}.lora_A.weight" in t
+                else w
+            )
+            assert (merged[name] - want).abs().max() < 1e-6, f"tp{tp}: {name}"

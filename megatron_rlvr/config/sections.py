@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_rlvr.config.lora_config import LoRAConfig
+
 DTYPES = ("float32", "bfloat16")
 ENGINES = ("auto", "hf", "vllm")
 OLD_LOGPROBS = ("recompute", "rollout")
@@ -49,6 +51,8 @@ class ModelConfig:
     """Tokenizer folder. Default: the model folder, or the built-in character tokenizer for ``tiny``."""
     dtype: str = "float32"
     """Training parameter dtype: ``float32`` or ``bfloat16`` (the engine uses the same)."""
+    lora: LoRAConfig | None = None
+    """Train low-rank adapters on the frozen model instead of every weight (models/lora.py); None: full fine-tuning."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -18,6 +18,7 @@ import torch
 
 from megatron_rlvr.models.hf_config import MegatronModelArgs
 from megatron_rlvr.models.hf_loading import SAFE_INDEX, SAFE_SINGLE
+from megatron_rlvr.models.lora import is_lora_param, merged_weight
 from megatron_rlvr.models.mapping import WeightMapping, layer_offset
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
@@ -62,10 +63,12 @@ def iter_hf_tensors(model, args: MegatronModelArgs, *, pg_collection=None) -> It
     mapping = WeightMapping(args.dims)
     offset = layer_offset(args.config, pg_collection.pp.rank())
     for name, param in model.named_parameters():
+        if is_lora_param(param):  # LoRA: exported merged into the weight it adapts
+            continue
         p = mapping.resolve(name, layer_offset=offset)
         if p.skip_on_export:
             continue
-        full = _gather_tp(param.detach(), p.tp_dim, tp_group)
+        full = _gather_tp(merged_weight(param), p.tp_dim, tp_group)
         yield from p.to_hf(full, tp_group.size()).items()
 
 

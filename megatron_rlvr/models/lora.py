@@ -463,3 +463,70 @@ def peft_target_modules(model) -> list[str]:
             if m not in names:
                 names.append(m)
     return names
+
+
+class BaseModelView(torch.nn.Module):
+    """The policy with its adapters switched off, as a module: the reference policy of KL terms for a LoRA run. It
+    shares every tensor with the policy (no second model in memory); megatron's schedules find the policy's config
+    through ``module`` like through any wrapper."""
+
+    def __init__(self, policy):
+        super().__init__()
+        self.module = policy
+
+    def forward(self, *args, **kwargs):
+        with adapters_disabled(self.module):
+            return self.module(*args, **kwargs)
+
+
+PEFT_CONFIG = "adapter_config.json"
+PEFT_WEIGHTS = "adapter_model.safetensors"
+
+
+def peft_config_dict(model, base_model: str | None) -> dict:
+    """``adapter_config.json`` of this model's adapters (what ``peft`` and vLLM read)."""
+    cfg = lora_container(model).cfg
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": cfg.rank,
+        "lora_alpha": cfg.alpha,
+        "lora_dropout": cfg.dropout,
+        "target_modules": peft_target_modules(model),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "init_lora_weights": True,
+        "base_model_name_or_path": base_model,
+    }
+
+
+def export_peft(model, out_dir: str, *, base_model: str | None = None, pg_collection=None, dtype=None) -> str:
+    """Write the adapters as a PEFT folder (``adapter_config.json`` + ``adapter_model.safetensors``). Collective over
+    the world; rank 0 writes. ``base_model``: the HF folder (or hub id) the adapters apply to."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    tensors = gather_peft_tensors(model, pg_collection=pg_collection)
+    if torch.distributed.get_rank() == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        tensors = {k: v.to(dtype or v.dtype).contiguous() for k, v in sorted(tensors.items())}
+        save_file(tensors, os.path.join(out_dir, PEFT_WEIGHTS), metadata={"format": "pt"})
+        with open(os.path.join(out_dir, PEFT_CONFIG), "w") as f:
+            json.dump(peft_config_dict(model, base_model), f, indent=2)
+    torch.distributed.barrier()
+    return out_dir
+
+
+def read_peft_folder(folder: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(adapter_config.json, PEFT tensors) of a PEFT folder."""
+    import json
+    import os
+
+    from safetensors.torch import load_file
+
+    with open(os.path.join(folder, PEFT_CONFIG)) as f:
+        cfg = json.load(f)
+    return cfg, load_file(os.path.join(folder, PEFT_WEIGHTS))

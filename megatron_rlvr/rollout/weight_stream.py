@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megatron_rlvr.models.lora import is_lora_param, merged_weight
 from megatron_rlvr.models.mapping import ResolvedParam, WeightMapping, layer_offset
 
 Bucket = list[tuple[str, torch.Tensor]]
@@ -141,6 +142,8 @@ def _local_entries(chunks, offsets, mapping: WeightMapping, tp_size: int, stage:
     out = []
     for chunk, offset in zip(chunks, offsets):
         for name, param in chunk.named_parameters():
+            if is_lora_param(param):  # adapters reach the engine merged into their weights (or as a folder)
+                continue
             p = mapping.resolve(name, layer_offset=offset)
             if p.skip_on_export:
                 continue
@@ -257,7 +260,7 @@ class _Assembler:
 
     def _owner_tensors(self, e: _Entry) -> list[torch.Tensor]:
         p, param = e.local
-        local = param.detach()
+        local = merged_weight(param)  # the parameter itself unless LoRA adapts it
         if self.tp_size == 1 or p.tp_dim is None:
             full = local
         else:
