@@ -304,3 +304,91 @@ def test_optimizer_holds_adapters_only_and_exports_merge(dist_pool, base_folder,
                 else w
             )
             assert (merged[name] - want).abs().max() < 1e-6, f"tp{tp}: {name}"
+
+
+def _lora_policy(folder: str, tp: int, distributed_optimizer: bool):
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from megatron_rlvr.config import OptimizerConfig, ParallelConfig, ScheduleConfig
+    from megatron_rlvr.megatron.policy import ModelSource, build_model, build_optimizer, wrap_ddp
+    from megatron_rlvr.models.hf_config import load_hf_config, megatron_model_args
+
+    pg = ProcessGroupCollection.use_mpu_process_groups()
+    args = megatron_model_args(folder, tp_size=tp, padded_vocab_size=512)
+    source = ModelSource(load_hf_config(folder), folder, None, False)
+    model = build_model(args, source, 0, pg, lora=LoRAConfig(rank=RANK, alpha=2.0 * RANK))
+    par = ParallelConfig(tp=tp, distributed_optimizer=distributed_optimizer)
+    ddp = wrap_ddp(model, par.distributed_optimizer)
+    optimizer, scheduler = build_optimizer(ddp, OptimizerConfig(lr=1e-2), ScheduleConfig(steps=4), par, "float32")
+    return args, model, ddp, optimizer, scheduler
+
+
+def _train_step(ddp, optimizer, scheduler, ids):
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    pos = torch.arange(ids.shape[1]).unsqueeze(0).expand(ids.shape[0], -1)
+    out = ddp(ids, pos, None)
+    loss = vocab_parallel_cross_entropy(out.float().transpose(0, 1).contiguous(), ids.roll(-1, 1).t().contiguous())
+    loss.mean().backward()
+    finalize_model_grads([ddp])
+    ok, _, _ = optimizer.step()
+    scheduler.step(1)
+    assert ok
+
+
+def _rank_checkpoint(folder: str, peft: dict, ids: torch.Tensor, save_dir: str, resume: bool) -> dict:
+    """save: load ``peft``, step on ids[:1], checkpoint, step on ids[1:]. resume: load the checkpoint into a fresh
+    policy at this layout, step on ids[1:]. Returns the adapters after the last step and the checkpoint's files."""
+    import os
+
+    from megatron.core import parallel_state as ps
+
+    from megatron_rlvr.models.checkpointing import CheckpointConfig, load_checkpoint, read_meta, save_checkpoint
+    from megatron_rlvr.models.lora import gather_peft_tensors, load_peft_tensors
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    args, model, ddp, optimizer, scheduler = _lora_policy(folder, tp, distributed_optimizer=True)
+    out = {}
+    if resume:
+        load_checkpoint(save_dir, model=ddp, optimizer=optimizer, scheduler=scheduler, load_rng=False)
+    else:
+        load_peft_tensors(model, peft)
+        _train_step(ddp, optimizer, scheduler, ids[:1])
+        path = save_checkpoint(
+            CheckpointConfig(save_dir), 1, model=ddp, optimizer=optimizer, scheduler=scheduler, model_args=args
+        )
+        out["meta"] = read_meta(path)
+        from torch.distributed.checkpoint import FileSystemReader
+
+        out["keys"] = sorted(FileSystemReader(path).read_metadata().state_dict_metadata)
+        out["bytes"] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+    _train_step(ddp, optimizer, scheduler, ids[1:])
+    out["adapters"] = gather_peft_tensors(model)
+    out["lr"] = optimizer.param_groups[0]["lr"]
+    return out
+
+
+def test_checkpoint_holds_adapters_and_resumes_exactly_at_any_tp(dist_pool, base_folder, tmp_path):
+    from megatron_rlvr.models.hf_config import load_hf_config
+
+    peft = random_peft(load_hf_config(base_folder), LORA_TARGETS, RANK, seed=5)
+    ids = torch.randint(3, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(4))
+    save_dir = str(tmp_path / "ckpt")
+    ref = dist_pool.run(_rank_checkpoint, tp=2, args=(base_folder, peft, ids, save_dir, False))[0]
+    meta = ref["meta"]
+    assert meta["lora"]["rank"] == RANK and meta["lora_base"] == base_folder
+    tensors = [k for k in ref["keys"] if not k.startswith(("rng_state", "optimizer.distributed.param_state.step"))]
+    assert tensors and all(k.startswith(("lora.", "optimizer.")) for k in tensors), tensors  # no base weight
+    assert any(k.startswith("optimizer.") for k in tensors)
+    print(f"\nLoRA checkpoint: {ref['bytes']} bytes, {len(tensors)} tensors")
+    for tp in (2, 1):
+        got = dist_pool.run(_rank_checkpoint, tp=tp, args=(base_folder, peft, ids, save_dir, True))[0]
+        assert got["lr"] == ref["lr"]
+        for k, v in ref["adapters"].items():
+            if tp == 2:
+                assert torch.equal(got["adapters"][k], v), f"tp2 resume: {k}"
+            else:
+                assert _rel(got["adapters"][k], v) < 1e-5, f"tp1 resume (resharded): {k}"

@@ -109,7 +109,7 @@ def build_model(args, source: ModelSource, seed: int, pg, *, trainable: bool = T
     if lora is not None and trainable:
         from megatron_rlvr.models.lora import attach_lora
 
-        attach_lora(model, lora, args, pg_collection=pg, seed=seed)
+        attach_lora(model, lora, args, pg_collection=pg, seed=seed, base=source.weights_dir)
     if not trainable:
         model.eval()
         for p in model.parameters():

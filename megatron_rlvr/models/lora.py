@@ -239,11 +239,14 @@ def _all_gather(t: torch.Tensor, dim: int, group) -> torch.Tensor:
 class LoRAAdapters(torch.nn.Module):
     """Every adapter of one model chunk: ``layers[<local layer>][<target>]``."""
 
-    def __init__(self, cfg: LoRAConfig, offset: int, tp_group):
+    def __init__(self, cfg: LoRAConfig, offset: int, tp_group, base: str | None = None, seed: int = 0):
         super().__init__()
         self.cfg = cfg
         self.offset = offset
         self.tp_group = tp_group
+        self.base = base
+        """The HF folder of the frozen base weights (None: the random init of (hf_config, seed))."""
+        self.seed = seed
         self.layers = torch.nn.ModuleDict()
 
     def adapters(self) -> Iterator[tuple[int, str, LoRAAdapter]]:
@@ -286,10 +289,13 @@ class LoRAAdapters(torch.nn.Module):
         return out
 
 
-def attach_lora(model, cfg: LoRAConfig, args, *, pg_collection=None, seed: int = 0) -> LoRAAdapters:
+def attach_lora(
+    model, cfg: LoRAConfig, args, *, pg_collection=None, seed: int = 0, base: str | None = None
+) -> LoRAAdapters:
     """Freeze ``model`` and give each target linear of every local decoder layer an adapter, initialised from
     ``seed`` independently of the layout (A per PEFT name, B zero). Returns the container (also at
-    ``unwrap(model).lora_adapters``). Call before wrapping the model in DDP."""
+    ``unwrap(model).lora_adapters``). Call before wrapping the model in DDP. ``base``: where the frozen weights
+    came from (an HF folder; None for a random init from ``seed``), recorded in checkpoints and PEFT exports."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     if pg_collection is None:
@@ -308,7 +314,7 @@ def attach_lora(model, cfg: LoRAConfig, args, *, pg_collection=None, seed: int =
         )
     for p in gpt.parameters():
         p.requires_grad_(False)
-    container = LoRAAdapters(cfg, offset, tp_group)
+    container = LoRAAdapters(cfg, offset, tp_group, base=base, seed=seed)
     for i, layer in enumerate(gpt.decoder.layers):
         per_layer = torch.nn.ModuleDict()
         for target in cfg.targets:
@@ -530,3 +536,40 @@ def read_peft_folder(folder: str) -> tuple[dict, dict[str, torch.Tensor]]:
     with open(os.path.join(folder, PEFT_CONFIG)) as f:
         cfg = json.load(f)
     return cfg, load_file(os.path.join(folder, PEFT_WEIGHTS))
+
+
+# ---- training checkpoints ----------------------------------------------------------------------------------------
+
+
+def checkpoint_meta(model) -> dict:
+    """What a checkpoint of a LoRA policy records besides the adapters: the LoRA settings and the base weights it
+    applies to ({} without adapters)."""
+    import dataclasses
+
+    container = lora_container(model)
+    if container is None:
+        return {}
+    return {"lora": dataclasses.asdict(container.cfg), "lora_base": container.base, "lora_base_seed": container.seed}
+
+
+def checkpoint_state(model, sharded_sd: dict) -> dict:
+    """The model part of a checkpoint: every tensor without adapters; only the adapters with them (the frozen base
+    is rebuilt from ``checkpoint_meta``'s reference, not stored again at every save)."""
+    if lora_container(model) is None:
+        return sharded_sd
+    return {k: v for k, v in sharded_sd.items() if k.startswith(CONTAINER + ".")}
+
+
+def load_checkpoint_state(module, state: dict) -> None:
+    """``module.load_state_dict`` for ``checkpoint_state``: strict without adapters; with adapters every adapter
+    tensor must be there and nothing else."""
+    if lora_container(module) is None:
+        module.load_state_dict(state, strict=True)
+        return
+    result = module.load_state_dict(state, strict=False)
+    missing = [k for k in result.missing_keys if k.startswith(CONTAINER + ".")]
+    if missing or result.unexpected_keys:
+        raise ValueError(
+            f"LoRA checkpoint does not fit the model's adapters: missing {missing[:3]}, unexpected "
+            f"{result.unexpected_keys[:3]}"
+        )
