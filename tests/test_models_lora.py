@@ -250,7 +250,6 @@ def test_optimizer_holds_adapters_only_and_exports_merge(dist_pool, base_folder,
     """One step at TP=1 and TP=2: the optimizer, its state and DDP's gradient buffer cover the adapters only, the
     base weights do not move, the PEFT exports of both layouts agree, and the merged HF export equals
     W + (alpha/r) B A computed by hand from the base checkpoint and the PEFT export."""
-    from safetensors.torch import load_file
 
     from megatron_rlvr.models.hf_config import load_hf_config
     from megatron_rlvr.models.lora import read_peft_folder
@@ -290,20 +289,8 @@ def test_optimizer_holds_adapters_only_and_exports_merge(dist_pool, base_folder,
     for k in t1:
         assert not torch.equal(t1[k], peft[k]), f"{k} did not train"
         assert _rel(t2[k], t1[k]) < 1e-5, k
-    base = load_file(f"{base_folder}/model.safetensors")
-    scale = cfg1["lora_alpha"] / cfg1["r"]
-    for tp, r in runs.items():
-        merged = load_file(f"{r['merged_dir']}/model.safetensors")
-        assert set(merged) == set(base)
-        _, t = read_peft_folder(r["peft_dir"])
-        for name, w in base.items():
-            stem = "base_model.model." + name.removesuffix(".weight")
-            want = (
-                w + scale * t[f"{stem}.lora_B.weight"] @ t[f"{stem}.lora_A.weight"]
-                if f"{stem}.lora_A.weight" in t
-                else w
-            )
-            assert (merged[name] - want).abs().max() < 1e-6, f"tp{tp}: {name}"
+    for r in runs.values():
+        assert_merged_export(base_folder, r["merged_dir"], r["peft_dir"], read_peft_folder(r["peft_dir"])[1])
 
 
 def _lora_policy(folder: str, tp: int, distributed_optimizer: bool):
@@ -361,6 +348,7 @@ def _rank_checkpoint(folder: str, peft: dict, ids: torch.Tensor, save_dir: str, 
             CheckpointConfig(save_dir), 1, model=ddp, optimizer=optimizer, scheduler=scheduler, model_args=args
         )
         out["meta"] = read_meta(path)
+        out["saved_adapters"] = gather_peft_tensors(model)
         from torch.distributed.checkpoint import FileSystemReader
 
         out["keys"] = sorted(FileSystemReader(path).read_metadata().state_dict_metadata)
@@ -392,3 +380,34 @@ def test_checkpoint_holds_adapters_and_resumes_exactly_at_any_tp(dist_pool, base
                 assert torch.equal(got["adapters"][k], v), f"tp2 resume: {k}"
             else:
                 assert _rel(got["adapters"][k], v) < 1e-5, f"tp1 resume (resharded): {k}"
+
+    # convert to-hf of the LoRA checkpoint: the merged model and the PEFT folder
+    merged_dir, peft_dir = str(tmp_path / "merged"), str(tmp_path / "peft")
+    dist_pool.run(_rank_convert, tp=2, args=(save_dir, merged_dir, peft_dir))
+    assert_merged_export(base_folder, merged_dir, peft_dir, ref["saved_adapters"])
+
+
+def _rank_convert(ckpt: str, out: str, adapter_out: str) -> None:
+    from megatron_rlvr.models.convert import to_hf_on_rank
+
+    to_hf_on_rank(ckpt, out, adapter_out=adapter_out)
+
+
+def assert_merged_export(base_folder: str, merged_dir: str, peft_dir: str, adapters: dict) -> None:
+    """The merged HF folder equals W + (alpha/r) B A computed by hand from the base checkpoint and the PEFT folder,
+    whose tensors are ``adapters``."""
+    from safetensors.torch import load_file
+
+    from megatron_rlvr.models.lora import read_peft_folder
+
+    cfg, t = read_peft_folder(peft_dir)
+    assert set(t) == set(adapters) and all(torch.equal(t[k], adapters[k]) for k in t)
+    base = load_file(f"{base_folder}/model.safetensors")
+    merged = load_file(f"{merged_dir}/model.safetensors")
+    assert set(merged) == set(base)
+    scale = cfg["lora_alpha"] / cfg["r"]
+    for name, w in base.items():
+        stem = "base_model.model." + name.removesuffix(".weight")
+        a = t.get(f"{stem}.lora_A.weight")
+        want = w + scale * t[f"{stem}.lora_B.weight"] @ a if a is not None else w
+        assert (merged[name] - want).abs().max() < 1e-6, name
