@@ -411,3 +411,45 @@ def assert_merged_export(base_folder: str, merged_dir: str, peft_dir: str, adapt
         a = t.get(f"{stem}.lora_A.weight")
         want = w + scale * t[f"{stem}.lora_B.weight"] @ a if a is not None else w
         assert (merged[name] - want).abs().max() < 1e-6, name
+
+
+def _rank_merged_sync(folder: str, peft: dict, ids: torch.Tensor) -> dict:
+    """The trainer's weight sync of a LoRA policy (TP=2) into the transformers engine: the engine holds the merged
+    weights and its logits equal megatron's adapter forward."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from megatron_rlvr.models.build import forward_logits
+    from megatron_rlvr.models.hf_config import hf_config_object, load_hf_config
+    from megatron_rlvr.models.lora import load_peft_tensors
+    from megatron_rlvr.rollout.hf_engine import HFRolloutEngine
+    from megatron_rlvr.trainer.weights import sync_weights
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    args, model, ddp, _, _ = _lora_policy(folder, tp, distributed_optimizer=False)
+    load_peft_tensors(model, peft)
+    engine = HFRolloutEngine.from_config(hf_config_object(load_hf_config(folder)), None, dtype=torch.float32)
+    sync_weights(engine, ddp, args, ProcessGroupCollection.use_mpu_process_groups())
+    ours = forward_logits(ddp, ids, vocab_size=VOCAB)[0]
+    with torch.no_grad():
+        theirs = engine.model(ids).logits.float()
+    return {"rel": _rel(theirs, ours), "state": {k: v.clone() for k, v in engine.model.state_dict().items()}}
+
+
+def test_merged_sync_into_the_transformers_engine(dist_pool, base_folder):
+    from safetensors.torch import load_file
+
+    from megatron_rlvr.models.hf_config import load_hf_config
+
+    peft = random_peft(load_hf_config(base_folder), LORA_TARGETS, RANK, seed=9)
+    ids = torch.randint(3, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(6))
+    res = dist_pool.run(_rank_merged_sync, tp=2, args=(base_folder, peft, ids))
+    base = load_file(f"{base_folder}/model.safetensors")
+    for r in res:
+        print(f"\nmerged sync: engine logits vs megatron LoRA forward, relative {r['rel']:.2e}")
+        assert r["rel"] < 1e-5
+        for name, w in base.items():
+            stem = "base_model.model." + name.removesuffix(".weight")
+            a = peft.get(f"{stem}.lora_A.weight")
+            want = w + 2.0 * peft[f"{stem}.lora_B.weight"] @ a if a is not None else w
+            assert (r["state"][name] - want).abs().max() < 1e-6, name

@@ -50,6 +50,7 @@ def plan_config_from_run(run: RunConfig, spec: ModelSpec | None = None) -> PlanC
         train=run.train,
         cluster=run.cluster,
         ref_model=run.keeps_ref_model,
+        lora=run.model.lora,
     )
 
 
