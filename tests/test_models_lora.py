@@ -453,3 +453,34 @@ def test_merged_sync_into_the_transformers_engine(dist_pool, base_folder):
             a = peft.get(f"{stem}.lora_A.weight")
             want = w + 2.0 * peft[f"{stem}.lora_B.weight"] @ a if a is not None else w
             assert (r["state"][name] - want).abs().max() < 1e-6, name
+
+
+def _rank_merged_stream_memory(folder: str, peft: dict, bucket_bytes: int) -> dict:
+    from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from megatron_rlvr.models.lora import load_peft_tensors
+    from megatron_rlvr.rollout.weight_stream import StreamStats, WeightStreamConfig, megatron_weight_stream
+
+    args, model, _, _, _ = _lora_policy(folder, ps.get_tensor_model_parallel_world_size(), distributed_optimizer=False)
+    load_peft_tensors(model, peft)
+    stats = StreamStats()
+    cfg = WeightStreamConfig(bucket_bytes=bucket_bytes)
+    pg = ProcessGroupCollection.use_mpu_process_groups()
+    n = 0
+    for bucket in megatron_weight_stream(model, args, pg_collection=pg, config=cfg, stats=stats):
+        n += len(bucket)
+        del bucket
+    return {"peak": stats.meter.peak_bytes, "largest": stats.largest_tensor_bytes, "buckets": stats.buckets, "n": n}
+
+
+def test_merged_stream_keeps_its_memory_bound(dist_pool, base_folder):
+    """Merged weights are new tensors (not views of the parameters): the stream counts them, so its buffered bytes
+    stay within bucket_bytes + the largest tensor at TP=1 and TP=2."""
+    from megatron_rlvr.models.hf_config import load_hf_config
+
+    peft = random_peft(load_hf_config(base_folder), LORA_TARGETS, RANK, seed=3)
+    bucket = 80_000
+    for tp in (1, 2):
+        for r in dist_pool.run(_rank_merged_stream_memory, tp=tp, args=(base_folder, peft, bucket)):
+            assert r["buckets"] > 2 and r["peak"] <= bucket + r["largest"], (tp, r)

@@ -354,6 +354,12 @@ def is_lora_param(param: torch.Tensor) -> bool:
     return bool(getattr(param, "is_lora", False))
 
 
+def merges_adapter(param: torch.Tensor) -> bool:
+    """``merged_weight(param)`` is a new tensor (an adapted weight while adapters are merged on export)."""
+    adapter = getattr(param, "lora_adapter", None)
+    return adapter is not None and adapter.merge_into_weight
+
+
 def merged_weight(param: torch.Tensor) -> torch.Tensor:
     """The tensor to export or stream for ``param``: W + (alpha/r) B A for an adapted weight (this rank's shard),
     the parameter itself otherwise (and while adapters are synced separately, see ``adapter_sync``)."""
