@@ -175,6 +175,8 @@ def test_tp1_tp2_forward_and_gradients_agree(dist_pool, base_folder, targets):
         for k, g in ref["grads"].items():
             assert g.abs().sum() > 0, k
             assert _rel(r["grads"][k], g) < 1e-5, f"{name}: gradient of {k}"
+        worst = max(_rel(r["grads"][k], g) for k, g in ref["grads"].items())
+        print(f"\n{'+'.join(targets)} {name} vs tp1: logits {_rel(r['logits'], ref['logits']):.1e}, grads {worst:.1e}")
 
 
 def _rank_step_and_export(folder: str, peft: dict | None, ids: torch.Tensor, out_root: str) -> dict:
