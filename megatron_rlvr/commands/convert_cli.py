@@ -6,6 +6,7 @@ Conversion runs on CPU with gloo: the command validates its arguments, then star
 does its share (``megatron_rlvr.models.convert``: each rank holds only its own shard of the model).
 
     megatron-rlvr convert to-hf --ckpt RUN/step_000000100 --out HF_OUT [--source-hf HF_IN] [--tp 1 --pp 1]
+        [--adapter-out PEFT_OUT] [--base-hf HF_BASE]    (LoRA checkpoints: merged model, and the PEFT adapters)
     megatron-rlvr convert to-megatron --hf HF_IN --out RUN_DIR --tp 2 --pp 2 [--step 0] [--overwrite]
 """
 
@@ -35,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--dtype", choices=DTYPE_NAMES, default=None, help="default: the source config's dtype")
     h.add_argument("--max-shard-size", type=_size, default=5 * 10**9, help="per safetensors file (default 5GB)")
     h.add_argument("--overwrite", action="store_true", help="replace an HF checkpoint already in --out")
+    h.add_argument("--base-hf", default=None, help="LoRA checkpoints: the base model's HF folder (default: recorded)")
+    h.add_argument("--adapter-out", default=None, help="LoRA checkpoints: also write the adapters as a PEFT folder")
     m = sub.add_parser("to-megatron", help="HF folder -> megatron checkpoint at a chosen layout")
     m.add_argument("--hf", required=True, help="HF folder with safetensors weights")
     m.add_argument("--out", required=True, help="run folder; the checkpoint goes to OUT/step_<step>")
@@ -84,7 +87,16 @@ def _convert_as_rank(args) -> int:
     init_distributed(args.tp, args.pp, seed=1234, backend="gloo", timeout_s=args.timeout, ep=args.ep, etp=args.etp)
     try:
         if args.direction == "to-hf":
-            out = to_hf_on_rank(args.ckpt, args.out, args.source_hf, args.dtype, args.max_shard_size, args.overwrite)
+            out = to_hf_on_rank(
+                args.ckpt,
+                args.out,
+                args.source_hf,
+                args.dtype,
+                args.max_shard_size,
+                args.overwrite,
+                base_weights=_lora_base(args),
+                adapter_out=args.adapter_out,
+            )
         else:
             out = to_megatron_on_rank(args.hf, args.out, args.step, args.dtype)
         torch.distributed.barrier()
@@ -93,3 +105,17 @@ def _convert_as_rank(args) -> int:
     finally:
         torch.distributed.destroy_process_group()
     return 0
+
+
+def _lora_base(args):
+    """The frozen base of a LoRA checkpoint: --base-hf, else the folder it records, else (a random init, e.g. the
+    tiny model) the same init rebuilt from its HF config and seed."""
+    from megatron_rlvr.models.checkpointing import read_meta
+    from megatron_rlvr.models.convert import resolve_checkpoint
+
+    meta = read_meta(resolve_checkpoint(args.ckpt))
+    if not meta.get("lora") or args.base_hf or meta.get("lora_base"):
+        return args.base_hf
+    from megatron_rlvr.megatron.policy import random_hf_state_dict
+
+    return random_hf_state_dict(meta["hf_config"], meta.get("lora_base_seed", 0))

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_rlvr.config.lora_config import LoRAConfig
 from megatron_rlvr.data.data_config import cwd_note
 
 DTYPES = ("float32", "bfloat16")
@@ -51,6 +52,8 @@ class ModelConfig:
     """Tokenizer folder. Default: the model folder, or the built-in character tokenizer for ``tiny``."""
     dtype: str = "float32"
     """Training parameter dtype: ``float32`` or ``bfloat16`` (the engine uses the same)."""
+    lora: LoRAConfig | None = None
+    """Train low-rank adapters on the frozen model instead of every weight (models/lora.py); None: full fine-tuning."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -284,6 +284,20 @@ BUILTIN_SPECS: dict[str, ModelSpec] = {
     # meta-llama/Llama-3.1-70B: hidden_size 8192, intermediate_size 28672, num_hidden_layers 80,
     # num_attention_heads 64, num_key_value_heads 8, vocab_size 128256, attention_bias false, tie false.
     "llama-3.1-70b": _spec(name="Llama-3.1-70B", hidden=8192, ffn=28672, layers=80, heads=64, kv_heads=8, vocab=128256),
+    # Qwen/Qwen3-4B-Base: hidden_size 2560, intermediate_size 9728, num_hidden_layers 36, num_attention_heads 32,
+    # num_key_value_heads 8, head_dim 128, vocab_size 151936, attention_bias false, tie_word_embeddings true.
+    "qwen3-4b": _spec(
+        name="Qwen3-4B",
+        hidden=2560,
+        ffn=9728,
+        layers=36,
+        heads=32,
+        kv_heads=8,
+        head_dim=128,
+        vocab=151936,
+        qk_norm=True,
+        tied_embeddings=True,
+    ),
     # Qwen/Qwen3-8B: hidden_size 4096, intermediate_size 12288, num_hidden_layers 36, num_attention_heads 32,
     # num_key_value_heads 8, head_dim 128, vocab_size 151936, attention_bias false, tie_word_embeddings false.
     "qwen3-8b": _spec(

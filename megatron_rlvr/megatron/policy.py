@@ -100,9 +100,10 @@ def random_hf_state_dict(hf_config: dict, seed: int) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in hf.state_dict().items()}
 
 
-def build_model(args, source: ModelSource, seed: int, pg, *, trainable: bool = True):
+def build_model(args, source: ModelSource, seed: int, pg, *, trainable: bool = True, lora=None):
     """This rank's GPTModel (Float16Module-wrapped for bf16) with the start weights: the HF folder's, or a random
-    init that depends only on (config, seed), identical at every layout (:func:`random_hf_state_dict`)."""
+    init that depends only on (config, seed), identical at every layout (:func:`random_hf_state_dict`). ``lora``
+    (a LoRAConfig): freeze the weights and add adapters (megatron_rlvr.models.lora)."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megatron_rlvr.models.build import build_gpt_model, unwrap
@@ -113,6 +114,10 @@ def build_model(args, source: ModelSource, seed: int, pg, *, trainable: bool = T
     model = build_gpt_model(args, pg_collection=pg)
     weights = source.weights_dir if source.weights_dir is not None else random_hf_state_dict(source.hf_config, seed)
     load_hf_weights(unwrap(model), args, weights, pg_collection=pg)
+    if lora is not None and trainable:
+        from megatron_rlvr.models.lora import attach_lora
+
+        attach_lora(model, lora, args, pg_collection=pg, seed=seed, base=source.weights_dir)
     if not trainable:
         model.eval()
         for p in model.parameters():

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from megatron_rlvr.models.hf_config import MegatronModelArgs, megatron_model_args
+from megatron_rlvr.models.lora import checkpoint_meta, checkpoint_state, load_checkpoint_state
 
 META_FILE = "rlvr_meta.json"
 TRAINER_STATE_FILE = "trainer_state.json"
@@ -208,7 +209,7 @@ def _materialise_optimizer_state(optimizer) -> None:
 
 
 def _sharded_state(model, optimizer, scheduler, pg, sharding_type, *, is_loading: bool, rng: bool) -> dict:
-    model_sd = _unwrap(model).sharded_state_dict()
+    model_sd = checkpoint_state(model, _unwrap(model).sharded_state_dict())  # LoRA: the adapters only
     state = {"model": model_sd}
     if optimizer is not None:
         metadata = {"distrib_optim_sharding_type": sharding_type}
@@ -292,6 +293,7 @@ def save_checkpoint(
                 "has_optimizer": optimizer is not None,
                 "has_scheduler": scheduler is not None,
                 "checkpoint_config": asdict(cfg),
+                **checkpoint_meta(model),
             }
             if model_args is not None:
                 meta.update(
@@ -375,7 +377,7 @@ def load_checkpoint(
             rng=rng,
         )
         loaded = dist_checkpointing.load(state, ckpt_dir)
-        _unwrap(model).load_state_dict(loaded["model"], strict=True)
+        load_checkpoint_state(_unwrap(model), loaded["model"])
         if optimizer is not None:
             optimizer.load_state_dict(loaded["optimizer"])
     if scheduler is not None and "scheduler" in loaded:

@@ -21,8 +21,14 @@ def to_hf_on_rank(
     dtype: str | None = None,
     max_shard_bytes: int = 5 * 10**9,
     overwrite: bool = False,
+    base_weights=None,
+    adapter_out: str | None = None,
 ) -> str:
-    """On every rank of an initialised (TP, PP) megatron job: load the checkpoint's model and export it to HF."""
+    """On every rank of an initialised (TP, PP) megatron job: load the checkpoint's model and export it to HF.
+
+    A LoRA checkpoint holds the adapters only: the frozen base comes from ``base_weights`` (an HF folder or state
+    dict; default: the folder the checkpoint names), the export is the merged model, and ``adapter_out`` also gets
+    the adapters as a PEFT folder."""
     from megatron.core import parallel_state as ps
 
     from megatron_rlvr.models.build import build_gpt_model
@@ -39,6 +45,10 @@ def to_hf_on_rank(
         **expert_layout_kwargs(meta["hf_config"]),
     )
     model = build_gpt_model(args)
+    if meta.get("lora"):
+        _attach_checkpoint_lora(model, args, meta, base_weights)
+    elif adapter_out:
+        raise ValueError(f"--adapter-out: {ckpt_dir} is not a LoRA checkpoint (no adapters to export)")
     load_checkpoint(ckpt_dir, model=model, load_rng=False)
     if source_hf is None:
         source_hf = meta.get("hf_config", {}).get("_name_or_path") or None
@@ -47,6 +57,10 @@ def to_hf_on_rank(
     out = export_hf(
         model, args, out_dir, source_dir=source_hf, dtype=dtype, max_shard_bytes=max_shard_bytes, overwrite=overwrite
     )
+    if adapter_out:
+        from megatron_rlvr.models.lora import export_peft
+
+        export_peft(model, adapter_out, base_model=meta.get("lora_base"))
     if source_hf is None and torch.distributed.get_rank() == 0 and is_tiny_config(meta.get("hf_config", {})):
         from megatron_rlvr.families.tiny import save_tiny_tokenizer
 
@@ -64,6 +78,23 @@ def expert_layout_kwargs(hf_config: dict) -> dict:
         "ep_size": ps.get_expert_model_parallel_world_size(),
         "etp_size": ps.get_expert_tensor_parallel_world_size(),
     }
+
+
+def _attach_checkpoint_lora(model, args, meta: dict, base_weights) -> None:
+    from megatron_rlvr.config.lora_config import LoRAConfig
+    from megatron_rlvr.models.hf_loading import load_hf_weights
+    from megatron_rlvr.models.lora import attach_lora
+
+    base = base_weights if base_weights is not None else meta.get("lora_base")
+    if base is None:
+        raise ValueError(
+            "this LoRA checkpoint's base model was a random init: pass its weights (convert does this for you)"
+        )
+    if isinstance(base, str) and not os.path.isdir(base):
+        raise ValueError(f"the LoRA checkpoint's base model {base} is not a folder here: pass --base-hf")
+    load_hf_weights(model, args, base)
+    cfg = LoRAConfig(**meta["lora"])
+    attach_lora(model, cfg, args, seed=meta.get("lora_base_seed", 0), base=meta.get("lora_base"))
 
 
 def is_tiny_config(hf_config: dict) -> bool:

@@ -18,6 +18,7 @@ import torch
 
 from megatron_rlvr.models.hf_config import MegatronModelArgs
 from megatron_rlvr.models.hf_loading import SAFE_INDEX, SAFE_SINGLE
+from megatron_rlvr.models.lora import is_lora_param, merged_weight
 from megatron_rlvr.models.mapping import ExpertLayout, WeightMapping, layer_offset
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
@@ -65,11 +66,13 @@ def iter_hf_tensors(model, args: MegatronModelArgs, *, pg_collection=None) -> It
     offset = layer_offset(args.config, pg_collection.pp.rank())
     experts = ExpertLayout.of(pg_collection)
     for name, param in model.named_parameters():
+        if is_lora_param(param):  # LoRA: exported merged into the weight it adapts
+            continue
         p = mapping.resolve(name, layer_offset=offset, expert_offset=experts.expert_offset(args.dims))
         if p.skip_on_export:
             continue
         if not p.per_expert:
-            full = _gather_tp(param.detach(), p.tp_dim, tp_group)
+            full = _gather_tp(merged_weight(param), p.tp_dim, tp_group)
             yield from p.to_hf(full, tp_group.size()).items()
             continue
         full = _gather_tp(param.detach(), p.tp_dim, pg_collection.expt_tp)

@@ -51,6 +51,7 @@ def plan_config_from_run(run: RunConfig, spec: ModelSpec | None = None) -> PlanC
         cluster=run.cluster,
         ref_model=run.keeps_ref_model,
         dtype=run.model.dtype,
+        lora=run.model.lora,
     )
 
 

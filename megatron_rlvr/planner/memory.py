@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megatron_rlvr.config.lora_config import LoRAConfig
 from megatron_rlvr.config.sections import ClusterConfig, ParallelConfig, RolloutConfig, TrainConfig
 from megatron_rlvr.families.table import ModelSpec
 
@@ -34,6 +35,9 @@ class PlanConfig:
     """Allocation and memory assumptions."""
     ref_model: bool | None = None
     """Whether a reference model is kept; None: train.ref_model (the run config resolves it from the algorithm)."""
+    lora: LoRAConfig | None = None
+    """model.lora: frozen base weights (no gradients, no optimizer state, the reference is the base itself);
+    gradients and Adam states for the adapters only."""
     dtype: str = "bfloat16"
     """Parameter dtype (the run's ``model.dtype``): weights, activations, logits, the reference model and the
     rollout engine's weights and KV cache are held in it; float32 also drops the separate fp32 master weights."""
@@ -134,6 +138,23 @@ def stage_params(model: ModelSpec, par: ParallelConfig) -> list[int]:
                 n += emb
         out.append(n)
     return out
+
+
+def lora_stage_params(model: ModelSpec, par: ParallelConfig, lora: LoRAConfig) -> list[int]:
+    """Adapter parameters held by ONE GPU of each pipeline stage (models/lora.py's layout: a column-parallel
+    target keeps A [P*r, in] whole and B [out/tp, r]; a row-parallel one A [r, in/tp] and B [out, r] whole; P is
+    3 for the fused qkv, 2 for a gated fc1)."""
+    r, h, f = lora.rank, model.hidden, model.ffn
+    qkv_out = model.q_dim + 2 * model.kv_dim
+    gates = 2 if model.gated_mlp else 1
+    per_target = {
+        "qkv": 3 * r * h + qkv_out * r // par.tp,
+        "proj": r * model.q_dim // par.tp + h * r,
+        "fc1": gates * r * h + gates * f * r // par.tp,
+        "fc2": r * f // par.tp + h * r,
+    }
+    per_layer = sum(per_target[t] for t in lora.targets)
+    return [model.layers // par.pp * per_layer] * par.pp
 
 
 def activation_bytes_per_layer(
@@ -259,6 +280,7 @@ def estimate_memory(cfg: PlanConfig) -> MemoryPlan:
     b = cfg.dtype_bytes
     params = stage_params(m, par)
     plan.stage_param_counts = params
+    lora_params = lora_stage_params(m, par, cfg.lora) if cfg.lora else [0] * len(params)
     a_layer = activation_bytes_per_layer(m, T, par.tp, cfg.sequence_parallel, b)
     n_local = m.layers // par.pp
     vocab_shard = m.padded_vocab(par.tp) // par.tp
@@ -287,11 +309,12 @@ def estimate_memory(cfg: PlanConfig) -> MemoryPlan:
     for s, p in enumerate(params):
         in_flight = par.pp - s  # 1F1B: stage s holds pp - s micro-batches of activations (Korthikanti Sec. 4.2.3)
         c: dict[str, float] = {}
-        c["weights"] = b * p
-        c["grads"] = 4 * p
+        trained = lora_params[s] if cfg.lora else p  # LoRA: the adapters are all the trainer updates
+        c["weights"] = b * (p + (trained if cfg.lora else 0))  # LoRA: the adapters beside the frozen base
+        c["grads"] = 4 * trained
         # bf16: fp32 master weights + Adam m, v; fp32: the parameters are the master copy, only m and v
-        c["optimizer"] = (8 if b == 4 else 12) * p / (dp if par.distributed_optimizer else 1)
-        c["ref_model"] = b * p if cfg.keeps_ref_model else 0
+        c["optimizer"] = (8 if b == 4 else 12) * trained / (dp if par.distributed_optimizer else 1)
+        c["ref_model"] = b * p if cfg.keeps_ref_model and not cfg.lora else 0
         c["act_none"] = in_flight * n_local * a_layer
         # Full recompute stores only each layer's input ([T, h] bf16, sharded by SP) and rebuilds one layer.
         layer_input = b * T * m.hidden // (par.tp if cfg.sequence_parallel else 1)

@@ -351,9 +351,13 @@ class VLLMRolloutEngine(RolloutEngine):
         self._shm_mine = _cpu_shm_files() - self._shm_before
         hf = self.llm.llm_engine.model_config.hf_config
         self.vocab_size = int(hf.vocab_size)
-        self._param_names = set(self.llm.apply_model(lambda m: [n for n, _ in m.named_parameters()])[0])
+        # with enable_lora, vLLM wraps each adaptable linear: its weight is "<linear>.base_layer.weight", which
+        # load_weights reports under the plain name
+        names = self.llm.apply_model(lambda m: [n for n, _ in m.named_parameters()])[0]
+        self._param_names = {n.replace(".base_layer.", ".") for n in names}
         self._calls = 0
         self._asleep: set[str] = set()
+        self.lora_request = None  # the policy's adapter, once load_adapter() gave one (megatron_rlvr.rollout.lora_sync)
 
     @property
     def supports_sleep(self) -> bool:
@@ -408,7 +412,12 @@ class VLLMRolloutEngine(RolloutEngine):
         # one seed per prompt (vLLM gives child sample j the seed + j); random 61-bit seeds do not collide in practice
         vparams = [self._vllm_params(params, sample_seed(base, k, 0) >> 2) for k in keys]
         with self.platform.engine_call():
-            outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], vparams, use_tqdm=False)
+            outs = self.llm.generate(
+                [TokensPrompt(prompt_token_ids=p) for p in prompts],
+                vparams,
+                use_tqdm=False,
+                lora_request=self.lora_request,
+            )
         eos_only = set(self.eos_token_ids) - set(params.stop_token_ids)
         return [self._convert(p, o, self.tokenizer is not None, eos_only) for p, o in zip(prompts, outs)]
 

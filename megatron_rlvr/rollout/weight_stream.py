@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megatron_rlvr.models.lora import is_lora_param, merged_weight, merges_adapter
 from megatron_rlvr.models.mapping import ExpertLayout, ResolvedParam, WeightMapping, layer_offset
 
 Bucket = list[tuple[str, torch.Tensor]]
@@ -146,6 +147,8 @@ def _local_entries(chunks, offsets, mapping: WeightMapping, tp_size: int, stage:
     out = []
     for chunk, offset in zip(chunks, offsets):
         for name, param in chunk.named_parameters():
+            if is_lora_param(param):  # adapters reach the engine merged into their weights (or as a folder)
+                continue
             p = mapping.resolve(name, layer_offset=offset, expert_offset=experts.expert_offset(mapping.dims))
             if p.skip_on_export:
                 continue
@@ -264,13 +267,14 @@ class _Assembler:
         hf_bytes = sum(_nbytes(s, _DTYPES[e.dtype]) for s in e.hf_shapes)
         if e.owner != self.stage:
             return hf_bytes, hf_bytes
-        p, _ = e.local
+        p, param = e.local
         if p.per_expert:  # expert-TP gather, then every EP rank's copy of it, then the HF layout copies
             return e.full_bytes * 2 + e.to_hf_copy_bytes, max(e.to_hf_copy_bytes, hf_bytes)
+        merged = e.full_bytes // self.tp_size if merges_adapter(param) else 0  # LoRA: W + BA is a new shard
         if self.tp_size == 1 or p.tp_dim is None:
-            # the full tensor IS the trainer's parameter: only to_hf copies cost memory
-            return e.to_hf_copy_bytes, e.to_hf_copy_bytes
-        gather = e.full_bytes * (2 if p.tp_dim != 0 else 1)  # dim-1 shards need a reorder copy
+            # the full tensor IS the trainer's parameter (or its merged copy): to_hf copies cost memory
+            return merged + e.to_hf_copy_bytes, (e.to_hf_copy_bytes or merged)
+        gather = merged + e.full_bytes * (2 if p.tp_dim != 0 else 1)  # dim-1 shards need a reorder copy
         retained = e.to_hf_copy_bytes if e.to_hf_copy_bytes else e.full_bytes
         return gather + e.to_hf_copy_bytes, retained
 
@@ -313,7 +317,7 @@ class _Assembler:
         p, param = e.local
         if p.per_expert:
             return self._expert_tensors(e)
-        local = param.detach()
+        local = merged_weight(param)  # the parameter itself unless LoRA adapts it
         if self.tp_size == 1 or p.tp_dim is None:
             full = local
         else:
@@ -323,7 +327,7 @@ class _Assembler:
         out = [hf[n] if hf[n].is_contiguous() else hf[n].contiguous() for n in e.hf_names]
         del hf
         # views of the trainer's own parameter are not buffered memory
-        param_storage = local.untyped_storage().data_ptr()
+        param_storage = param.untyped_storage().data_ptr()
         self.meter.track(*(t for t in out if t.untyped_storage().data_ptr() != param_storage))
         return out
 

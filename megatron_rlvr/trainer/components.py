@@ -147,10 +147,14 @@ def setup(cfg: RunConfig, run_dir: str | None, lock: RunLock | None = None, with
         source = resolve_model_source(cfg.model)
     tokenizer = load_tokenizer(source)
     args = model_args_for(source, cfg.model, par, cfg.train)
-    model = wrap_ddp(build_model(args, source, cfg.train.seed, d.pg), par.distributed_optimizer)
+    model = wrap_ddp(build_model(args, source, cfg.train.seed, d.pg, lora=cfg.model.lora), par.distributed_optimizer)
     optimizer, scheduler = build_optimizer(model, cfg.optimizer, cfg.schedule, par, cfg.model.dtype)
     ref_model = None
-    if cfg.keeps_ref_model:
+    if cfg.keeps_ref_model and cfg.model.lora is not None:  # the base model is the policy with adapters off
+        from megatron_rlvr.models.lora import BaseModelView
+
+        ref_model = BaseModelView(model)
+    elif cfg.keeps_ref_model:
         ref_args = model_args_for(source, cfg.model, par, cfg.train)
         ref_model = build_model(ref_args, source, cfg.train.seed, d.pg, trainable=False)
     info = engine_info(d.rank, d.world_size, par.rollout_tp)

@@ -9,6 +9,7 @@ import os
 import torch
 
 from megatron_rlvr.models.hf_config import hf_config_object
+from megatron_rlvr.rollout.lora_sync import adapter_engine_kwargs
 
 
 def vllm_installed() -> bool:
@@ -81,6 +82,7 @@ def _vllm_engine(cfg, source, tokenizer, dist_info):
                 max_model_len=r.max_prompt_len + r.max_response_len,
                 max_num_seqs=r.max_batch_rows,
                 seed=cfg.train.seed,
+                extra_llm_kwargs=adapter_engine_kwargs(cfg.model.lora),
             ),
         )
     except ValueError as e:  # vLLM names its own flags: say which keys of the run to change
@@ -114,6 +116,12 @@ engine names the config accepts are config.sections.ENGINES, plus ``auto``)."""
 def build_engine(cfg, source, tokenizer, dist_info):
     """The rollout engine of this rank (rollout_tp = 1 for the transformers engine)."""
     kind = choose_engine(cfg.rollout.engine)
+    lora = cfg.model.lora
+    if lora is not None and lora.sync == "adapter" and kind != "vllm":
+        raise ValueError(
+            f"model.lora.sync=adapter needs the vLLM engine (rollout.engine={cfg.rollout.engine} gives {kind}); "
+            "the transformers engine takes model.lora.sync=merged"
+        )
     if kind not in ENGINE_BUILDERS:
         raise ValueError(f"unknown rollout engine {kind!r}; known: {sorted(ENGINE_BUILDERS)}")
     return ENGINE_BUILDERS[kind](cfg, source, tokenizer, dist_info)

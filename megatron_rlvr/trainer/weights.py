@@ -13,7 +13,20 @@ from megatron_rlvr.megatron.cpu_shims import native_torch
 
 
 def sync_weights(engine, model, args, pg, bucket_bytes: int = 1 << 30) -> dict[str, float]:
-    """Push the current policy weights into ``engine`` (collective over TP and PP); returns metrics."""
+    """Push the current policy weights into ``engine`` (collective over TP and PP); returns metrics. A LoRA policy
+    with ``model.lora.sync: adapter`` sends the base once and then only its adapters (rollout.lora_sync)."""
+    from megatron_rlvr.models.lora import lora_container
+
+    lora = lora_container(model)
+    if lora is not None and lora.cfg.sync == "adapter":
+        from megatron_rlvr.rollout.lora_sync import sync_adapter
+
+        return sync_adapter(engine, model, args, pg, lambda: sync_weights_merged(engine, model, args, pg, bucket_bytes))
+    return sync_weights_merged(engine, model, args, pg, bucket_bytes)
+
+
+def sync_weights_merged(engine, model, args, pg, bucket_bytes: int = 1 << 30) -> dict[str, float]:
+    """Every weight through the stream (LoRA adapters merged into their weights)."""
     from megatron_rlvr.models.build import unwrap
     from megatron_rlvr.rollout.weight_stream import StreamStats, WeightStreamConfig, megatron_weight_stream
 
