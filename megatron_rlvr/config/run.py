@@ -115,7 +115,7 @@ def model_hf_config(cfg: ModelConfig) -> dict:
     if cfg.is_tiny:
         from megatron_rlvr.families.tiny import tiny_hf_config
 
-        return tiny_hf_config()
+        return tiny_hf_config(name=cfg.name)
     if cfg.gguf:
         from megatron_rlvr.families import gguf
 

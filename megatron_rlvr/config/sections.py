@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_rlvr.families.tiny import TINY_MODELS
+
 DTYPES = ("float32", "bfloat16")
 ENGINES = ("auto", "hf", "vllm")
 OLD_LOGPROBS = ("recompute", "rollout")
@@ -36,8 +38,9 @@ class ModelConfig:
 
     name: str | None = "tiny"
     """``tiny``: the built-in 2-layer Qwen2 with a character tokenizer (megatron_rlvr/families/tiny.py), built from a
-    config, no download. Otherwise a label, and hf_path / hf_config / gguf say what to load; a built-in spec name
-    (``qwen2.5-7b``, see families/table.py) also lets ``plan`` size the job before the checkpoint is on disk."""
+    config, no download; ``tiny_moe``: its 2-layer Qwen3-MoE sibling (4 experts, top-2). Otherwise a label, and
+    hf_path / hf_config / gguf say what to load; a built-in spec name (``qwen2.5-7b``, see families/table.py) also
+    lets ``plan`` size the job before the checkpoint is on disk."""
     hf_path: str | None = None
     """HF model folder (config.json + safetensors, and the tokenizer unless ``tokenizer`` is set): the start weights."""
     hf_config: str | None = None
@@ -62,10 +65,10 @@ class ModelConfig:
     def check_files(self) -> None:
         """The weights (or config) to build the model from exist. A built-in spec name alone is enough for ``plan``
         (which skips this check), not for training."""
-        if not (self.hf_path or self.hf_config or self.gguf) and self.name != "tiny":
+        if not (self.hf_path or self.hf_config or self.gguf) and self.name not in TINY_MODELS:
             raise ValueError(
-                f"model.name={self.name!r} is not a built-in trainable model (only 'tiny'): set model.hf_path to its "
-                "HF folder (or model.hf_config for a random init, or model.gguf)"
+                f"model.name={self.name!r} is not a built-in trainable model ({', '.join(TINY_MODELS)}): set "
+                "model.hf_path to its HF folder (or model.hf_config for a random init, or model.gguf)"
             )
         for key in ("hf_path", "hf_config", "tokenizer"):
             path = getattr(self, key)
@@ -78,7 +81,8 @@ class ModelConfig:
 
     @property
     def is_tiny(self) -> bool:
-        return not (self.hf_path or self.hf_config or self.gguf) and self.name == "tiny"
+        """A built-in model over the character tokenizer (``tiny``, ``tiny_moe``: megatron_rlvr/families/tiny.py)."""
+        return not (self.hf_path or self.hf_config or self.gguf) and self.name in TINY_MODELS
 
 
 MOE_DISPATCHERS = ("alltoall", "allgather")
