@@ -127,7 +127,7 @@ def setup(cfg: RunConfig, run_dir: str | None, lock: RunLock | None = None) -> T
 
     signals = StopSignals().install()
     par = cfg.parallel
-    d = init_distributed(par.tp, par.pp, cfg.train.seed, cfg.launch.backend)
+    d = init_distributed(par.tp, par.pp, cfg.train.seed, cfg.launch.backend, ep=par.ep, etp=par.etp)
     if not torch.cuda.is_available():
         torch.set_num_threads(cpu_threads(cfg, d.world_size))
     run_dir = broadcast_object(run_dir or resolve_run_dir(cfg) if d.rank == 0 else None)
@@ -176,7 +176,7 @@ def setup(cfg: RunConfig, run_dir: str | None, lock: RunLock | None = None) -> T
         device=d.device,
         pad_id=int(pad_id),
         micro_batch_tokens=cfg.train.micro_batch_tokens,
-        seq_multiple=d.tp_size if par.sequence_parallel_on(torch.cuda.is_available()) else 1,
+        seq_multiple=d.tp_size if args.config.sequence_parallel else 1,  # MoE at TP > 1 switches SP on
         n_per_group=cfg.rollout.n,
         num_mini_batches=cfg.train.num_mini_batches,
         ppo_epochs=cfg.train.ppo_epochs,
