@@ -31,6 +31,7 @@ from megatron_rlvr.megatron.policy import (
     wrap_ddp,
 )
 from megatron_rlvr.megatron.policy import current_lr as optimizer_lr
+from megatron_rlvr.megatron.routing import RoutingReplay
 from megatron_rlvr.models.build import takes_block_attention_mask
 from megatron_rlvr.models.fusions import detect
 from megatron_rlvr.models.hf_config import MegatronModelArgs
@@ -183,6 +184,7 @@ def setup(cfg: RunConfig, run_dir: str | None, lock: RunLock | None = None) -> T
         correction=MismatchCorrectionConfig(tis_cap=cfg.rollout.tis_cap),
         skip_nonfinite=cfg.train.skip_nonfinite,
         pack_rows=pack_rows_on(cfg, model, ref_model),
+        routing=RoutingReplay(model, d.pg.tp) if cfg.train.routing_replay == "r2" else None,
     )
     t = Trainer(
         cfg=cfg,
