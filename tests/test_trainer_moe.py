@@ -43,11 +43,20 @@ def test_tiny_moe_learns_at_ep2(dist_pool, tmp_path):
 def test_moe_presets_run_two_steps_at_tp2_ep2(dist_pool, tmp_path):
     """MCPO (mastered prompts, hinge KL), CPGD (policy drift) and F-GRPO (focal weights; here with R2 and two
     epochs so the update replays recorded routes) on MoE layers split over EP with vocab-parallel statistics over
-    TP = 2: finite losses, a gradient, their own metrics, and R2's disagreement metrics."""
+    TP = 2: finite losses, a gradient, their own metrics, and R2's disagreement metrics; with the learning rate at 0
+    R2 finds no disagreement although the update packs its micro-batches unlike the behaviour pass."""
     runs = {
         "mcpo": ["algorithm.preset=mcpo"],
         "cpgd": ["algorithm.preset=cpgd"],
         "f_grpo": ["algorithm.preset=f_grpo", "train.routing_replay=r2", "train.ppo_epochs=2"],
+        # weights that never move: every replayed route is the router's own choice, whatever the packing
+        "r2_frozen": [
+            "algorithm.preset=f_grpo",
+            "train.routing_replay=r2",
+            "optimizer.lr=0",
+            "train.mini_batch_prompts=2",
+            "train.old_logprobs_from_update=false",
+        ],
     }
     overrides = [
         *trainer_helpers.SMALL,
@@ -57,7 +66,7 @@ def test_moe_presets_run_two_steps_at_tp2_ep2(dist_pool, tmp_path):
     ]
     codes = dist_pool.run(_train, tp=2, ep=2, args=(str(tmp_path), runs, overrides), timeout=600)[0]
     assert codes == {n: 0 for n in runs}
-    for name in runs:
+    for name in ("mcpo", "cpgd", "f_grpo"):
         recs = _records(tmp_path / name)
         assert [r["step"] for r in recs] == [1, 2], name
         trained = [r for r in recs if r.get("train/updates", 0) >= 1]
@@ -70,3 +79,5 @@ def test_moe_presets_run_two_steps_at_tp2_ep2(dist_pool, tmp_path):
     assert any("drift/kl" in r for r in _records(tmp_path / "cpgd"))
     replayed = [r for r in _records(tmp_path / "f_grpo") if r.get("routing/replayed_tokens", 0) > 0]
     assert replayed and all(0 <= r["routing/disagree_tokens"] <= 1 for r in replayed)
+    frozen = _records(tmp_path / "r2_frozen")
+    assert all(r["routing/replayed_tokens"] > 0 and r["routing/disagree_tokens"] == 0 for r in frozen), frozen
