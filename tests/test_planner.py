@@ -253,3 +253,86 @@ def test_module_entry_point():
     )
     assert r.returncode == 0, r.stderr
     assert "Llama-3.1-8B" in r.stdout and "FITS" in r.stdout
+
+
+# Qwen/Qwen3-30B-A3B config.json: hidden 2048, 48 layers, 32 heads, 4 KV heads of 128, 128 experts of inner width
+# 768, top-8, every layer an MoE layer, vocab 151936, untied LM head, q/k RMSNorm.
+MH, ML, MA, MKV, MD, ME, MK, MF, MV = 2048, 48, 32, 4, 128, 128, 8, 768, 151936
+
+
+def test_qwen3_30b_a3b_param_counts_closed_form():
+    attn = MH * (MA * MD) + 2 * MH * (MKV * MD) + (MA * MD) * MH  # q, k, v, o (no bias)
+    norms = 2 * MH + 2 * MD  # input / post-attention RMSNorm, q_norm, k_norm
+    router = MH * ME
+    experts = ME * 3 * MH * MF
+    total = 2 * MV * MH + ML * (attn + norms + router + experts) + MH
+    assert total == 30_532_122_624  # 30.5 B, the published size
+    active = total - ML * (ME - MK) * 3 * MH * MF
+    assert round(active / 1e9, 1) == 3.4  # "A3B": 3.35 B
+    spec = get_model_spec("Qwen/Qwen3-30B-A3B")
+    assert (spec.param_count(), spec.active_param_count()) == (total, active)
+    big = get_model_spec("qwen3-235b-a22b")
+    assert round(big.param_count() / 1e9) == 235 and round(big.active_param_count() / 1e9) == 22
+
+
+def test_qwen3_30b_a3b_memory_by_hand_tp2_ep8_etp1_on_32_gpus():
+    """Dense parts split over TP=2, each MoE layer's 128 experts over EP=8 (16 whole experts per GPU, expert TP 1),
+    the router replicated; the distributed optimizer shards dense state over DP = 32 / 2 = 16 and the experts' over
+    expert-DP = 32 / (1 x 8) = 4; a token's activations in an MoE layer are those of its k=8 routed copies."""
+    tp, ep, T = 2, 8, 16384
+    attn = (MH * (MA * MD) + 2 * MH * (MKV * MD) + (MA * MD) * MH) // tp
+    norms = 2 * MH + 2 * MD
+    router = MH * ME
+    experts = (ME // ep) * 3 * MH * MF  # 16 experts of 3 x 2048 x 768
+    v_pad = 152064  # next multiple of 128 x 2 above 151936
+    emb = v_pad * MH // tp
+    per_gpu = ML * (attn + norms + router + experts) + 2 * emb + MH
+    expert_part = ML * experts
+    assert per_gpu == 4_401_084_416 and expert_part == 3_623_878_656
+    cfg = PlanConfig(
+        model=get_model_spec("qwen3-30b-a3b"),
+        parallel=ParallelConfig(tp=tp, ep=ep, etp=1, rollout_tp=4),
+        train=TrainConfig(micro_batch_tokens=T, recompute="full", ref_model=False),
+        cluster=ClusterConfig(nodes=4, gpus_per_node=8, gpu_mem_gb=80),
+    )
+    plan = estimate_memory(cfg)
+    assert plan.errors == [] and (plan.dp, plan.edp) == (16, 4)
+    c = plan.components
+    assert plan.stage_param_counts == [per_gpu] and plan.stage_expert_param_counts == [expert_part]
+    assert c["weights"] == 2 * per_gpu and c["grads"] == 4 * per_gpu
+    assert c["optimizer"] == pytest.approx(12 * ((per_gpu - expert_part) / 16 + expert_part / 4))
+    assert c["optimizer"] / GIB == pytest.approx(10.67, abs=0.01)
+    # one MoE layer, sequence parallel (TP=2): 8h + 4 q_dim + 4 kv_dim per token, the router's fp32 logits and
+    # scores 8E, and k=8 routed copies of 2h + 2h (dispatched input, expert output) + 6 f_e (SwiGLU of one expert)
+    per_token = 8 * MH + 4 * MA * MD + 4 * MKV * MD + 8 * ME + MK * (4 * MH + 6 * MF)
+    moe_layer = T * per_token // tp
+    assert c["act_none"] == ML * moe_layer
+    assert c["act_full"] == ML * (2 * T * MH // tp) + moe_layer
+    # vLLM at TP=4 holds every expert, each sliced 4 ways; KV heads 4 / 4 = 1 per GPU
+    layer = MH * MD * (MA // 4 + 2) + (MA * MD) * MH // 4 + norms + router + ME * 3 * MH * MF // 4
+    assert c["vllm_weights"] == 2 * (ML * layer + (MV // 4) * MH * 2 + MH)
+
+
+def test_expert_layout_errors():
+    moe = get_model_spec("qwen3-30b-a3b")
+    errs, _ = validate_layout(moe, ParallelConfig(tp=1, ep=3), world_size=24)
+    assert any("ep=3 does not divide the 128 routed experts" in e for e in errs)
+    errs, _ = validate_layout(moe, ParallelConfig(tp=1, ep=16), world_size=8)
+    assert any("etp x ep x pp = 1 x 16 x 1" in e for e in errs)
+    errs, _ = validate_layout(moe, ParallelConfig(tp=1, ep=2, etp=5), world_size=10)
+    assert any("expert TP 5 does not divide the experts' inner width 768" in e for e in errs)
+    errs, _ = validate_layout(get_model_spec("qwen2.5-7b"), ParallelConfig(tp=1, ep=2), world_size=8)
+    assert any("need a mixture-of-experts model" in e for e in errs)
+
+
+def test_moe_config_in_repo_fits_and_hf_config_gives_the_builtin_spec():
+    cfg = load_plan_config(REPO / "configs" / "qwen3_30b_a3b.yaml")
+    assert (cfg.parallel.tp, cfg.parallel.ep, cfg.parallel.expert_tp) == (2, 8, 1)
+    plan = estimate_memory(cfg)
+    assert plan.fits and plan.edp == 4
+    hf = {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": MH, "intermediate_size": 6144}
+    hf |= {"num_hidden_layers": ML, "num_attention_heads": MA, "num_key_value_heads": MKV, "head_dim": MD}
+    hf |= {"vocab_size": MV, "num_experts": ME, "num_experts_per_tok": MK, "moe_intermediate_size": MF}
+    hf |= {"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "tie_word_embeddings": False}
+    spec = model_spec_from_hf_config(hf)
+    assert spec == ModelSpec(**{**BUILTIN_SPECS["qwen3-30b-a3b"].__dict__, "name": spec.name})

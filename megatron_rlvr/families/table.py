@@ -3,8 +3,8 @@
 - ``FAMILIES``: every supported HF decoder family (Llama, Qwen2/2.5, Qwen3, and the mixture-of-experts Qwen2-MoE and
   Qwen3-MoE), keyed by ``architectures[0]``, with what distinguishes it. ``models/hf_config.py`` builds megatron
   models from it, the planner derives a :class:`ModelSpec` from it, so the two accept exactly the same models.
-- ``ModelSpec``: the shapes of a dense decoder-only transformer; ``BUILTIN_SPECS`` for planning without a
-  checkpoint (values from each model's official HF config.json).
+- ``ModelSpec``: the shapes of a decoder-only transformer, dense or mixture-of-experts; ``BUILTIN_SPECS`` for
+  planning without a checkpoint (values from each model's official HF config.json).
 """
 
 from __future__ import annotations
@@ -191,6 +191,16 @@ class ModelSpec:
     """Per-head RMSNorm on queries and keys, one weight of size d each (Qwen3)."""
     gated_mlp: bool = True
     """SwiGLU MLP (gate, up, down: 3 matrices). False: a 2-matrix MLP (GeLU)."""
+    experts: int = 0
+    """Routed experts per MoE layer (HF ``num_experts``); 0: a dense model."""
+    top_k: int = 0
+    """Experts each token is routed to (HF ``num_experts_per_tok``)."""
+    expert_ffn: int = 0
+    """Inner width of one routed SwiGLU expert (HF ``moe_intermediate_size``)."""
+    moe_layers: tuple[bool, ...] = ()
+    """Per layer: True for an MoE layer, False for a dense MLP of width ``ffn``; empty: every layer when ``experts``."""
+    shared_expert_ffn: int = 0
+    """Inner width of a shared SwiGLU expert in every MoE layer, with a sigmoid gate (Qwen2-MoE); 0: none."""
 
     def __post_init__(self):
         for f in ("hidden", "ffn", "layers", "heads", "kv_heads", "vocab"):
@@ -210,6 +220,25 @@ class ModelSpec:
             raise ValueError(
                 f"model spec {self.name!r}: heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})"
             )
+        if self.experts:
+            if not 1 <= self.top_k <= self.experts or self.expert_ffn <= 0:
+                raise ValueError(
+                    f"model spec {self.name!r}: an MoE spec needs 1 <= top_k <= experts and expert_ffn > 0 (got "
+                    f"top_k={self.top_k}, experts={self.experts}, expert_ffn={self.expert_ffn})"
+                )
+            if not self.moe_layers:
+                object.__setattr__(self, "moe_layers", (True,) * self.layers)
+            if len(self.moe_layers) != self.layers:
+                raise ValueError(f"model spec {self.name!r}: moe_layers has {len(self.moe_layers)} entries, not L")
+
+    @property
+    def is_moe(self) -> bool:
+        """Some layer's MLP is a mixture of experts."""
+        return any(self.moe_layers)
+
+    @property
+    def n_moe_layers(self) -> int:
+        return sum(self.moe_layers)
 
     @property
     def q_dim(self) -> int:
@@ -231,11 +260,35 @@ class ModelSpec:
         norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
         return {"qkv_w": qkv_w, "qkv_b": qkv_b, "out_w": out_w, "mlp_w": mlp_w, "norms": norms}
 
+    def moe_layer_params(self) -> dict[str, int]:
+        """Parameters of the MLP of ONE MoE layer (zeros for a dense model): the router [E, h] (replicated over TP),
+        the routed experts (3 h f_e each: gate, up, down; split over EP x expert TP) and the shared expert with its
+        [1, h] gate (split over TP like a dense MLP)."""
+        if not self.experts:
+            return {"router": 0, "experts": 0, "shared": 0}
+        h = self.hidden
+        shared = 3 * h * self.shared_expert_ffn + h if self.shared_expert_ffn else 0
+        return {"router": h * self.experts, "experts": self.experts * 3 * h * self.expert_ffn, "shared": shared}
+
     def param_count(self) -> int:
-        """Total parameters of the HF checkpoint (unpadded vocab), embeddings + L layers + final norm + LM head."""
+        """Total parameters of the HF checkpoint (unpadded vocab), embeddings + L layers + final norm + LM head. An
+        MoE layer has the dense layer's attention and norms and the MoE MLP instead of the dense one."""
         emb = self.vocab * self.hidden
         head = 0 if self.tied_embeddings else emb
-        return emb + self.layers * sum(self.layer_params().values()) + self.hidden + head
+        lp = self.layer_params()
+        moe_mlp = sum(self.moe_layer_params().values())
+        dense_layer = sum(lp.values())
+        moe_layer = dense_layer - lp["mlp_w"] + moe_mlp
+        n_moe = self.n_moe_layers
+        return emb + (self.layers - n_moe) * dense_layer + n_moe * moe_layer + self.hidden + head
+
+    def active_param_count(self) -> int:
+        """Parameters one token passes through: ``param_count`` with only ``top_k`` routed experts per MoE layer
+        (the figure in an MoE model's name, e.g. 3.3 B of Qwen3-30B-A3B)."""
+        if not self.is_moe:
+            return self.param_count()
+        idle = (self.experts - self.top_k) * 3 * self.hidden * self.expert_ffn
+        return self.param_count() - self.n_moe_layers * idle
 
     def padded_vocab(self, tp: int, divisible_by: int = MEGATRON_VOCAB_DIVISIBLE_BY) -> int:
         """Megatron pads V up to a multiple of divisible_by * TP so every TP rank holds an equal, aligned shard."""
@@ -311,6 +364,42 @@ BUILTIN_SPECS: dict[str, ModelSpec] = {
         vocab=151936,
         qk_norm=True,
     ),
+    # Qwen/Qwen3-30B-A3B config.json: hidden_size 2048, intermediate_size 6144 (unused: no dense layer),
+    # num_hidden_layers 48, num_attention_heads 32, num_key_value_heads 4, head_dim 128, num_experts 128,
+    # num_experts_per_tok 8, moe_intermediate_size 768, decoder_sparse_step 1, mlp_only_layers [], norm_topk_prob
+    # true, vocab_size 151936, tie_word_embeddings false. 30.53 B parameters, 3.35 B active.
+    "qwen3-30b-a3b": _spec(
+        name="Qwen3-30B-A3B",
+        hidden=2048,
+        ffn=6144,
+        layers=48,
+        heads=32,
+        kv_heads=4,
+        head_dim=128,
+        vocab=151936,
+        qk_norm=True,
+        experts=128,
+        top_k=8,
+        expert_ffn=768,
+    ),
+    # Qwen/Qwen3-235B-A22B config.json: hidden_size 4096, intermediate_size 12288 (unused), num_hidden_layers 94,
+    # num_attention_heads 64, num_key_value_heads 4, head_dim 128, num_experts 128, num_experts_per_tok 8,
+    # moe_intermediate_size 1536, decoder_sparse_step 1, mlp_only_layers [], norm_topk_prob true, vocab_size 151936,
+    # tie_word_embeddings false. 235.1 B parameters, 22.1 B active.
+    "qwen3-235b-a22b": _spec(
+        name="Qwen3-235B-A22B",
+        hidden=4096,
+        ffn=12288,
+        layers=94,
+        heads=64,
+        kv_heads=4,
+        head_dim=128,
+        vocab=151936,
+        qk_norm=True,
+        experts=128,
+        top_k=8,
+        expert_ffn=1536,
+    ),
 }
 
 
@@ -355,6 +444,7 @@ def model_spec_from_hf_config(source: str | Path | dict, name: str | None = None
     if missing:
         raise ValueError(f"{where}: missing field(s) {', '.join(missing)}")
     heads = cfg["num_attention_heads"]
+    moe = moe_fields(cfg, fam, where)
     return ModelSpec(
         name=name or cfg.get("_name_or_path") or Path(where).parent.name or mtype,
         hidden=cfg["hidden_size"],
@@ -366,6 +456,11 @@ def model_spec_from_hf_config(source: str | Path | dict, name: str | None = None
         head_dim=cfg.get("head_dim") or 0,
         # transformers' Llama/Qwen2/Qwen3/Mistral config classes default tie_word_embeddings to False.
         tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=fam.qkv_bias or bool(cfg.get("attention_bias", False)),
+        qkv_bias=has_qkv_bias(cfg, fam),
         qk_norm=fam.qk_layernorm,
+        experts=moe.experts if moe else 0,
+        top_k=moe.top_k if moe else 0,
+        expert_ffn=moe.expert_ffn if moe else 0,
+        moe_layers=moe.moe_layers if moe else (),
+        shared_expert_ffn=moe.shared_expert_ffn if moe else 0,
     )

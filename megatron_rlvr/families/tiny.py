@@ -6,6 +6,9 @@
 - Model: a 2-layer Qwen2 (QKV bias, SwiGLU, RMSNorm, RoPE; 2 heads of 32) of width 64 whose vocabulary is that
   tokenizer's.
   Qwen2 rather than Llama because its QKV bias exercises one more mapping rule on every weight sync.
+- ``tiny_moe``: the same tokenizer and task with a 2-layer Qwen3-MoE of width 64 (q/k norm, 4 experts of inner
+  width 64 per layer, top-2, renormalised top-k probabilities): the mixture-of-experts path end to end on CPU
+  (``configs/tiny_moe.yaml``: expert parallelism 2).
 
 The task (``configs/tiny.yaml``): the procedural ``copy`` task in terse style, "7=" -> "7" and then EOS (reward
 ``exact_stop``). A random model answers so with probability ~1/|V|^2 (well under 1%); a working RL pipeline drives
@@ -17,6 +20,7 @@ from __future__ import annotations
 import os
 
 TINY_NAME = "tiny"
+TINY_MOE_NAME = "tiny_moe"
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 CHARS = tuple("0123456789+-*=? ")
@@ -43,6 +47,37 @@ TINY_MODEL = dict(
 )
 """HF config fields of the tiny model (vocab and special ids are filled in from the tokenizer)."""
 
+TINY_MOE_MODEL = dict(
+    architectures=["Qwen3MoeForCausalLM"],
+    model_type="qwen3_moe",
+    hidden_size=64,
+    intermediate_size=128,  # a dense layer's MLP (none here: every layer is an MoE layer)
+    moe_intermediate_size=64,
+    num_experts=4,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    router_aux_loss_coef=0.0,
+    num_hidden_layers=2,
+    num_attention_heads=2,  # head_dim 32, as for `tiny` (vLLM's CPU attention)
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=64,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    hidden_act="silu",
+    tie_word_embeddings=False,
+    initializer_range=0.02,
+    use_sliding_window=False,
+    attention_bias=False,
+    attention_dropout=0.0,
+)
+"""HF config fields of the tiny mixture-of-experts model."""
+
+TINY_MODELS = {TINY_NAME: TINY_MODEL, TINY_MOE_NAME: TINY_MOE_MODEL}
+"""The built-in models over the character tokenizer, by ``model.name``."""
+
 
 def tiny_vocab() -> dict[str, int]:
     return {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS)}
@@ -64,10 +99,13 @@ def tiny_tokenizer():
     return fast
 
 
-def tiny_hf_config(tokenizer=None) -> dict:
-    """The tiny model's HF config as a dict (what ``config.json`` of its export holds)."""
+def tiny_hf_config(tokenizer=None, name: str = TINY_NAME) -> dict:
+    """The HF config of the built-in model ``name`` (``tiny`` or ``tiny_moe``) as a dict (what ``config.json`` of
+    its export holds)."""
+    if name not in TINY_MODELS:
+        raise ValueError(f"unknown built-in model {name!r}; built-in: {sorted(TINY_MODELS)}")
     tokenizer = tokenizer or tiny_tokenizer()
-    cfg = dict(TINY_MODEL)
+    cfg = dict(TINY_MODELS[name])
     cfg.update(
         vocab_size=len(tokenizer),
         pad_token_id=tokenizer.pad_token_id,

@@ -35,7 +35,7 @@ def resolve_model_source(cfg: ModelConfig) -> ModelSource:
     if cfg.is_tiny:
         from megatron_rlvr.families.tiny import tiny_hf_config
 
-        return ModelSource(tiny_hf_config(), None, cfg.tokenizer, True)
+        return ModelSource(tiny_hf_config(name=cfg.name), None, cfg.tokenizer, True)
     if cfg.gguf:
         from megatron_rlvr.families import gguf
 

@@ -26,6 +26,7 @@ def run_microbatches(
     pg,
     forward_only: bool,
     device: torch.device,
+    routing=None,
 ) -> list[dict]:
     """Forward (and backward unless ``forward_only``) over ``microbatches``; returns, on the last pipeline stage,
     the info dict of each micro-batch (in order), and [] on other stages. A micro-batch has ``tokens`` and
@@ -34,6 +35,9 @@ def run_microbatches(
 
     ``loss_fn(mb, logits_bsv)`` gets the micro-batch and this TP rank's logits shard [b, s, V/tp] and returns (this
     micro-batch's sum-reduced loss, info). Every micro-batch must have the same [b, s] when PP > 1.
+
+    ``routing``: a routing-replay session (megatron_rlvr.megatron.routing) told before and after every micro-batch's
+    forward, so it can set the routes to replay or collect the recorded ones.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -58,8 +62,12 @@ def run_microbatches(
         position_ids = mb.position_ids.to(device)
         mask = mb.attention_mask  # packed rows: block-diagonal causal (None: megatron's causal mask)
         mask = None if mask is None else mask.to(device)
+        if routing is not None:
+            routing.before_forward(mb)
         with native_torch():  # the model forward makes no CUDA call (cpu_shims: causal masks): skip the redirect
             output = model_chunk(tokens, position_ids, mask)
+        if routing is not None:
+            routing.after_forward(mb)
         return output, functools.partial(adapter, mb)
 
     fwd_bwd = get_forward_backward_func(pp_size=pp_size)

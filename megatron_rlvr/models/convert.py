@@ -98,12 +98,13 @@ def _attach_checkpoint_lora(model, args, meta: dict, base_weights) -> None:
 
 
 def is_tiny_config(hf_config: dict) -> bool:
-    """The checkpoint is of the built-in ``tiny`` model (megatron_rlvr/families/tiny.py)."""
-    from megatron_rlvr.families.tiny import tiny_hf_config
+    """The checkpoint is of a built-in model over the character tokenizer (``tiny``, ``tiny_moe``:
+    megatron_rlvr/families/tiny.py)."""
+    from megatron_rlvr.families.tiny import TINY_MODELS, tiny_hf_config
 
-    ref = tiny_hf_config()
     keys = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-    return all(hf_config.get(k) == ref[k] for k in keys)
+    refs = [tiny_hf_config(name=name) for name in TINY_MODELS]
+    return any(all(hf_config.get(k) == ref[k] for k in keys) for ref in refs)
 
 
 def resolve_checkpoint(path: str) -> str:

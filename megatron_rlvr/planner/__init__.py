@@ -33,6 +33,10 @@ Memory model (per GPU, bytes; GiB = 2**30). Every term is a formula of the confi
     ``activation_bytes_per_layer``. 1F1B pipelining keeps ``pp - stage`` micro-batches in flight (Sec. 4.2.3).
   * logits: the output layer materialises [T, V/tp] bf16 logits (and their grad); the vocab-parallel ops then
     work on fp32 chunks of ``logits_chunk`` tokens.
+  * mixture of experts: each MoE layer's routed experts are split over EP (whole experts) and expert TP, the
+    router is replicated; the distributed optimizer shards the experts' state over expert-DP = world / (etp x ep x
+    pp) and the rest over DP; a token stores activations only for its top-k routed copies
+    (``moe_activation_bytes_per_layer``); vLLM holds every expert, sliced by the rollout TP.
   * colocated vLLM: the engine claims ``gpu_memory_utilization`` x GPU while rolling out (weights at rollout TP,
     a fixed overhead for activations / CUDA graphs, the rest is KV cache); during training it sleeps (level 1
     offloads weights to host RAM, level 2 discards them; both discard the KV cache), keeping only
@@ -58,6 +62,8 @@ from megatron_rlvr.planner.memory import (
     PlanConfig,
     activation_bytes_per_layer,
     estimate_memory,
+    moe_activation_bytes_per_layer,
+    stage_expert_params,
     stage_params,
     validate_layout,
 )
@@ -85,8 +91,10 @@ __all__ = [
     "model_spec_from_hf_config",
     "plan_config_from_run",
     "plan_main",
+    "moe_activation_bytes_per_layer",
     "search_layouts",
     "smallest_fitting_nodes",
+    "stage_expert_params",
     "stage_params",
     "validate_layout",
 ]

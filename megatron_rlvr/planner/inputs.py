@@ -19,6 +19,7 @@ from megatron_rlvr.config import (
     model_hf_config,
 )
 from megatron_rlvr.families.table import BUILTIN_SPECS, ModelSpec, get_model_spec, model_spec_from_hf_config
+from megatron_rlvr.families.tiny import TINY_MODELS
 from megatron_rlvr.planner.memory import PlanConfig
 
 
@@ -29,7 +30,7 @@ def model_spec_for(run: RunConfig) -> ModelSpec:
     try:
         hf = model_hf_config(m)
     except ConfigError as e:
-        if m.name and m.name != "tiny":
+        if m.name and m.name not in TINY_MODELS:
             try:
                 return get_model_spec(m.name)
             except ValueError:
@@ -38,7 +39,7 @@ def model_spec_for(run: RunConfig) -> ModelSpec:
             f"{e}; and model.name={m.name!r} is not a built-in spec ({', '.join(sorted(BUILTIN_SPECS))}), so the "
             "planner cannot size the model"
         ) from None
-    return model_spec_from_hf_config(hf, name=m.name if m.name != "tiny" or m.is_tiny else None)
+    return model_spec_from_hf_config(hf, name=m.name if m.name not in TINY_MODELS or m.is_tiny else None)
 
 
 def plan_config_from_run(run: RunConfig, spec: ModelSpec | None = None) -> PlanConfig:

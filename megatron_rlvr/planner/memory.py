@@ -109,7 +109,27 @@ def validate_layout(model: ModelSpec, par: ParallelConfig, world_size: int, gpus
         errors.append(f"world size {world_size} is not divisible by rollout_tp={par.rollout_tp}")
     if world_size < mp:
         errors.append(f"world size {world_size} is smaller than tp x pp = {mp}")
+    expert_layout_errors(model, par, world_size, errors)
     return errors, warnings
+
+
+def expert_layout_errors(model: ModelSpec, par: ParallelConfig, world_size: int, errors: list[str]) -> None:
+    """Megatron's expert grid (etp x ep x expert-dp x pp = world, parallel_state.initialize_model_parallel): EP splits
+    whole experts, expert TP an expert's inner width; ep / etp > 1 need an MoE model."""
+    etp = par.expert_tp
+    if not model.is_moe:
+        if par.ep > 1 or (par.etp or 1) > 1:
+            errors.append("parallel.ep / parallel.etp > 1 need a mixture-of-experts model")
+        return
+    if model.experts % par.ep:
+        errors.append(f"parallel.ep={par.ep} does not divide the {model.experts} routed experts")
+    if model.expert_ffn % etp:
+        errors.append(f"expert TP {etp} does not divide the experts' inner width {model.expert_ffn}")
+    if world_size % (etp * par.ep * par.pp):
+        errors.append(
+            f"world size {world_size} is not divisible by etp x ep x pp = {etp} x {par.ep} x {par.pp} (the experts' "
+            "grid)"
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -117,19 +137,39 @@ def validate_layout(model: ModelSpec, par: ParallelConfig, world_size: int, gpus
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def _stage_moe_layers(model: ModelSpec, pp: int) -> list[int]:
+    """MoE layers on each pipeline stage (stage s holds layers [s L/pp, (s+1) L/pp))."""
+    n_local = model.layers // pp
+    if not model.is_moe:
+        return [0] * pp
+    return [sum(model.moe_layers[s * n_local : (s + 1) * n_local]) for s in range(pp)]
+
+
+def stage_expert_params(model: ModelSpec, par: ParallelConfig) -> list[int]:
+    """Routed-expert parameters held by ONE GPU of each pipeline stage: per MoE layer E/ep experts, each 3 h f_e
+    split over expert TP (the part the distributed optimizer shards over the expert-data-parallel group)."""
+    per_layer = model.moe_layer_params()["experts"] // par.ep // par.expert_tp
+    return [n * per_layer for n in _stage_moe_layers(model, par.pp)]
+
+
 def stage_params(model: ModelSpec, par: ParallelConfig) -> list[int]:
     """Parameters held by ONE GPU of each pipeline stage (TP-sharded matrices, replicated norms, padded vocab).
 
     Stage 0 holds the input embedding, the last stage the final norm and the LM head (with tied embeddings and
-    pp > 1 Megatron keeps a copy of the embedding on the last stage for the output layer).
+    pp > 1 Megatron keeps a copy of the embedding on the last stage for the output layer). An MoE layer holds its
+    attention (TP-sharded), the router [E, h] (replicated), the shared expert (TP-sharded) and E/ep routed experts
+    split over expert TP (``stage_expert_params``) instead of the dense MLP.
     """
     lp = model.layer_params()
     per_layer = (lp["qkv_w"] + lp["qkv_b"] + lp["out_w"] + lp["mlp_w"]) // par.tp + lp["norms"]
+    mp = model.moe_layer_params()
+    per_moe_layer = per_layer - lp["mlp_w"] // par.tp + mp["router"] + mp["shared"] // par.tp
     emb = model.padded_vocab(par.tp) * model.hidden // par.tp
     n_local = model.layers // par.pp
+    experts = stage_expert_params(model, par)
     out = []
-    for s in range(par.pp):
-        n = n_local * per_layer
+    for s, n_moe in enumerate(_stage_moe_layers(model, par.pp)):
+        n = (n_local - n_moe) * per_layer + n_moe * per_moe_layer + experts[s]
         if s == 0:
             n += emb
         if s == par.pp - 1:
@@ -185,6 +225,32 @@ def activation_bytes_per_layer(
     return tokens * (replicated + sharded // tp)
 
 
+def moe_activation_bytes_per_layer(model: ModelSpec, tokens: int, tp: int, etp: int, sequence_parallel: bool) -> int:
+    """Bytes one MoE layer saves for backward, for `tokens` tokens of one micro-batch: the dense layer's terms
+    without its MLP (``activation_bytes_per_layer``), plus, per token (Megatron trains MoE layers with tp > 1 only
+    under sequence parallelism, so every term is divided by TP then):
+        router                    8E                      (fp32 logits and scores; the probs are per routed copy)
+        routed copies             k (4h + 6 f_e / etp')   (each token's k routed copies: the permuted input and the
+                                                           expert output, 2h + 2h, and the SwiGLU terms 6 f_e of
+                                                           ONE expert, sharded over expert TP)
+        shared expert             6 f_s / tp
+    Only the k active experts of a token store anything: an idle expert has no activations. Balanced routing spreads
+    the tp x dp x k copies of a stage's tokens evenly over its GPUs; a copy's expert runs on etp GPUs, so one GPU
+    holds T k etp / tp copies with 6 f_e / etp SwiGLU bytes each: T k / tp (4h etp + 6 f_e) in all."""
+    h = model.hidden
+    # the dense layer's terms without the MLP: 8h replicated (unless SP), 4 q_dim + 4 kv_dim sharded
+    attn_sharded = 4 * model.q_dim + 4 * model.kv_dim
+    if sequence_parallel:
+        attn = tokens * (8 * h + attn_sharded) // tp
+    else:
+        attn = tokens * (8 * h + attn_sharded // tp)
+    div = tp if sequence_parallel else 1
+    router = tokens * 8 * model.experts // div
+    routed = tokens * model.top_k * (4 * h * etp + 6 * model.expert_ffn) // tp
+    shared = tokens * 6 * model.shared_expert_ffn // tp
+    return attn + router + routed + shared
+
+
 _TRAIN_PHASE_TERMS = ("weights", "grads", "optimizer", "ref_model", "activations", "logits", "logits_chunk")
 _TRAIN_PHASE_TERMS += ("train_overhead", "engine_in_training")
 
@@ -221,6 +287,11 @@ class MemoryPlan:
     kv_tokens: int = 0
     """KV-cache capacity of one rollout engine in tokens (all layers): vLLM's pool, or the transformers engine's
     ``max_batch_rows`` full-length rows."""
+    edp: int = 0
+    """Expert-data-parallel size world / (etp x ep x pp): the distributed optimizer's sharding factor of the routed
+    experts' state (0: a dense model)."""
+    stage_expert_param_counts: list[int] = field(default_factory=list)
+    """Routed-expert parameters held by one GPU of each pipeline stage (included in ``stage_param_counts``)."""
 
     @property
     def peak(self) -> float:
@@ -247,7 +318,12 @@ def _vllm_weight_params(model: ModelSpec, rtp: int) -> int:
     per_layer = qkv_w + qkv_b + (lp["out_w"] + lp["mlp_w"]) // rtp + lp["norms"]
     vocab_shard = -(-model.vocab // rtp)  # vLLM pads the vocab shard; the difference is negligible here
     emb = vocab_shard * h * (1 if model.tied_embeddings else 2)
-    return model.layers * per_layer + emb + h
+    # MoE layers: every engine rank holds every routed expert, its inner width sliced by the rollout TP (vLLM's
+    # FusedMoE without expert parallelism), the router replicated
+    mp = model.moe_layer_params()
+    per_moe_layer = per_layer - lp["mlp_w"] // rtp + mp["router"] + (mp["experts"] + mp["shared"]) // rtp
+    n_moe = model.n_moe_layers
+    return (model.layers - n_moe) * per_layer + n_moe * per_moe_layer + emb + h
 
 
 def estimate_memory(cfg: PlanConfig) -> MemoryPlan:
@@ -281,7 +357,15 @@ def estimate_memory(cfg: PlanConfig) -> MemoryPlan:
     params = stage_params(m, par)
     plan.stage_param_counts = params
     lora_params = lora_stage_params(m, par, cfg.lora) if cfg.lora else [0] * len(params)
-    a_layer = activation_bytes_per_layer(m, T, par.tp, cfg.sequence_parallel, b)
+    expert_params = stage_expert_params(m, par)
+    plan.stage_expert_param_counts = expert_params
+    moe_per_stage = _stage_moe_layers(m, par.pp)
+    edp = max(1, world // (par.expert_tp * par.ep * par.pp)) if m.is_moe else 1
+    plan.edp = edp if m.is_moe else 0
+    # Megatron trains MoE layers with tp > 1 only under sequence parallelism (the model args switch it on)
+    sp = cfg.sequence_parallel or (m.is_moe and par.tp > 1)
+    a_layer = activation_bytes_per_layer(m, T, par.tp, sp, b)
+    a_moe = moe_activation_bytes_per_layer(m, T, par.tp, par.expert_tp, sp) * b // 2 if m.is_moe else 0
     n_local = m.layers // par.pp
     vocab_shard = m.padded_vocab(par.tp) // par.tp
     # K and V for every layer in the model dtype; an engine keeps max(1, kv_heads / rollout_tp) heads per GPU.
@@ -312,13 +396,20 @@ def estimate_memory(cfg: PlanConfig) -> MemoryPlan:
         trained = lora_params[s] if cfg.lora else p  # LoRA: the adapters are all the trainer updates
         c["weights"] = b * (p + (trained if cfg.lora else 0))  # LoRA: the adapters beside the frozen base
         c["grads"] = 4 * trained
-        # bf16: fp32 master weights + Adam m, v; fp32: the parameters are the master copy, only m and v
-        c["optimizer"] = (8 if b == 4 else 12) * trained / (dp if par.distributed_optimizer else 1)
+        # bf16: fp32 master weights + Adam m, v; fp32: the parameters are the master copy, only m and v. The
+        # distributed optimizer shards dense state over DP and the routed experts' over expert-DP.
+        per_param = 8 if b == 4 else 12
+        e = 0 if cfg.lora else expert_params[s]
+        if par.distributed_optimizer:
+            c["optimizer"] = per_param * ((trained - e) / dp + e / edp)
+        else:
+            c["optimizer"] = per_param * trained
         c["ref_model"] = b * p if cfg.keeps_ref_model and not cfg.lora else 0
-        c["act_none"] = in_flight * n_local * a_layer
-        # Full recompute stores only each layer's input ([T, h] bf16, sharded by SP) and rebuilds one layer.
-        layer_input = b * T * m.hidden // (par.tp if cfg.sequence_parallel else 1)
-        c["act_full"] = in_flight * n_local * layer_input + a_layer
+        n_moe = moe_per_stage[s]
+        c["act_none"] = in_flight * ((n_local - n_moe) * a_layer + n_moe * a_moe)
+        # Full recompute stores only each layer's input ([T, h], sharded by SP) and rebuilds one layer.
+        layer_input = b * T * m.hidden // (par.tp if sp else 1)
+        c["act_full"] = in_flight * n_local * layer_input + (max(a_layer, a_moe) if n_moe else a_layer)
         c["activations"] = c["act_full"] if tr.recompute == "full" else c["act_none"]
         last = s == par.pp - 1
         c["logits"] = T * vocab_shard * (b + b) if last else 0  # logits + their grad, in the model dtype

@@ -35,6 +35,14 @@ def format_plan(plan: MemoryPlan) -> str:
         f"TP={par.rollout_tp} ({plan.world_size // par.rollout_tp} {engine} engines"
         f"{', rollout.engine=auto' if ro.engine == 'auto' else ''})",
     ]
+    if m.is_moe:
+        lines[0] += (
+            f"\n        MoE: {m.n_moe_layers} of {m.layers} layers, {m.experts} experts (f_e={m.expert_ffn}), "
+            f"top-{m.top_k}"
+            f"{f', shared expert f={m.shared_expert_ffn}' if m.shared_expert_ffn else ''}: "
+            f"{m.active_param_count() / 1e9:.2f} B params active per token"
+        )
+        lines[2] += f"\n        experts: EP={par.ep} ETP={par.expert_tp} expert-DP={plan.edp} ({par.moe_dispatcher})"
     for w in plan.warnings:
         lines.append(f"warning: {w}")
     if plan.errors:
@@ -59,6 +67,11 @@ def format_plan(plan: MemoryPlan) -> str:
         ("main grads fp32 (4 B/param)", c["grads"]),
         (f"{opt} / DP={dp_div})", c["optimizer"]),
     ]
+    if m.is_moe:
+        e = plan.stage_expert_param_counts[plan.worst_stage]
+        edp_div = plan.edp if par.distributed_optimizer else 1
+        rows[0] = (f"weights bf16 ({p / 1e9:.3f} B params, {e / 1e9:.3f} B in experts)", c["weights"])
+        rows[2] = (f"fp32 master + Adam m,v (12 B/param / DP={dp_div}, experts / {edp_div})", c["optimizer"])
     if cfg.keeps_ref_model:
         rows.append((f"reference model {dt}", c["ref_model"]))
     mark_n = " <-" if tr.recompute == "none" else ""
@@ -140,35 +153,45 @@ def search_layouts(cfg: PlanConfig) -> list[MemoryPlan]:
     then smaller rollout TP (more independent engines)."""
     gpn = cfg.cluster.gpus_per_node
     sizes = [t for t in (1, 2, 4, 8, 16) if t <= gpn]
+    m = cfg.model
+    # MoE: every expert-parallel size that divides the experts (expert TP as configured); dense: ep as configured
+    eps = [e for e in (1, 2, 4, 8, 16, 32, 64) if m.experts % e == 0] if m.is_moe else [cfg.parallel.ep]
     plans = []
     for tp in sizes:
         for pp in (1, 2, 4, 8):
             for rtp in sizes:
-                try:
-                    par = dataclasses.replace(cfg.parallel, tp=tp, pp=pp, rollout_tp=rtp, sequence_parallel=None)
-                except ValueError:
-                    continue
-                plan = estimate_memory(dataclasses.replace(cfg, parallel=par))
-                if not plan.errors:
-                    plans.append(plan)
+                for ep in eps:
+                    try:
+                        par = dataclasses.replace(
+                            cfg.parallel, tp=tp, pp=pp, rollout_tp=rtp, ep=ep, sequence_parallel=None
+                        )
+                    except ValueError:
+                        continue
+                    plan = estimate_memory(dataclasses.replace(cfg, parallel=par))
+                    if not plan.errors:
+                        plans.append(plan)
 
     def rank(p: MemoryPlan):
         par = p.config.parallel
-        return (not p.fits, par.tp * par.pp, par.pp, par.rollout_tp, p.peak)
+        return (not p.fits, par.tp * par.pp, par.pp, par.rollout_tp, -par.ep, p.peak)
 
     plans.sort(key=rank)
     return plans
 
 
 def format_search(plans: list[MemoryPlan]) -> str:
-    head = f"{'tp':>3} {'pp':>3} {'rtp':>4} {'dp':>4} {'train':>7} {'rollout':>8} {'peak':>7} {'kv seqs':>8}  verdict"
+    moe = bool(plans) and plans[0].config.model.is_moe
+    ep_head = f" {'ep':>3}" if moe else ""
+    head = f"{'tp':>3} {'pp':>3} {'rtp':>4} {'dp':>4}{ep_head} {'train':>7} {'rollout':>8} {'peak':>7} {'kv seqs':>8}"
+    head += "  verdict"
     lines = [head + "   (GiB per GPU)"]
     for p in plans:
         par = p.config.parallel
         seqs = p.kv_tokens / p.config.max_model_len
         why = "fits" if p.fits else "no: " + p.reasons[0].split(";")[0]
+        ep = f" {par.ep:>3}" if moe else ""
         lines.append(
-            f"{par.tp:>3} {par.pp:>3} {par.rollout_tp:>4} {p.dp:>4} {p.train_peak / GIB:7.1f} "
+            f"{par.tp:>3} {par.pp:>3} {par.rollout_tp:>4} {p.dp:>4}{ep} {p.train_peak / GIB:7.1f} "
             f"{p.rollout_peak / GIB:8.1f} {p.peak / GIB:7.1f} {seqs:8.1f}  {why}"
         )
     return "\n".join(lines)

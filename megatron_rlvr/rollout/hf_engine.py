@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_rlvr.megatron.cpu_shims import native_torch
+from megatron_rlvr.models.mapping import unfuse_experts
 from megatron_rlvr.rollout.engine import (
     Completion,
     RolloutEngine,
@@ -131,7 +132,9 @@ class HFRolloutEngine(RolloutEngine):
         self._check_open()
         if self._sleep_level:
             raise RuntimeError("update_weights called while the engine sleeps: call wake_up() first")
-        params = dict(self.named_parameters())
+        # transformers 5 fuses a layer's routed experts into one tensor; the weight stream sends hub-style per-expert
+        # names, which land in views of it (one view object per name, so ``received`` tracks each expert)
+        params = unfuse_experts(dict(self.named_parameters()))
         received: set[int] = set()
         count = 0
         for item in weights:
@@ -139,7 +142,7 @@ class HFRolloutEngine(RolloutEngine):
                 count += self._load_pairs(item if isinstance(item, list) else [item], params, received)
             del item  # drop the bucket before pulling the next one: the stream's memory bound relies on it
         if strict:
-            missing = [n for n, p in self.model.named_parameters() if id(p) not in received]
+            missing = [n for n, p in params.items() if id(p) not in received]
             if missing:
                 raise ValueError(f"update_weights: {len(missing)} parameters were not sent, e.g. {missing[:5]}")
         if strict:  # a complete update makes weights dropped by sleep(level=2) valid again

@@ -95,6 +95,9 @@ class TrainBatch:
     the behaviour policy before the first optimizer step)."""
     policy_version: int = 0
     """The policy version that generated the sequences (see RolloutBatch)."""
+    routes: Mapping[int, torch.Tensor] | None = None
+    """Routing replay R2: the behaviour forward's MoE routes [MoE layers on this stage, length, k] of this rank's
+    sequences, by index (the first mini-batch's are absent when ``old_from_first_forward``); None: no replay."""
 
     @property
     def trains(self) -> bool:

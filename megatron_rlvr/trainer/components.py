@@ -31,6 +31,7 @@ from megatron_rlvr.megatron.policy import (
     wrap_ddp,
 )
 from megatron_rlvr.megatron.policy import current_lr as optimizer_lr
+from megatron_rlvr.megatron.routing import RoutingReplay
 from megatron_rlvr.models.build import takes_block_attention_mask
 from megatron_rlvr.models.fusions import detect
 from megatron_rlvr.models.hf_config import MegatronModelArgs
@@ -177,13 +178,14 @@ def setup(cfg: RunConfig, run_dir: str | None, lock: RunLock | None = None, with
         device=d.device,
         pad_id=int(pad_id),
         micro_batch_tokens=cfg.train.micro_batch_tokens,
-        seq_multiple=d.tp_size if par.sequence_parallel_on(torch.cuda.is_available()) else 1,
+        seq_multiple=d.tp_size if args.config.sequence_parallel else 1,  # MoE at TP > 1 switches SP on
         n_per_group=cfg.rollout.n,
         num_mini_batches=cfg.train.num_mini_batches,
         ppo_epochs=cfg.train.ppo_epochs,
         correction=MismatchCorrectionConfig(tis_cap=cfg.rollout.tis_cap),
         skip_nonfinite=cfg.train.skip_nonfinite,
         pack_rows=pack_rows_on(cfg, model, ref_model),
+        routing=RoutingReplay(model, d.pg.tp) if cfg.train.routing_replay == "r2" else None,
     )
     t = Trainer(
         cfg=cfg,

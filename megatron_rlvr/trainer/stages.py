@@ -96,11 +96,12 @@ def train_batch(t: Trainer, rolled: RolloutBatch) -> tuple[TrainBatch, dict[str,
     ctx = t.update_settings
     ids = my_sequence_ids(ctx, len(seqs))
     fused = first_forward_gives_old(t)
+    routes = None if ctx.routing is None else {}  # routing replay R2: the behaviour forward's MoE routes
     if t.cfg.rollout.old_logprobs == "recompute":
         todo = recompute_ids(ctx, len(seqs), fused)
         old, bad = {}, 0.0
         if todo:
-            old, _, bad = compute_logprobs(ctx, t.model, seqs, todo)
+            old, _, bad = compute_logprobs(ctx, t.model, seqs, todo, routes=routes)
     else:
         old = {i: torch.tensor(seqs[i].rollout_logprobs, dtype=torch.float32) for i in ids}
         bad = 0.0
@@ -116,6 +117,7 @@ def train_batch(t: Trainer, rolled: RolloutBatch) -> tuple[TrainBatch, dict[str,
         ref_logprobs=ref,
         old_from_first_forward=fused,
         policy_version=rolled.policy_version,
+        routes=routes,
     )
     return batch, m
 

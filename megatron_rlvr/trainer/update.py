@@ -10,6 +10,7 @@ are global without a collective.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,8 @@ class UpdateSettings:
     pack_rows: bool = False
     """Several sequences per micro-batch row (block-diagonal attention; ``train.pack_sequences`` where the model's
     attention takes such a mask). Needs ``micro_batch_tokens``."""
+    routing: object | None = None
+    """The policy's megatron.routing.RoutingReplay (``train.routing_replay=r2``), else None."""
 
 
 @dataclass(frozen=True)
@@ -118,15 +121,23 @@ def my_sequence_ids(ctx: UpdateSettings, num_seqs: int, mini_batch: int | None =
 
 
 @torch.no_grad()
-def compute_logprobs(ctx: UpdateSettings, model, seqs, ids: list[int], with_entropy: bool = False):
+def compute_logprobs(ctx: UpdateSettings, model, seqs, ids: list[int], with_entropy: bool = False, routes=None):
     """Per-sequence response log-probs (and entropies) of ``model`` for ``ids``: ({id: [R]}, {id: [R]}, nonfinite).
 
     Only the last pipeline stage gets values (the others return empty dicts); that is where the loss needs them.
+    ``routes`` (a dict, with ``ctx.routing``): the forward records each sequence's MoE routes into it.
     """
     mbs, members = _microbatches(ctx, seqs, ids)
-    infos = run_microbatches(
-        model, mbs, logprob_fn(ctx.spec, with_entropy), pg=ctx.pg, forward_only=True, device=ctx.device
-    )
+    with _routing(ctx, routes, seqs, record=True) as routing:
+        infos = run_microbatches(
+            model,
+            mbs,
+            logprob_fn(ctx.spec, with_entropy),
+            pg=ctx.pg,
+            forward_only=True,
+            device=ctx.device,
+            routing=routing,
+        )
     logp: dict[int, torch.Tensor] = {}
     ent: dict[int, torch.Tensor] = {}
     nonfinite = 0.0
@@ -139,6 +150,13 @@ def compute_logprobs(ctx: UpdateSettings, model, seqs, ids: list[int], with_entr
             for i, v in zip(chosen, response_values(info["entropy"], sel)):
                 ent[i] = v
     return logp, ent, nonfinite
+
+
+def _routing(ctx: UpdateSettings, routes, seqs, record: bool):
+    """A routing-replay session recording into / replaying from ``routes`` (a null context without R2)."""
+    if ctx.routing is None or routes is None:
+        return contextlib.nullcontext()
+    return ctx.routing.recording(routes, seqs) if record else ctx.routing.replaying(routes, seqs)
 
 
 def normalizer_counts(seqs) -> torch.Tensor:
@@ -175,6 +193,7 @@ def policy_update(ctx: UpdateSettings, ddp_model, optimizer, batch: TrainBatch, 
     """
     seqs = batch.sequences
     old = dict(batch.old_logprobs)  # this update's own copy: the batch stays as it was handed over
+    routes = None if batch.routes is None else dict(batch.routes)  # R2: the fused first forward records its own
     ref = batch.ref_logprobs
     acc = LossMetrics()
     updates = skipped = 0
@@ -196,7 +215,10 @@ def policy_update(ctx: UpdateSettings, ddp_model, optimizer, batch: TrainBatch, 
                 ctx.algo, norms, ctx.spec, ref_logits_fn, old_from_forward=fused, correction=ctx.correction
             )
             zero_grads(ddp_model, optimizer)
-            infos = run_microbatches(ddp_model, mbs, loss_fn, pg=ctx.pg, forward_only=False, device=ctx.device)
+            with _routing(ctx, routes, seqs, record=fused) as routing:
+                infos = run_microbatches(
+                    ddp_model, mbs, loss_fn, pg=ctx.pg, forward_only=False, device=ctx.device, routing=routing
+                )
             for info, chosen in zip(infos, members):
                 if fused:
                     logp = info.pop("logp")
@@ -222,4 +244,6 @@ def policy_update(ctx: UpdateSettings, ddp_model, optimizer, batch: TrainBatch, 
     out["train/skipped_nonfinite"] = float(skipped)
     if grad_norms:
         out["optim/grad_norm"] = sum(grad_norms) / len(grad_norms)
+    if ctx.routing is not None:
+        out.update(ctx.routing.metrics())
     return UpdateResult(metrics=out, first_forward_logprobs=first, first_forward_nonfinite=first_bad)

@@ -1,0 +1,220 @@
+"""Routing replay R2 for mixture-of-experts policies: the routes (top-k expert indices of every token in every MoE
+layer) of the behaviour forward are recorded and the update's forwards route every token to those experts again.
+
+Why: the update's ratio pi_theta / pi_old compares two forwards of the same tokens. In an MoE layer a small change of
+the weights (one optimizer step, or float noise) can flip a token's top-k set, and the token then runs through other
+experts: its log-prob jumps although the policy barely moved. Replaying the behaviour forward's routes keeps the
+expert choice fixed during the update, so the ratio measures the change of the weights only. The top-k SELECTION is
+replayed; the probabilities of the replayed experts still come from the softmax over the trainer's own router logits
+(megatron's ``RouterReplay`` gathers the scores at the replayed indices), so the router keeps learning.
+
+Megatron-core 0.16's ``RouterReplay`` (transformer/moe/router_replay.py) does the replay inside the router's top-k;
+here every ``TopKRouter`` of the policy gets its own instance (a subclass that also counts how often the replayed
+set differs from the set the router would have chosen: the "router disagreement" metric), and the routes are kept
+per SEQUENCE, not per micro-batch, so the update may pack its micro-batches differently from the behaviour pass.
+
+Token order. The router sees [s, b] flattened (sequence-first), under sequence parallelism only this TP rank's
+s / tp positions; the routes are all-gathered over TP after a recording forward and stored per sequence as
+[layers on this pipeline stage, length, k] int16. Padding positions replay experts 0..k-1 (their outputs are masked).
+
+Limits: with PP > 1 and full activation recompute the recompute of micro-batch i runs after the forward of i + 1 and
+would replay the wrong targets (the config refuses it); R3 (the engine's routes) needs an engine that returns them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+ROUTE_DTYPE = torch.int16
+
+
+def _replay_class():
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    class CountingReplay(RouterReplay):
+        """megatron's RouterReplay that counts, once per target, how many real tokens' replayed top-k set differs from
+        the router's own choice (and how many of the k experts differ)."""
+
+        def __init__(self):
+            super().__init__()
+            RouterReplay.global_router_replay_instances.remove(self)  # ours, found through the routers
+            self.valid: torch.Tensor | None = None
+            self.counted = True
+            self.counts = torch.zeros(3, dtype=torch.float64)  # tokens compared, tokens differing, experts differing
+
+        def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+            if self.router_replay_action == RouterReplayAction.REPLAY_FORWARD and not self.counted:
+                self.counted = True  # the recompute of a checkpointed layer replays the same target again
+                with torch.no_grad():
+                    _, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+                    target = self.target_topk_idx.to(own.device).long()
+                    same = (own.unsqueeze(2) == target.unsqueeze(1)).any(2)  # [N, k]: own choice j is replayed
+                    valid = self.valid.to(own.device)
+                    diff = (~same)[valid]
+                    self.counts += torch.tensor(
+                        [float(valid.sum()), float(diff.any(1).sum()), float(diff.sum()) / topk], dtype=torch.float64
+                    )
+            return super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
+
+    return CountingReplay, RouterReplayAction
+
+
+class RoutingReplay:
+    """The policy's routers, their replay instances and the sessions that record or replay routes."""
+
+    def __init__(self, model, tp_group):
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        from megatron_rlvr.models.build import unwrap
+
+        cls, self._actions = _replay_class()
+        inner = unwrap(model)
+        self.routers = [m for m in inner.modules() if isinstance(m, TopKRouter)]
+        if not self.routers:
+            raise ValueError("train.routing_replay=r2 needs a mixture-of-experts model (no MoE router found)")
+        self.replays = [cls() for _ in self.routers]
+        for router, replay in zip(self.routers, self.replays):
+            router.router_replay = replay
+        self.tp_group = tp_group
+        self.sequence_parallel = bool(getattr(inner.config, "sequence_parallel", False))
+        self.topk = self.routers[0].topk
+
+    # -- sessions --------------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def recording(self, routes: dict[int, torch.Tensor], seqs):
+        """Forwards inside record the routes of every real sequence into ``routes`` (by index into ``seqs``, the
+        step's sequences: micro-batches carry their indices)."""
+        self._set(self._actions.RECORD)
+        try:
+            yield _Session(self, routes, [q.length for q in seqs], record=True)
+        finally:
+            self._clear()
+
+    @contextlib.contextmanager
+    def replaying(self, routes: dict[int, torch.Tensor], seqs):
+        """Forwards inside route every token of a sequence of ``seqs`` to its experts in ``routes``."""
+        self._set(self._actions.REPLAY_FORWARD)
+        try:
+            yield _Session(self, routes, [q.length for q in seqs], record=False)
+        finally:
+            self._clear()
+
+    def take_counts(self) -> torch.Tensor:
+        """[MoE layers on this rank, 3] float64 since the last call: real tokens compared, tokens whose replayed set
+        differs from the router's own, and differing experts (in units of k)."""
+        out = torch.stack([r.counts for r in self.replays])
+        for r in self.replays:
+            r.counts = torch.zeros(3, dtype=torch.float64)
+        return out
+
+    def metrics(self) -> dict[str, float]:
+        """The replayed forwards' router disagreement since the last call, over all ranks (every rank calls):
+        ``routing/disagree_tokens`` the share of (real token, MoE layer) pairs whose replayed top-k set differs from
+        the set the router would choose now, ``routing/disagree_experts`` the share of the k choices that differ,
+        ``routing/replayed_tokens`` how many (token, layer) pairs were replayed."""
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, self.take_counts().sum(0).tolist())
+        compared, tokens, experts = (sum(p[i] for p in parts) for i in range(3))
+        if compared == 0:
+            return {"routing/replayed_tokens": 0.0}
+        return {
+            "routing/disagree_tokens": tokens / compared,
+            "routing/disagree_experts": experts / compared,
+            "routing/replayed_tokens": compared,
+        }
+
+    def _set(self, action) -> None:
+        for r in self.replays:
+            r.clear_indices()
+            r.set_router_replay_action(action)
+
+    def _clear(self) -> None:
+        for r in self.replays:
+            r.clear_indices()
+            r.clear_router_replay_action()
+            r.valid = None
+            r.counted = True
+
+    # -- token layout ----------------------------------------------------------------------------------------------
+    def _local_slice(self, full_bs: torch.Tensor, b: int, s: int) -> torch.Tensor:
+        """Batch-major [..., b * s, X] -> this TP rank's router order [..., s_local * b, X]."""
+        lead = full_bs.shape[:-2]
+        x = full_bs.reshape(*lead, b, s, full_bs.shape[-1]).transpose(-3, -2)  # [..., s, b, X]
+        if self.sequence_parallel and self.tp_group.size() > 1:
+            n = s // self.tp_group.size()
+            r = self.tp_group.rank()
+            x = x[..., r * n : (r + 1) * n, :, :]
+        return x.reshape(*lead, -1, x.shape[-1])
+
+    def _full_from_local(self, local: torch.Tensor, b: int, s: int) -> torch.Tensor:
+        """This TP rank's router-order [s_local * b, k] -> every rank's, batch-major [b * s, k]."""
+        if self.sequence_parallel and self.tp_group.size() > 1:
+            parts = [torch.empty_like(local) for _ in range(self.tp_group.size())]
+            dist.all_gather(parts, local.contiguous(), group=self.tp_group)
+            local = torch.cat(parts, 0)
+        return local.reshape(s, b, -1).transpose(0, 1).reshape(b * s, -1)
+
+
+class _Session:
+    """What ``run_microbatches`` calls around every micro-batch's forward."""
+
+    def __init__(self, rr: RoutingReplay, routes: dict[int, torch.Tensor], lengths: list[int], record: bool):
+        self.rr, self.routes, self.lengths, self.record = rr, routes, lengths, record
+
+    def before_forward(self, mb) -> None:
+        if self.record:
+            return
+        rr = self.rr
+        b, s = mb.tokens.shape
+        n_layers, k = len(rr.replays), rr.topk
+        target = torch.arange(k, dtype=torch.long).expand(n_layers, b * s, k).clone()  # padding: experts 0..k-1
+        valid = torch.zeros(b * s, 1, dtype=torch.bool)
+        for sid, pos in self._positions(mb):
+            stored = self.routes.get(sid)
+            if stored is None:
+                raise KeyError(f"routing replay: no recorded routes for sequence {sid}")
+            if tuple(stored.shape[:2]) != (n_layers, len(pos)):
+                raise ValueError(
+                    f"routing replay: sequence {sid} has routes {tuple(stored.shape)}, expected ({n_layers}, "
+                    f"{len(pos)}, {k})"
+                )
+            target[:, pos] = stored.long()
+            valid[pos] = True
+        target = rr._local_slice(target, b, s)
+        valid = rr._local_slice(valid, b, s)[:, 0]
+        device = next(iter(rr.routers[0].parameters())).device
+        for layer, replay in enumerate(rr.replays):
+            replay.clear_indices()
+            replay.target_topk_idx = target[layer].to(device)
+            replay.valid = valid
+            replay.counted = False
+
+    def after_forward(self, mb) -> None:
+        if not self.record:
+            return
+        rr = self.rr
+        b, s = mb.tokens.shape
+        layers = []
+        for replay in rr.replays:
+            idx = replay.get_recorded_indices()
+            if idx is None:
+                raise RuntimeError("routing replay: a router recorded nothing in a recording forward")
+            layers.append(rr._full_from_local(idx.detach(), b, s).to("cpu", ROUTE_DTYPE))
+        full = torch.stack(layers)  # [layers, b * s, k]
+        for sid, pos in self._positions(mb):
+            self.routes[sid] = full[:, pos].clone()
+
+    def _positions(self, mb) -> list[tuple[int, torch.Tensor]]:
+        """(sequence id, flat batch-major positions of its real tokens) of every real sequence of ``mb``."""
+        s = mb.tokens.shape[1]
+        out = []
+        for j, sid in enumerate(mb.seq_ids.tolist()):
+            if sid < 0:
+                continue
+            length = self.lengths[sid]
+            pos = j * s + torch.arange(length) if mb.unpack is None else mb.unpack[j, :length]
+            out.append((sid, pos))
+        return out
