@@ -310,7 +310,7 @@ def test_qwen3_30b_a3b_memory_by_hand_tp2_ep8_etp1_on_32_gpus():
     assert c["act_full"] == ML * (2 * T * MH // tp) + moe_layer
     # vLLM at TP=4 holds every expert, each sliced 4 ways; KV heads 4 / 4 = 1 per GPU
     layer = MH * MD * (MA // 4 + 2) + (MA * MD) * MH // 4 + norms + router + ME * 3 * MH * MF // 4
-    assert c["vllm_weights"] == 2 * (ML * layer + (MV // 4) * MH * 2 + MH)
+    assert c["engine_weights"] == 2 * (ML * layer + (MV // 4) * MH * 2 + MH)
 
 
 def test_expert_layout_errors():
