@@ -850,7 +850,8 @@ def test_a_vllm_kv_cache_error_names_the_runs_keys(monkeypatch):
     with pytest.raises(ValueError) as e:
         engine_setup.ENGINE_BUILDERS["vllm"](cfg, source, None, None)
     msg = str(e.value)
-    assert "rollout.kv_cache_gb (now 0.01)" in msg and "max_response_len = 10 tokens" in msg  # the tiny preset
+    seq = cfg.rollout.max_prompt_len + cfg.rollout.max_response_len  # the tiny preset's
+    assert "rollout.kv_cache_gb (now 0.01)" in msg and f"max_response_len = {seq} tokens" in msg
     assert "0.05 GiB KV cache is needed" in msg and "Try increasing" not in msg
 
     class Other:

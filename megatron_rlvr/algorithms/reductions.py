@@ -41,6 +41,8 @@ REDUCTIONS: MappingProxyType[str, str] = MappingProxyType(
         "mismatch/ratio_min": "min",
         # trainer: ratio diagnostics, and one non-finite micro-batch flags the step
         "ratio/abs_log_ratio_max": "max",
+        "async/staleness_max": "max",
+        "async/sample_version_min": "min",
         "train/nonfinite": "max",
         # trainer: response lengths of the step's batch
         "response/length_max": "max",
