@@ -18,7 +18,14 @@ from megatron_rlvr.rollout.mismatch import mismatch_metrics
 
 PKG = Path(megatron_rlvr.__file__).resolve().parent
 EXTREME = re.compile(r"^[a-z_]+/[a-z0-9_]*_(max|min)$")
-TRAINER_KEYS = ("ratio/abs_log_ratio_max", "train/nonfinite", "response/length_max", "response/length_min")
+TRAINER_KEYS = (
+    "ratio/abs_log_ratio_max",
+    "train/nonfinite",
+    "response/length_max",
+    "response/length_min",
+    "async/staleness_max",
+    "async/sample_version_min",
+)
 """Emitted inside the trainer's step (checked in its sources: its functions need a model and process groups)."""
 
 
