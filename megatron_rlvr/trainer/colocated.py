@@ -65,18 +65,9 @@ def train(cfg: RunConfig, run_dir: str | None = None, lock: RunLock | None = Non
             if t.evaluator.due(step):
                 metrics.update(run_eval(t))
             t.logger.log(step, metrics)
-            stop = int(all_reduce_max(t.signals.code))  # every rank must agree on stopping at this step
-            if stop:
-                t.checkpointer.save(step, t.policy, t.loader)
-                code = exit_code_for(stop, cfg.checkpoint.sigterm_exit_code, cfg.checkpoint.sigusr1_exit_code)
-                if t.dist.is_logger:
-                    print(
-                        f"{StopSignals.name(stop)}: checkpoint of step {step} saved in {t.run_dir}/checkpoints; "
-                        f"exiting with {code}",
-                        flush=True,
-                    )
+            code = end_step(t, step)
+            if code is not None:
                 return code
-            t.checkpointer.maybe_save(step, t.policy, t.loader)
         t.step = max(t.start_step, cfg.schedule.steps)
         if cfg.eval.at_end and t.evaluator.sets and not t.evaluator.due(t.step):
             t.logger.log(t.step, run_eval(t))
@@ -84,6 +75,25 @@ def train(cfg: RunConfig, run_dir: str | None = None, lock: RunLock | None = Non
         return 0
     finally:
         teardown(t)
+
+
+def end_step(t: Trainer, step: int, saved_note: str = "") -> int | None:
+    """After a step is logged: every rank agrees on a stop signal (one MAX all-reduce); on one, checkpoint this step
+    and return the exit code, else save by the cadence and return None. Every schedule ends its steps this way."""
+    cfg = t.cfg
+    stop = int(all_reduce_max(t.signals.code))
+    if not stop:
+        t.checkpointer.maybe_save(step, t.policy, t.loader)
+        return None
+    t.checkpointer.save(step, t.policy, t.loader)
+    code = exit_code_for(stop, cfg.checkpoint.sigterm_exit_code, cfg.checkpoint.sigusr1_exit_code)
+    if t.dist.is_logger:
+        print(
+            f"{StopSignals.name(stop)}: checkpoint of step {step} saved in {t.run_dir}/checkpoints{saved_note}; "
+            f"exiting with {code}",
+            flush=True,
+        )
+    return code
 
 
 def run_eval(t: Trainer) -> dict[str, float]:

@@ -35,9 +35,9 @@ from megatron_rlvr.megatron.roles import TRAIN, Roles, init_roles
 from megatron_rlvr.rollout import bridge
 from megatron_rlvr.rollout.groups import EngineInfo, engine_info
 from megatron_rlvr.rundir.lock import RunLock
-from megatron_rlvr.rundir.signals import StopSignals, exit_code_for
+from megatron_rlvr.rundir.signals import StopSignals
 from megatron_rlvr.trainer.batch import RolloutBatch
-from megatron_rlvr.trainer.colocated import finish, warn_all_too_long
+from megatron_rlvr.trainer.colocated import end_step, finish, warn_all_too_long
 from megatron_rlvr.trainer.components import Trainer, setup, teardown
 from megatron_rlvr.trainer.stages import rollout, train_batch, update, update_mismatch_metrics
 
@@ -194,18 +194,10 @@ def train_role(cfg: RunConfig, run_dir: str | None, lock: RunLock | None, roles:
             m["async/trainer_wait_s"] = waited
             m["time/step_s"] = time.perf_counter() - t0
             t.logger.log(step, m)
-            stop = int(all_reduce_max(t.signals.code))
-            if stop:
-                t.checkpointer.save(step, t.policy, t.loader)
-                code = exit_code_for(stop, cfg.checkpoint.sigterm_exit_code, cfg.checkpoint.sigusr1_exit_code)
-                if t.dist.is_logger:
-                    print(
-                        f"{StopSignals.name(stop)}: checkpoint of step {step} saved in {t.run_dir}/checkpoints "
-                        f"(in-flight rollouts are regenerated on resume); exiting with {code}",
-                        flush=True,
-                    )
+            stopped = end_step(t, step, " (in-flight rollouts are regenerated on resume)")
+            if stopped is not None:
+                code = stopped
                 return code
-            t.checkpointer.maybe_save(step, t.policy, t.loader)
         t.step = max(t.start_step, cfg.schedule.steps)
         finish(t)
         return 0
