@@ -41,13 +41,14 @@ def test_tiny_moe_learns_at_ep2(dist_pool, tmp_path):
 
 
 def test_moe_presets_run_two_steps_at_tp2_ep2(dist_pool, tmp_path):
-    """MCPO (mastered prompts, hinge KL), CPGD (policy drift) and F-GRPO (focal weights; here with R2 and two
-    epochs so the update replays recorded routes) on MoE layers split over EP with vocab-parallel statistics over
-    TP = 2: finite losses, a gradient, their own metrics, and R2's disagreement metrics; with the learning rate at 0
-    R2 finds no disagreement although the update packs its micro-batches unlike the behaviour pass."""
+    """MCPO (mastered prompts, hinge KL), CPGD (policy drift; with the router's aux and z-loss) and F-GRPO (focal
+    weights; here with R2 and two epochs so the update replays recorded routes) on MoE layers split over EP with
+    vocab-parallel statistics over TP = 2: finite losses, a gradient, their own metrics, the router terms' values and
+    R2's disagreement metrics; with the learning rate at 0 R2 finds no disagreement although the update packs its
+    micro-batches unlike the behaviour pass."""
     runs = {
         "mcpo": ["algorithm.preset=mcpo"],
-        "cpgd": ["algorithm.preset=cpgd"],
+        "cpgd": ["algorithm.preset=cpgd", "train.moe_aux_loss_coeff=0.01", "train.moe_z_loss_coeff=0.001"],
         "f_grpo": ["algorithm.preset=f_grpo", "train.routing_replay=r2", "train.ppo_epochs=2"],
         # weights that never move: every replayed route is the router's own choice, whatever the packing
         "r2_frozen": [
@@ -77,6 +78,11 @@ def test_moe_presets_run_two_steps_at_tp2_ep2(dist_pool, tmp_path):
                 assert r["optim/grad_norm"] > 0, name
     assert any("mcpo/hinge_kl" in r for r in _records(tmp_path / "mcpo"))
     assert any("drift/kl" in r for r in _records(tmp_path / "cpgd"))
+    # the router terms' values are logged per step when switched on (tests/test_moe_router_loss.py checks them)
+    for r in _records(tmp_path / "cpgd"):
+        if r.get("train/updates", 0) >= 1:
+            assert 0.5 < r["moe/aux_loss"] < 4 and r["moe/z_loss"] > 0, r
+    assert not any("moe/aux_loss" in r or "moe/z_loss" in r for r in _records(tmp_path / "mcpo"))
     replayed = [r for r in _records(tmp_path / "f_grpo") if r.get("routing/replayed_tokens", 0) > 0]
     assert replayed and all(0 <= r["routing/disagree_tokens"] <= 1 for r in replayed)
     frozen = _records(tmp_path / "r2_frozen")

@@ -19,6 +19,7 @@ from megatron_rlvr.algorithms import AlgorithmConfig, LossNormalizers
 from megatron_rlvr.data import shard_range
 from megatron_rlvr.megatron.optimizer_step import apply_gradients, zero_grads
 from megatron_rlvr.megatron.parallel import all_gather_objects, all_reduce_max
+from megatron_rlvr.megatron.router_loss import reset_router_loss_tracker, router_loss_metrics
 from megatron_rlvr.megatron.schedule import run_microbatches
 from megatron_rlvr.rollout.mismatch import MismatchCorrectionConfig
 from megatron_rlvr.trainer.batch import TrainBatch
@@ -201,6 +202,8 @@ def policy_update(ctx: UpdateSettings, ddp_model, optimizer, batch: TrainBatch, 
     first: dict[int, torch.Tensor] = {}
     first_bad = 0.0
     G = len(seqs) // ctx.n_per_group
+    forwards = 0  # training forwards on this rank: the router loss terms are averaged over them
+    reset_router_loss_tracker()
     for epoch in range(ctx.ppo_epochs):
         for m in range(ctx.num_mini_batches):
             groups = shard_range(G, m, ctx.num_mini_batches)
@@ -219,6 +222,7 @@ def policy_update(ctx: UpdateSettings, ddp_model, optimizer, batch: TrainBatch, 
                 infos = run_microbatches(
                     ddp_model, mbs, loss_fn, pg=ctx.pg, forward_only=False, device=ctx.device, routing=routing
                 )
+            forwards += len(mbs)
             for info, chosen in zip(infos, members):
                 if fused:
                     logp = info.pop("logp")
@@ -246,4 +250,5 @@ def policy_update(ctx: UpdateSettings, ddp_model, optimizer, batch: TrainBatch, 
         out["optim/grad_norm"] = sum(grad_norms) / len(grad_norms)
     if ctx.routing is not None:
         out.update(ctx.routing.metrics())
+    out.update(router_loss_metrics(ddp_model, forwards, ctx.pg))  # load balancing / z-loss: in the gradient only
     return UpdateResult(metrics=out, first_forward_logprobs=first, first_forward_nonfinite=first_bad)
