@@ -2,7 +2,9 @@
 Qwen2-MoE (shared expert with a sigmoid gate, q/k/v bias) give transformers' logits and gradients (fp32) at
 EP=1, EP=2 and TP=2 + EP=2 + expert TP=2 on the 4 pooled gloo ranks; the export back to HF names is bit-identical;
 every CPU MoE shim is needed (suspending it breaks a forward). The HF weights are loaded from transformers 5's fused
-in-memory expert tensors at one layout and from a saved per-expert checkpoint at the others.
+in-memory expert tensors at one layout and from a saved per-expert checkpoint at the others. Checkpoints reshard
+when EP changes: conversion back to HF is bit-identical, and a training checkpoint (model and Adam state, plain and
+distributed optimizer) resumes at another TP x EP with the next step landing where the uninterrupted run landed.
 """
 
 from __future__ import annotations
@@ -318,3 +320,105 @@ def test_moe_config_translation_and_layout_errors():
         megatron_model_args(q3, moe_dispatcher="flex")
     with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
         megatron_model_args({**q3, "architectures": ["Qwen3ForCausalLM"]}, ep_size=2)
+
+
+def _moe_step(ddp, opt, sched, batches, step, pg):
+    """One Adam step on the 4 batches of ``step`` (a rolled copy of the fixture's), this data-parallel rank's share
+    as micro-batches of one batch each: the gradient is the mean token cross-entropy over all 4 at every layout."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    data = [torch.roll(b, shifts=step, dims=1) for b in batches]
+    per = len(data) // pg.dp.size()
+    micro = data[pg.dp.rank() * per : (pg.dp.rank() + 1) * per]
+
+    def forward_step(it, model):
+        ids = next(it)
+        # next-token labels, the last position wrapping around: SEQ stays divisible by TP (sequence parallel)
+        out = model(ids, _positions(ids), None, labels=torch.roll(ids, -1, dims=1))
+        return out, lambda loss_bs: (loss_bs.float().mean(), {})
+
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(micro), model=[ddp], num_microbatches=len(micro),
+        seq_length=SEQ, micro_batch_size=micro[0].shape[0], forward_only=False,
+    )  # fmt: skip
+    ok, _, _ = opt.step()
+    assert ok
+    sched.step(1)
+
+
+def _moe_weights(ddp, args, pg) -> dict[str, torch.Tensor]:
+    """Every HF-named weight (experts gathered over expert TP and EP) on global rank 0, {} elsewhere."""
+    from megatron_rlvr.models.export import iter_hf_tensors
+
+    weights = {k: v.clone() for k, v in iter_hf_tensors(ddp, args, pg_collection=pg)}
+    return weights if torch.distributed.get_rank() == 0 else {}
+
+
+def _rank_moe_resume(folder: str, batches, root: str, save: bool) -> dict:
+    """save: at this layout load the HF weights, step on set 0, save the training checkpoint (plain and distributed
+    optimizer), step on set 1. Else: a fresh model and optimizer (another seed) load that checkpoint at this layout
+    and step on set 1."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from test_models_checkpointing import _setup
+
+    from megatron_rlvr.models.checkpointing import (
+        CheckpointConfig,
+        checkpoint_model_args,
+        latest_checkpoint,
+        load_checkpoint,
+        save_checkpoint,
+    )
+    from megatron_rlvr.models.hf_config import megatron_model_args
+    from megatron_rlvr.models.mapping import ExpertLayout
+
+    pg = ProcessGroupCollection.use_mpu_process_groups()
+    experts = ExpertLayout.of(pg)
+    layout = dict(ep_size=experts.ep_size, etp_size=experts.etp_size)
+    out = {"layout": (pg.tp.size(), experts.ep_size, experts.etp_size, pg.dp.size())}
+    for kind, dist_opt in (("plain", False), ("distopt", True)):
+        ckpt_root = os.path.join(root, kind)
+        if save:
+            args = megatron_model_args(folder, tp_size=pg.tp.size(), **layout)
+        else:
+            args = checkpoint_model_args(latest_checkpoint(ckpt_root), tp_size=pg.tp.size(), pp_size=1, **layout)
+        # fresh weights from the HF folder, or (resuming) another random init: everything must come from disk
+        ddp, opt, sched = _setup(args, dist_opt, seed=7 if save else 99, hf_folder=folder if save else None)
+        if save:
+            _moe_step(ddp, opt, sched, batches, 0, pg)
+            cfg = CheckpointConfig(ckpt_root, keep_last=2, distrib_optim_sharding_type="fully_reshardable",
+                                   write_processes=1)  # fmt: skip
+            save_checkpoint(cfg, 1, model=ddp, optimizer=opt, scheduler=sched, trainer_state={"step": 1},
+                            model_args=args)  # fmt: skip
+        else:
+            ckpt = latest_checkpoint(ckpt_root)
+            out[kind, "state"] = load_checkpoint(ckpt, model=ddp, optimizer=opt, scheduler=sched)
+        out[kind, "at_save"] = _moe_weights(ddp, args, pg)
+        _moe_step(ddp, opt, sched, batches, 1, pg)
+        out[kind, "next"] = _moe_weights(ddp, args, pg)
+    return out
+
+
+@pytest.mark.slow
+def test_training_checkpoint_resumes_model_and_optimizer_at_another_ep(dist_pool, moe_models, tmp_path):
+    """A training checkpoint of the Qwen3-MoE (one dense layer, 8 experts) saved at TP=1 x EP=2 (DP=4, expert-DP=2)
+    after one Adam step resumes at TP=2 x EP=4 x expert TP 1 (DP=2, expert-DP=1): the weights are restored exactly
+    and the NEXT step lands where the run that never stopped landed (Adam's moments of every expert moved to their
+    new EP rank, for megatron's plain optimizer and its DistributedOptimizer); a fresh Adam would move every weight
+    by ~lr instead."""
+    _, _, folder, batches, _, _ = moe_models["qwen3_moe"]
+    ref = dist_pool.run(_rank_moe_resume, tp=1, ep=2, args=(folder, batches, str(tmp_path), True), timeout=300)[0]
+    res = dist_pool.run(_rank_moe_resume, tp=2, ep=4, etp=1, args=(folder, batches, str(tmp_path), False),
+                        timeout=300)[0]  # fmt: skip
+    assert ref["layout"] == (1, 2, 1, 4) and res["layout"] == (2, 4, 1, 2)
+    for kind in ("plain", "distopt"):
+        assert res[kind, "state"] == {"step": 1}
+        saved, loaded = ref[kind, "at_save"], res[kind, "at_save"]
+        assert sorted(saved) == sorted(loaded) and any(".mlp.experts." in k for k in saved)
+        assert [k for k in saved if not torch.equal(saved[k], loaded[k])] == [], kind
+        nxt_ref, nxt = ref[kind, "next"], res[kind, "next"]
+        moved = max((nxt_ref[k] - saved[k]).abs().max().item() for k in saved)
+        worst = {k: (nxt[k] - nxt_ref[k]).abs().max().item() for k in saved}
+        assert moved > 1e-3, "the reference step must move the weights measurably"
+        assert max(worst.values()) < 1e-5, (kind, sorted(worst.items(), key=lambda kv: -kv[1])[:3])

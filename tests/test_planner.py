@@ -2,6 +2,7 @@
 config loading, and the CLI's exit codes. Pure Python, well under a second."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -235,12 +236,38 @@ def test_cli_fits_refuses_and_rejects(capsys, tmp_path):
 
 
 def test_configs_in_repo_fit_and_match_slurm_scripts():
-    for name, nodes, tp, rtp in (("mcpo_14b", 4, 4, 2), ("dapo_7b", 2, 2, 1)):
+    for name, nodes, tp, rtp in (("mcpo_14b", 4, 4, 2), ("dapo_7b", 2, 2, 1), ("qwen3_30b_a3b", 4, 2, 4)):
         cfg = load_plan_config(REPO / "configs" / f"{name}.yaml")
         assert (cfg.cluster.nodes, cfg.parallel.tp, cfg.parallel.rollout_tp) == (nodes, tp, rtp)
         assert estimate_memory(cfg).fits
         script = (REPO / "slurm" / f"{name}.sh").read_text()
         assert f"#SBATCH --nodes={nodes}\n" in script and f"configs/{name}.yaml" in script
+
+
+def test_qwen3_30b_a3b_slurm_table_is_the_planners():
+    """Every row of the layout table in slurm/qwen3_30b_a3b.sh is a row of `plan --search` (same numbers, same
+    fits / does-not-fit verdict), the chosen row is the config's layout, and the config is the benchmark shape:
+    32 x 80 GB GPUs, 4k-token responses."""
+    cfg = load_plan_config(REPO / "configs" / "qwen3_30b_a3b.yaml")
+    assert (cfg.cluster.nodes, cfg.cluster.gpus_per_node, cfg.cluster.gpu_mem_gb) == (4, 8, 80)
+    assert cfg.rollout.max_response_len == 4096
+    r = subprocess.run(
+        [sys.executable, "-m", "megatron_rlvr.planner", "configs/qwen3_30b_a3b.yaml", "--search"],
+        capture_output=True, text=True, cwd=REPO, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    row = re.compile(
+        r"^#?\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(fits|no:)"
+    )
+    searched = {m.groups()[:5]: m.groups()[5:] for m in map(row.match, r.stdout.splitlines()) if m}
+    table = [(line, row.match(line)) for line in (REPO / "slurm" / "qwen3_30b_a3b.sh").read_text().splitlines()]
+    table = [(line, m.groups()) for line, m in table if m]
+    assert len(table) >= 8
+    for line, groups in table:
+        assert searched.get(groups[:5]) == groups[5:], line
+    chosen = [g for line, g in table if line.endswith("<- chosen")]
+    p = cfg.parallel
+    assert [c[:5] for c in chosen] == [tuple(str(x) for x in (p.tp, p.pp, p.rollout_tp, 32 // (p.tp * p.pp), p.ep))]
 
 
 def test_module_entry_point():

@@ -362,3 +362,40 @@ def test_prompt_validation():
         eng.generate([[V]], SamplingParams())
     with pytest.raises(ValueError, match="flat list"):
         eng.generate([1, 2, 3], SamplingParams())
+
+
+def test_moe_routes_are_the_routers_top_k_of_a_full_forward():
+    """``return_routes`` on a Qwen3-MoE (routing replay R3): for every row (left-padded, KV-cached, chunked, rows that
+    end early leave the batch) the engine's routes [layers, P + R - 1, k] are, per token and layer, the top-k experts
+    of the router logits transformers returns (``output_router_logits``) from one full uncached forward of prompt +
+    response minus its last token. Without the option no routes are kept; a dense model refuses it."""
+    from transformers import Qwen3MoeConfig
+
+    cfg = Qwen3MoeConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=6, num_experts_per_tok=2,
+        max_position_embeddings=128, eos_token_id=EOS, bos_token_id=0, tie_word_embeddings=False, mlp_only_layers=[1],
+    )  # fmt: skip
+    eng = make_engine(cfg, seed=4, config=HFEngineConfig(max_batch_rows=4, return_routes=True))
+    with torch.no_grad():
+        for name, p in eng.model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.mul_(8.0)  # sharp routing: ties between experts never decide a test
+    out = eng.generate(PROMPTS, SamplingParams(n=3, temperature=1.0, max_tokens=6, seed=5))
+    lengths = set()
+    for o, p in zip(out, PROMPTS):
+        for c in o.completions:
+            lengths.add(len(c.token_ids))
+            ids = torch.tensor([p + c.token_ids[:-1]])
+            with torch.no_grad():
+                ref = eng.model(ids, output_router_logits=True).router_logits  # one [T, E] per MoE layer
+            assert len(ref) == 2  # layer 1 is dense
+            assert c.routes.dtype == torch.int16 and tuple(c.routes.shape) == (2, ids.shape[1], 2)
+            for layer, logits in enumerate(ref):
+                expected = logits.topk(2, -1).indices.sort(-1).values
+                assert torch.equal(c.routes[layer].long().sort(-1).values, expected), (layer, p, c.token_ids)
+    assert len(lengths) > 1  # some rows stopped at EOS before others
+    plain = make_engine(cfg, seed=4).generate(PROMPTS[:1], SamplingParams(n=1, max_tokens=2, seed=5))
+    assert plain[0].completions[0].routes is None
+    with pytest.raises(ValueError, match="return_routes: the model has no mixture-of-experts router"):
+        make_engine(llama_config(), config=HFEngineConfig(return_routes=True))

@@ -179,6 +179,14 @@ def test_container_flags_and_other_scripts_render():
     assert "--container-image=/images/rlvr.sqsh" in srun
     assert f"--container-mounts={REPO}:{REPO}" in srun and f"--container-workdir={REPO}" in srun
     assert srun[-3:] == ["megatron-rlvr", "train", "configs/dapo_7b.yaml"]
+    d = sbatch_directives(REPO / "slurm" / "qwen3_30b_a3b.sh")
+    assert (d["nodes"], d["ntasks-per-node"], d["gpus-per-node"]) == ("4", "8", "8")
+    assert d["signal"] == "USR1@180" and "requeue" in d and d["output"] == "logs/%x-%j.out"
+    four = {**alloc, "SLURM_JOB_NODELIST": "n[1-4]", "SLURM_JOB_NUM_NODES": "4", "SLURM_NTASKS": "32"}
+    out = dry_run("slurm/qwen3_30b_a3b.sh", {**four, "RLVR_OVERRIDES": "train.routing_replay=r2"})
+    srun = out["SRUN"].split()
+    assert srun[-4:] == ["megatron-rlvr", "train", "configs/qwen3_30b_a3b.yaml", "train.routing_replay=r2"]
+    assert "--nodes=4" in srun and "--ntasks=32" in srun and out["MASTER_ADDR"] == "n1"
     out = dry_run("slurm/tiny_cpu.sh", {**alloc, "SLURM_JOB_NUM_NODES": "1", "SLURM_NTASKS": "2"})
     assert out["SRUN"].split()[-3:] == ["megatron-rlvr", "train", "configs/tiny.yaml"]
     d = sbatch_directives(REPO / "slurm" / "tiny_cpu.sh")

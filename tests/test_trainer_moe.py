@@ -41,14 +41,22 @@ def test_tiny_moe_learns_at_ep2(dist_pool, tmp_path):
 
 
 def test_moe_presets_run_two_steps_at_tp2_ep2(dist_pool, tmp_path):
-    """MCPO (mastered prompts, hinge KL), CPGD (policy drift) and F-GRPO (focal weights; here with R2 and two
-    epochs so the update replays recorded routes) on MoE layers split over EP with vocab-parallel statistics over
-    TP = 2: finite losses, a gradient, their own metrics, and R2's disagreement metrics; with the learning rate at 0
-    R2 finds no disagreement although the update packs its micro-batches unlike the behaviour pass."""
+    """MCPO (mastered prompts, hinge KL), CPGD (policy drift; with the router's aux and z-loss) and F-GRPO (focal
+    weights; here with R2 and two epochs so the update replays recorded routes, and with R3, the engine's routes) on
+    MoE layers split over EP with vocab-parallel statistics over TP = 2: finite losses, a gradient, their own metrics,
+    the router terms' values and the replay metrics; with the learning rate at 0 R2 finds no disagreement although the
+    update packs its micro-batches unlike the behaviour pass."""
     runs = {
         "mcpo": ["algorithm.preset=mcpo"],
-        "cpgd": ["algorithm.preset=cpgd"],
+        "cpgd": ["algorithm.preset=cpgd", "train.moe_aux_loss_coeff=0.01", "train.moe_z_loss_coeff=0.001"],
         "f_grpo": ["algorithm.preset=f_grpo", "train.routing_replay=r2", "train.ppo_epochs=2"],
+        # R3: the transformers engine returns its routes, every trainer forward replays them
+        "r3": [
+            "algorithm.preset=f_grpo",
+            "train.routing_replay=r3",
+            "train.ppo_epochs=2",
+            "diagnostics.replay_mismatch=true",
+        ],
         # weights that never move: every replayed route is the router's own choice, whatever the packing
         "r2_frozen": [
             "algorithm.preset=f_grpo",
@@ -77,7 +85,17 @@ def test_moe_presets_run_two_steps_at_tp2_ep2(dist_pool, tmp_path):
                 assert r["optim/grad_norm"] > 0, name
     assert any("mcpo/hinge_kl" in r for r in _records(tmp_path / "mcpo"))
     assert any("drift/kl" in r for r in _records(tmp_path / "cpgd"))
+    # the router terms' values are logged per step when switched on (tests/test_moe_router_loss.py checks them)
+    for r in _records(tmp_path / "cpgd"):
+        if r.get("train/updates", 0) >= 1:
+            assert 0.5 < r["moe/aux_loss"] < 4 and r["moe/z_loss"] > 0, r
+    assert not any("moe/aux_loss" in r or "moe/z_loss" in r for r in _records(tmp_path / "mcpo"))
     replayed = [r for r in _records(tmp_path / "f_grpo") if r.get("routing/replayed_tokens", 0) > 0]
     assert replayed and all(0 <= r["routing/disagree_tokens"] <= 1 for r in replayed)
+    for r in _records(tmp_path / "r3"):
+        # same weights in engine and trainer (fp32): the engine's routes are the trainer's own choice, and the
+        # log-probs agree with and without replay
+        assert r["routing/replayed_tokens"] > 0 and r["routing/engine_disagree_tokens"] <= 0.01, r
+        assert r["mismatch/abs_prob_diff_max"] < 1e-4 and r["mismatch_noreplay/abs_prob_diff_max"] < 1e-4, r
     frozen = _records(tmp_path / "r2_frozen")
     assert all(r["routing/replayed_tokens"] > 0 and r["routing/disagree_tokens"] == 0 for r in frozen), frozen

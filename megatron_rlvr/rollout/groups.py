@@ -35,6 +35,9 @@ class Group:
     versions: list[int] = field(default_factory=list)
     """The policy version (last step whose update the engine held) that generated each sample; filled by the
     disaggregated schedule (empty: the colocated schedule's, all of RolloutBatch.policy_version)."""
+    routes: list = field(default_factory=list)
+    """Per sample, the engine's MoE routes [MoE layers, P + R - 1, k] int16 (``Completion.routes``) when the engine
+    returns them (routing replay R3); empty otherwise."""
 
 
 @dataclass
@@ -128,6 +131,8 @@ def generate_groups(
                 g.response_ids.append(list(c.token_ids))
                 g.logprobs.append([float(x) for x in c.logprobs])
                 g.finish_reasons.append(c.finish_reason)
+                if c.routes is not None:
+                    g.routes.append(c.routes)
                 g.texts.append(text)
                 texts.append(text)
                 gts.append(examples[i].answer)

@@ -41,6 +41,9 @@ class HFEngineConfig:
     """Most rows (prompt x sample) decoded together; more rows are processed in consecutive chunks."""
     device: str = "cpu"
     """Device of the model ('cpu', 'cuda', 'cuda:1')."""
+    return_routes: bool = False
+    """Mixture-of-experts models: record the top-k experts every router chose for every token the engine ran
+    (``Completion.routes``), for routing replay R3."""
 
     def __post_init__(self):
         if not isinstance(self.max_batch_rows, int) or self.max_batch_rows < 1:
@@ -104,6 +107,10 @@ class HFRolloutEngine(RolloutEngine):
             eos_token_ids = [eos_token_ids]
         self.eos_token_ids = tuple(int(e) for e in eos_token_ids)
         self._cache_kw = _cache_kwarg(self.model)
+        self._routes: list[torch.Tensor] = []
+        self._n_routers = 0
+        if self.config.return_routes:
+            self._n_routers = self._hook_routers()
         self._sleep_level = 0
         self._dropped_shapes: dict[str, tuple[torch.Size, torch.dtype]] | None = None
         self._weights_valid = True
@@ -116,6 +123,31 @@ class HFRolloutEngine(RolloutEngine):
 
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
         return cls(model, tokenizer, config=config, **kw)
+
+    def _hook_routers(self) -> int:
+        """Forward hooks on the MoE routers (transformers' ``*TopKRouter``, which return (logits, scores, indices)):
+        each forward appends every router's chosen experts [tokens, k] to ``self._routes``, in layer order. The
+        engine's own choice is recorded, not a top-k recomputed from logits (ties could resolve differently)."""
+        routers = [m for m in self.model.modules() if type(m).__name__.endswith("TopKRouter")]
+        if not routers:
+            raise ValueError("HFEngineConfig.return_routes: the model has no mixture-of-experts router")
+
+        def hook(module, inputs, output):
+            self._routes.append(output[2].detach())
+
+        for r in routers:
+            r.register_forward_hook(hook)
+        return len(routers)
+
+    def _take_routes(self, b: int, s: int) -> torch.Tensor | None:
+        """The routes of the last forward as [MoE layers, b, s, k] (None when not recording)."""
+        if not self._n_routers:
+            return None
+        if len(self._routes) != self._n_routers:
+            raise RuntimeError(f"expected {self._n_routers} router calls in a forward, saw {len(self._routes)}")
+        out = torch.stack([r.reshape(b, s, -1) for r in self._routes]).to("cpu", torch.int16)
+        self._routes.clear()
+        return out
 
     # -- weights ---------------------------------------------------------------------------------------------------
     def named_parameters(self):
@@ -240,6 +272,8 @@ class HFRolloutEngine(RolloutEngine):
 
     @torch.no_grad()
     def _forward(self, input_ids, attention_mask, position_ids, cache):
+        """Last-position logits [B, V] fp32 and, when recording, the routes [MoE layers, B, S, k]."""
+        self._routes.clear()
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -248,7 +282,7 @@ class HFRolloutEngine(RolloutEngine):
             logits_to_keep=1,
             **{self._cache_kw: cache},
         )
-        return out.logits[:, -1, :].float()
+        return out.logits[:, -1, :].float(), self._take_routes(*input_ids.shape)
 
     @torch.no_grad()
     def _generate_rows(self, prompts: list[list[int]], seeds: list[int], params: SamplingParams) -> list[Completion]:
@@ -268,7 +302,10 @@ class HFRolloutEngine(RolloutEngine):
             mask[r, L - len(p) :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
-        logits = self._forward(input_ids, mask, positions, cache)
+        logits, routes = self._forward(input_ids, mask, positions, cache)
+        # R3: each row's routes, the prompt's real (unpadded) positions, then one position per token fed back
+        prompt_routes = [None if routes is None else routes[:, row_of[b], L - len(prompts[b]) :] for b in range(B)]
+        step_routes: list[list[torch.Tensor]] = [[] for _ in range(B)]
         if len(uniq) < B:  # DynamicCache.batch_select_indices (transformers >= 4.51) also repeats rows
             expand = torch.tensor(row_of, dtype=torch.long, device=dev)
             cache.batch_select_indices(expand)
@@ -320,8 +357,14 @@ class HFRolloutEngine(RolloutEngine):
                 alive = [alive[pos] for pos in keep]
                 alive_t = torch.tensor(alive, dtype=torch.long, device=dev)
             mask = torch.cat([mask, torch.ones(mask.shape[0], 1, dtype=mask.dtype, device=dev)], dim=1)
-            logits = self._forward(chosen[:, None], mask, next_pos, cache)
+            logits, routes = self._forward(chosen[:, None], mask, next_pos, cache)
+            if routes is not None:
+                for pos, r in enumerate(alive):
+                    step_routes[r].append(routes[:, pos, 0])
             next_pos = next_pos + 1
+        if self._n_routers:  # [MoE layers, P + R - 1, k]: the last generated token was never fed back
+            for r, comp in enumerate(done):
+                comp.routes = torch.cat([prompt_routes[r], *(x[:, None] for x in step_routes[r])], dim=1)
         return done
 
     def _decode(self, ids: list[int]) -> str:

@@ -96,8 +96,9 @@ class TrainBatch:
     policy_version: int = 0
     """The policy version that generated the sequences (see RolloutBatch)."""
     routes: Mapping[int, torch.Tensor] | None = None
-    """Routing replay R2: the behaviour forward's MoE routes [MoE layers on this stage, length, k] of this rank's
-    sequences, by index (the first mini-batch's are absent when ``old_from_first_forward``); None: no replay."""
+    """Routing replay: the MoE routes [MoE layers on this stage, length, k] of this rank's sequences, by index. R2:
+    the behaviour forward's (the first mini-batch's are absent when ``old_from_first_forward``); R3: the engine's,
+    every sequence's (-1 where unknown); None: no replay."""
 
     @property
     def trains(self) -> bool:
@@ -149,6 +150,7 @@ def _sequences(groups: list[Group], adv_rows, mastered_rows, algo: AlgorithmConf
                     mastered=bool(mastered_rows[gi][j]),
                     train=len(resp) > 0 and not (algo.dapo.mask_truncated and truncated),
                     rollout_logprobs=list(g.logprobs[j]),
+                    engine_routes=g.routes[j] if g.routes else None,
                 )
             )
     return seqs

@@ -185,7 +185,7 @@ def setup(cfg: RunConfig, run_dir: str | None, lock: RunLock | None = None, with
         correction=MismatchCorrectionConfig(tis_cap=cfg.rollout.tis_cap),
         skip_nonfinite=cfg.train.skip_nonfinite,
         pack_rows=pack_rows_on(cfg, model, ref_model),
-        routing=RoutingReplay(model, d.pg.tp) if cfg.train.routing_replay == "r2" else None,
+        routing=None if cfg.train.routing_replay == "none" else RoutingReplay(model, d.pg.tp, cfg.train.routing_replay),
     )
     t = Trainer(
         cfg=cfg,

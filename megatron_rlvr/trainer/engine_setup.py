@@ -60,7 +60,11 @@ def _hf_engine(cfg, source, tokenizer, dist_info):
         hf_config_object(source.hf_config),
         tokenizer,
         dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype],
-        config=HFEngineConfig(max_batch_rows=cfg.rollout.max_batch_rows, device=str(dist_info.device)),
+        config=HFEngineConfig(
+            max_batch_rows=cfg.rollout.max_batch_rows,
+            device=str(dist_info.device),
+            return_routes=cfg.train.routing_replay == "r3",  # R3 replays the engine's routes
+        ),
         eos_token_ids=_eos_ids(source, tokenizer),
     )
 

@@ -52,6 +52,8 @@ class Sequence:
     overlong filtering); its mask is all False."""
     rollout_logprobs: list[float] = field(default_factory=list)
     """Engine log-probs of the response tokens (length R)."""
+    engine_routes: torch.Tensor | None = None
+    """The engine's MoE routes [MoE layers, length - 1, k] int16 (routing replay R3); None when not returned."""
 
     @property
     def length(self) -> int:

@@ -96,7 +96,9 @@ def train_batch(t: Trainer, rolled: RolloutBatch) -> tuple[TrainBatch, dict[str,
     ctx = t.update_settings
     ids = my_sequence_ids(ctx, len(seqs))
     fused = first_forward_gives_old(t)
-    routes = None if ctx.routing is None else {}  # routing replay R2: the behaviour forward's MoE routes
+    routes = None  # routing replay: R2 records the behaviour forward's MoE routes, R3 replays the engine's
+    if ctx.routing is not None:
+        routes = {} if ctx.routing.mode == "r2" else {i: ctx.routing.engine_routes(seqs[i]) for i in ids}
     if t.cfg.rollout.old_logprobs == "recompute":
         todo = recompute_ids(ctx, len(seqs), fused)
         old, bad = {}, 0.0
@@ -109,6 +111,10 @@ def train_batch(t: Trainer, rolled: RolloutBatch) -> tuple[TrainBatch, dict[str,
     if t.ref_model is not None and t.algo.ref_kl.estimator != "exact":
         ref, _, bad_ref = compute_logprobs(ctx, t.ref_model, seqs, ids)
         bad = max(bad, bad_ref)
+    if routes and ctx.routing.mode == "r3" and t.cfg.diagnostics.replay_mismatch:
+        # the same behaviour log-probs with the trainer's own routes: what R3 changes in the train/inference mismatch
+        plain, _, _ = compute_logprobs(ctx, t.model, seqs, ids)
+        m.update({k.replace("mismatch/", "mismatch_noreplay/"): v for k, v in mismatch_metrics(t, seqs, plain).items()})
     m["logprobs/nonfinite"] = bad
     m["time/logprobs_s"] = time.perf_counter() - t0
     batch = TrainBatch(

@@ -19,6 +19,7 @@ from megatron_rlvr.algorithms import AlgorithmConfig, LossNormalizers
 from megatron_rlvr.data import shard_range
 from megatron_rlvr.megatron.optimizer_step import apply_gradients, zero_grads
 from megatron_rlvr.megatron.parallel import all_gather_objects, all_reduce_max
+from megatron_rlvr.megatron.router_loss import reset_router_loss_tracker, router_loss_metrics
 from megatron_rlvr.megatron.schedule import run_microbatches
 from megatron_rlvr.rollout.mismatch import MismatchCorrectionConfig
 from megatron_rlvr.trainer.batch import TrainBatch
@@ -49,7 +50,7 @@ class UpdateSettings:
     """Several sequences per micro-batch row (block-diagonal attention; ``train.pack_sequences`` where the model's
     attention takes such a mask). Needs ``micro_batch_tokens``."""
     routing: object | None = None
-    """The policy's megatron.routing.RoutingReplay (``train.routing_replay=r2``), else None."""
+    """The policy's megatron.routing.RoutingReplay (``train.routing_replay`` r2 or r3), else None."""
 
 
 @dataclass(frozen=True)
@@ -125,10 +126,12 @@ def compute_logprobs(ctx: UpdateSettings, model, seqs, ids: list[int], with_entr
     """Per-sequence response log-probs (and entropies) of ``model`` for ``ids``: ({id: [R]}, {id: [R]}, nonfinite).
 
     Only the last pipeline stage gets values (the others return empty dicts); that is where the loss needs them.
-    ``routes`` (a dict, with ``ctx.routing``): the forward records each sequence's MoE routes into it.
+    ``routes`` (a dict, with ``ctx.routing``): R2, the forward records each sequence's MoE routes into it; R3, the
+    forward replays the engine's routes it holds (a behaviour forward).
     """
     mbs, members = _microbatches(ctx, seqs, ids)
-    with _routing(ctx, routes, seqs, record=True) as routing:
+    record = ctx.routing is not None and ctx.routing.mode == "r2"
+    with _routing(ctx, routes, seqs, record=record, phase="behaviour") as routing:
         infos = run_microbatches(
             model,
             mbs,
@@ -152,11 +155,12 @@ def compute_logprobs(ctx: UpdateSettings, model, seqs, ids: list[int], with_entr
     return logp, ent, nonfinite
 
 
-def _routing(ctx: UpdateSettings, routes, seqs, record: bool):
-    """A routing-replay session recording into / replaying from ``routes`` (a null context without R2)."""
+def _routing(ctx: UpdateSettings, routes, seqs, record: bool, phase: str = "update"):
+    """A routing-replay session recording into / replaying from ``routes`` (a null context without replay);
+    ``phase``: whether a replaying forward is a behaviour forward or a later update forward (counted apart)."""
     if ctx.routing is None or routes is None:
         return contextlib.nullcontext()
-    return ctx.routing.recording(routes, seqs) if record else ctx.routing.replaying(routes, seqs)
+    return ctx.routing.recording(routes, seqs) if record else ctx.routing.replaying(routes, seqs, phase)
 
 
 def normalizer_counts(seqs) -> torch.Tensor:
@@ -194,6 +198,7 @@ def policy_update(ctx: UpdateSettings, ddp_model, optimizer, batch: TrainBatch, 
     seqs = batch.sequences
     old = dict(batch.old_logprobs)  # this update's own copy: the batch stays as it was handed over
     routes = None if batch.routes is None else dict(batch.routes)  # R2: the fused first forward records its own
+    r2 = ctx.routing is not None and ctx.routing.mode == "r2"
     ref = batch.ref_logprobs
     acc = LossMetrics()
     updates = skipped = 0
@@ -201,6 +206,8 @@ def policy_update(ctx: UpdateSettings, ddp_model, optimizer, batch: TrainBatch, 
     first: dict[int, torch.Tensor] = {}
     first_bad = 0.0
     G = len(seqs) // ctx.n_per_group
+    forwards = 0  # training forwards on this rank: the router loss terms are averaged over them
+    reset_router_loss_tracker()
     for epoch in range(ctx.ppo_epochs):
         for m in range(ctx.num_mini_batches):
             groups = shard_range(G, m, ctx.num_mini_batches)
@@ -215,10 +222,12 @@ def policy_update(ctx: UpdateSettings, ddp_model, optimizer, batch: TrainBatch, 
                 ctx.algo, norms, ctx.spec, ref_logits_fn, old_from_forward=fused, correction=ctx.correction
             )
             zero_grads(ddp_model, optimizer)
-            with _routing(ctx, routes, seqs, record=fused) as routing:
+            phase = "behaviour" if fused else "update"  # the fused forward IS the behaviour forward
+            with _routing(ctx, routes, seqs, record=fused and r2, phase=phase) as routing:
                 infos = run_microbatches(
                     ddp_model, mbs, loss_fn, pg=ctx.pg, forward_only=False, device=ctx.device, routing=routing
                 )
+            forwards += len(mbs)
             for info, chosen in zip(infos, members):
                 if fused:
                     logp = info.pop("logp")
@@ -246,4 +255,5 @@ def policy_update(ctx: UpdateSettings, ddp_model, optimizer, batch: TrainBatch, 
         out["optim/grad_norm"] = sum(grad_norms) / len(grad_norms)
     if ctx.routing is not None:
         out.update(ctx.routing.metrics())
+    out.update(router_loss_metrics(ddp_model, forwards, ctx.pg))  # load balancing / z-loss: in the gradient only
     return UpdateResult(metrics=out, first_forward_logprobs=first, first_forward_nonfinite=first_bad)
