@@ -143,7 +143,9 @@ def _rank_adapter_vs_merged(folder: str, pefts: list) -> dict:
         res["merged"] = engine.generate(prompts, sp)
         res["merged_generate_s"] = time.perf_counter() - t
     finally:
+        lora_dir = getattr(engine, "lora_dir", None)
         engine.close()
+    res["adapter_dir_removed"] = lora_dir is not None and not os.path.exists(lora_dir)
     return res
 
 
@@ -181,6 +183,7 @@ def test_adapter_sync_and_merged_sync_agree(vllm_pool, base_folder):
         assert err_adapter_old < 1e-4 and err_adapter_new < 1e-4 and err_merged < 1e-4
         assert stale > 1e-2, "the reloaded adapter must replace the old one"
         assert same and diff < 1e-4
+        assert r["adapter_dir_removed"], "close() must remove the adapter folder (it lives in /dev/shm)"
 
 
 @pytest.mark.vllm
