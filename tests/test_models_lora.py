@@ -295,6 +295,43 @@ def test_optimizer_holds_adapters_only_and_exports_merge(dist_pool, base_folder,
         assert_merged_export(base_folder, r["merged_dir"], r["peft_dir"], read_peft_folder(r["peft_dir"])[1])
 
 
+def test_peft_loads_our_adapter_export_like_our_merged_export(dist_pool, base_folder, tmp_path):
+    """Round trip through the ``peft`` package itself (an independent implementation of LoRA): the PEFT folder our
+    TP=2 trainer exports, loaded by ``peft`` onto the base HF model, gives the logits of our merged HF export, and
+    every adapter tensor lands in peft's model (no name silently dropped). Skipped only without ``peft`` (the dev
+    extra installs it)."""
+    pytest.importorskip("peft")
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from megatron_rlvr.models.hf_config import load_hf_config
+
+    peft_tensors = random_peft(load_hf_config(base_folder), LORA_TARGETS, RANK, seed=5)
+    ids = torch.randint(3, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(4))
+    r = dist_pool.run(_rank_step_and_export, tp=2, args=(base_folder, peft_tensors, ids, str(tmp_path)))[0]
+
+    def logits(model):
+        with torch.no_grad():
+            return model.eval()(ids).logits.double()
+
+    base = AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float64)
+    base_logits = logits(base)
+    with_peft = PeftModel.from_pretrained(base, r["peft_dir"])
+    loaded = {
+        k.replace(".default", ""): v for k, v in with_peft.state_dict().items() if ".lora_A." in k or ".lora_B." in k
+    }
+    from megatron_rlvr.models.lora import read_peft_folder
+
+    ours = read_peft_folder(r["peft_dir"])[1]
+    assert set(loaded) == set(ours)
+    assert all(torch.equal(loaded[k].double(), ours[k].double()) for k in ours)
+    theirs = logits(with_peft)
+    merged = logits(AutoModelForCausalLM.from_pretrained(r["merged_dir"], dtype=torch.float64))
+    print(f"\npeft vs our merged export: rel {_rel(theirs, merged):.1e}; vs the base {_rel(theirs, base_logits):.1e}")
+    assert _rel(theirs, base_logits) > 1e-2, "the adapter must change the model"
+    assert _rel(theirs, merged) < 1e-6
+
+
 def _lora_policy(folder: str, tp: int, distributed_optimizer: bool):
     from megatron.core.process_groups_config import ProcessGroupCollection
 

@@ -143,7 +143,9 @@ def _rank_adapter_vs_merged(folder: str, pefts: list) -> dict:
         res["merged"] = engine.generate(prompts, sp)
         res["merged_generate_s"] = time.perf_counter() - t
     finally:
+        lora_dir = getattr(engine, "lora_dir", None)
         engine.close()
+    res["adapter_dir_removed"] = lora_dir is not None and not os.path.exists(lora_dir)
     return res
 
 
@@ -181,3 +183,27 @@ def test_adapter_sync_and_merged_sync_agree(vllm_pool, base_folder):
         assert err_adapter_old < 1e-4 and err_adapter_new < 1e-4 and err_merged < 1e-4
         assert stale > 1e-2, "the reloaded adapter must replace the old one"
         assert same and diff < 1e-4
+        assert r["adapter_dir_removed"], "close() must remove the adapter folder (it lives in /dev/shm)"
+
+
+@pytest.mark.vllm
+def test_bench_lora_sync_tool_runs_both_modes_on_the_same_policy():
+    """tools/bench_lora_sync.py on the tiny preset, 2 rounds: both modes serve the same policy (its exit code) and
+    the last line carries the timings with the ratio last."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if not HAVE_VLLM:
+        if REQUIRE_VLLM:
+            pytest.fail("MEGATRON_RLVR_REQUIRE_VLLM=1 but vllm is not importable")
+        pytest.skip("vllm is not installed")
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, str(root / "tools" / "bench_lora_sync.py"), "--model", "tiny", "--rounds", "2"]
+    p = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
+    last = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else ""
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    kv = dict(item.split("=", 1) for item in last.split())
+    assert kv["same_tokens"] == "True" and float(kv["max_logprob_diff"]) < 1e-4 and kv["rounds"] == "2"
+    assert float(kv["merged_sync_ms"]) > 0 and float(kv["adapter_sync_ms"]) > 0
+    assert last.split()[-1].startswith("adapter_over_merged=")

