@@ -3,7 +3,7 @@ launched by ``megatron-rlvr train`` as a user runs it.
 
 1. Layouts that do not divide are refused with the reason; staleness beyond k is dropped and counted.
 2. k = 0 gives the colocated synchronous schedule's samples, loss and grad norm (same seeds, same threads).
-3. k = 1: every trained sample is at most one update old, some are one update old, and the tiny preset learns.
+3. k = 1 and k = 2: every trained sample is at most k updates old, most are k updates old, and the tiny preset learns.
 4. SIGTERM at k = 1 saves the data position of the last trained batch; the resumed run ends where an uninterrupted
    one does (no prompt skipped or repeated: in-flight batches are regenerated).
 5. A SIGKILLed rollout rank ends the job with a non-zero code in under 60 s.
@@ -142,11 +142,20 @@ def test_steps_without_an_update_still_advance_the_version(tmp_path, monkeypatch
     assert sorted(recs) == [1, 2, 3] and all(r["train/skipped"] == 1.0 for r in recs.values())
 
 
-def test_k1_trains_only_samples_within_one_update_and_learns(tmp_path):
-    recs = _run(tmp_path / "k1", *DISAGG, "rollout.max_staleness=1", "schedule.steps=60", timeout=900)
+@pytest.mark.parametrize("k", [1, 2])
+def test_k_trains_only_samples_within_k_updates_and_learns(tmp_path, k):
+    """k = 1 (one-step-off) and k = 2 (bounded async): no trained sample is more than k updates old, most steps
+    train samples exactly k updates old (the rollout ranks run as far ahead as admission lets them), and the tiny
+    preset still learns."""
+    recs = _run(tmp_path / f"k{k}", *DISAGG, f"rollout.max_staleness={k}", "schedule.steps=60", timeout=900)
     assert sorted(recs) == list(range(1, 61))
-    assert all(r["async/staleness_max"] <= 1 and r["async/dropped_samples"] == 0 for r in recs.values())
-    assert sum(r["async/staleness_frac_1"] for r in recs.values()) > 30  # one-step-off: most steps are 1 behind
+    assert all(r["async/staleness_max"] <= k and r["async/dropped_samples"] == 0 for r in recs.values())
+    for s, r in recs.items():  # the oldest trained sample's version is within k of the policy being trained
+        assert s - 1 - k <= r["async/sample_version_min"] <= s - 1, (s, r["async/sample_version_min"])
+        fracs = [r[f"async/staleness_frac_{j}"] for j in range(k + 1)]
+        assert sum(fracs) == pytest.approx(1.0), (s, fracs)
+        assert r["async/staleness_mean"] == pytest.approx(sum(j * f for j, f in enumerate(fracs)))
+    assert sum(r[f"async/staleness_frac_{k}"] for r in recs.values()) > 30  # most steps are k behind
     for key in ("async/staleness_mean", "async/trainer_wait_s", "async/rollout_wait_s", "sync/time_s"):
         assert all(key in r for r in list(recs.values())[:-1]), key
     last = sum(recs[s]["reward/mean"] for s in range(56, 61)) / 5
