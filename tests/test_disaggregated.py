@@ -162,6 +162,25 @@ def test_k_trains_only_samples_within_k_updates_and_learns(tmp_path, k):
     assert last >= 0.8, [round(recs[s]["reward/mean"], 2) for s in sorted(recs)]
 
 
+def test_partial_rollouts_at_k1_train_per_token_versions_within_k(tmp_path):
+    """Partial rollouts end to end (chunks of 2 tokens): the oldest token of every trained sample is within k, the
+    per-token staleness is logged and never above the per-sample (oldest-token) one."""
+    steps = 6
+    recs = _run(
+        tmp_path / "partial",
+        *DISAGG,
+        "rollout.max_staleness=1",
+        "rollout.partial_rollout_tokens=2",
+        f"schedule.steps={steps}",
+        timeout=300,
+    )
+    assert sorted(recs) == list(range(1, steps + 1))
+    for r in recs.values():
+        assert r["async/staleness_max"] <= 1 and r["async/dropped_samples"] == 0
+        assert 0 <= r["async/token_staleness_mean"] <= r["async/staleness_mean"] + 1e-9
+        assert 0 <= r["async/partial_samples"] <= r["rollout/kept_groups"] * 8
+
+
 def _wait_for_step(run_dir, step, proc, timeout=300):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -175,6 +175,12 @@ class WeightReceiver:
         if self.stop_code is not None:
             raise Stopped(self.stop_code)
 
+    def poll(self) -> int:
+        """The newest complete version now (no wait). Raises Stopped / PeerLost like ``wait_for``."""
+        with self.cond:
+            self._check()
+            return self.newest
+
     def wait_for(self, min_version: float, poll_s: float = 0.5) -> int:
         """Wait until a version >= ``min_version`` is complete; returns the newest complete version. Raises Stopped
         when the training ranks ended the run, PeerLost when the channel failed."""

@@ -102,10 +102,15 @@ class Completion:
     """The stop token id or stop string that ended the sample; None for EOS-free 'length' endings and for EOS."""
     text: str | None = None
     """Decoded completion when the engine has a tokenizer."""
+    versions: list[int] | None = None
+    """Per generated token: the weight version that produced it (partial rollouts, rollout.partial_rollout_tokens);
+    None: all tokens come from the weights the engine held for the whole call."""
 
     def __post_init__(self):
         if len(self.token_ids) != len(self.logprobs):
             raise ValueError(f"Completion has {len(self.token_ids)} token ids but {len(self.logprobs)} logprobs")
+        if self.versions is not None and len(self.versions) != len(self.token_ids):
+            raise ValueError(f"Completion has {len(self.token_ids)} token ids but {len(self.versions)} versions")
 
 
 @dataclass
