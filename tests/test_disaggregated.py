@@ -6,7 +6,8 @@ launched by ``megatron-rlvr train`` as a user runs it.
 3. k = 1 and k = 2: every trained sample is at most k updates old, most are k updates old, and the tiny preset learns.
 4. SIGTERM at k = 1 saves the data position of the last trained batch; the resumed run ends where an uninterrupted
    one does (no prompt skipped or repeated: in-flight batches are regenerated).
-5. A SIGKILLed rollout rank ends the job with a non-zero code in under 60 s.
+5. A SIGKILLed rollout rank ends the job with a non-zero code in under 60 s; a hung (SIGSTOPped) one once
+   launch.collective_timeout_s has passed.
 """
 
 import json
@@ -228,6 +229,43 @@ def test_a_sigkilled_rollout_rank_ends_the_job_within_60_s(tmp_path):
     assert time.monotonic() - t0 < 60
     assert proc.returncode != 0, out[-3000:]
     assert "rank 1" in out and "SIGKILL" in out, out[-3000:]
+
+
+def test_a_hung_rollout_rank_ends_the_job_after_the_collective_timeout(tmp_path):
+    """A rollout rank that is alive but stopped (SIGSTOP: its sockets stay open, so nothing closes) must not make the
+    trainer wait forever: the data channel's receive times out after launch.collective_timeout_s (the groups between
+    the roles are created with it), the trainer exits naming the lost role, and the launcher kills the stopped rank."""
+    timeout_s = 10
+    run = tmp_path / "hung"
+    proc = subprocess.Popen(
+        _cmd(
+            f"logging.run_dir={run}",
+            *DISAGG,
+            "rollout.max_staleness=1",
+            "schedule.steps=500",
+            f"launch.collective_timeout_s={timeout_s}",
+        ),
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    _wait_for_step(run, 2, proc)
+    ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.environ().get("RANK") == "1"]
+    assert ranks, "no rollout rank process found"
+    t0 = time.monotonic()
+    ranks[0].send_signal(signal.SIGSTOP)
+    try:
+        out = proc.communicate(timeout=timeout_s + 90)[0].decode()
+    finally:
+        if ranks[0].is_running():
+            ranks[0].send_signal(signal.SIGCONT)
+    took = time.monotonic() - t0
+    assert timeout_s - 1 < took < timeout_s + 60, took  # not before the timeout (it was only stopped), not forever
+    assert proc.returncode != 0, out[-3000:]
+    assert f"a collective waited longer than launch.collective_timeout_s={timeout_s} s" in out, out[-3000:]
+    assert "rank 0 (pid" in out and "exited with code 1" in out, out[-3000:]  # the trainer noticed, not the launcher
+    assert not ranks[0].is_running() or ranks[0].status() == psutil.STATUS_ZOMBIE
 
 
 def test_k1_defaults_to_decoupled_ppo_with_truncated_is_and_k0_keeps_the_colocated_loss():

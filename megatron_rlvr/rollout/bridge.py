@@ -220,6 +220,12 @@ class BatchReceiver:
             self.error = e
             self.queue.put(None)
 
+    def close(self, timeout_s: float) -> bool:
+        """Wait (at most ``timeout_s``) for the thread to end: its recv fails once rollout rank 0 has exited and
+        closed the channel. Returns whether it ended."""
+        self.thread.join(timeout_s)
+        return not self.thread.is_alive()
+
     def get(self, should_stop: Callable[[], bool] = lambda: False, poll_s: float = 0.5):
         """The next message; raises PeerLost when the channel failed, Stopped(-1) when ``should_stop()``."""
         while True:

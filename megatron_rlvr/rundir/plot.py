@@ -45,7 +45,11 @@ PANELS: list[tuple[str, list[tuple[str, str]]]] = [
     ("staleness breakdown (fraction of trained samples per age)", [("async/staleness_frac_*", "age ")]),
     (
         "samples dropped / generations spanning a weight update",
-        [("async/dropped_samples", "dropped (older than k)"), ("async/partial_samples", "spanning an update")],
+        [
+            ("async/dropped_samples", "dropped (older than k)"),
+            ("async/partial_samples", "spanning an update"),
+            ("async/in_flight_updates", "updates loaded mid-rollout"),
+        ],
     ),
     (
         "idle time per step (s)",

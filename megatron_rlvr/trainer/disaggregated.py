@@ -175,6 +175,7 @@ def train_role(cfg: RunConfig, run_dir: str | None, lock: RunLock | None, roles:
     t = setup(cfg, run_dir, lock, with_engine=False)
     t.update_settings = off_policy_correction(cfg, t.update_settings)
     code = 0
+    receiver = None
     try:
         k = cfg.rollout.max_staleness
         if roles.weights is not None:  # the rollout ranks start from the checkpoint's data position
@@ -214,6 +215,11 @@ def train_role(cfg: RunConfig, run_dir: str | None, lock: RunLock | None, roles:
                 bridge.publish_stop(roles.weights, code)
             except Exception:  # noqa: BLE001 - the rollout ranks are gone already; nothing to stop
                 pass
+        if receiver is not None:
+            # the receiving thread is posted on a recv until rollout rank 0 exits (after the stop) and closes the
+            # channel; a process that exits with that recv pending aborts in gloo's destructor (SIGABRT, "terminate
+            # called without an active exception") instead of returning its exit code
+            receiver.close(cfg.launch.collective_timeout_s)
         teardown(t)
 
 
