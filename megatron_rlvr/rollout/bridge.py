@@ -143,6 +143,7 @@ class WeightReceiver:
                 if "stop" in header:
                     with self.cond:
                         self.stop_code = header["stop"]
+                        self.pg = None  # nothing more arrives: the group can be destroyed (Roles.close)
                         self.cond.notify_all()
                     return
                 t0 = t0 if t0 is not None else time.perf_counter()
@@ -224,7 +225,10 @@ class BatchReceiver:
         """Wait (at most ``timeout_s``) for the thread to end: its recv fails once rollout rank 0 has exited and
         closed the channel. Returns whether it ended."""
         self.thread.join(timeout_s)
-        return not self.thread.is_alive()
+        if self.thread.is_alive():
+            return False
+        self.pg = None  # the group can be destroyed (Roles.close)
+        return True
 
     def get(self, should_stop: Callable[[], bool] = lambda: False, poll_s: float = 0.5):
         """The next message; raises PeerLost when the channel failed, Stopped(-1) when ``should_stop()``."""

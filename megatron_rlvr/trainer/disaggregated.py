@@ -176,6 +176,7 @@ def train_role(cfg: RunConfig, run_dir: str | None, lock: RunLock | None, roles:
     t.update_settings = off_policy_correction(cfg, t.update_settings)
     code = 0
     receiver = None
+    clean = False  # the loop ended (finished or stopped), not an error: every rank reaches Roles.close
     try:
         k = cfg.rollout.max_staleness
         if roles.weights is not None:  # the rollout ranks start from the checkpoint's data position
@@ -205,9 +206,11 @@ def train_role(cfg: RunConfig, run_dir: str | None, lock: RunLock | None, roles:
             stopped = end_step(t, step, " (in-flight rollouts are regenerated on resume)")
             if stopped is not None:
                 code = stopped
+                clean = True
                 return code
         t.step = max(t.start_step, cfg.schedule.steps)
         finish(t)
+        clean = True
         return 0
     finally:
         if roles.weights is not None:
@@ -215,12 +218,14 @@ def train_role(cfg: RunConfig, run_dir: str | None, lock: RunLock | None, roles:
                 bridge.publish_stop(roles.weights, code)
             except Exception:  # noqa: BLE001 - the rollout ranks are gone already; nothing to stop
                 pass
+        ended = True
         if receiver is not None:
-            # the receiving thread is posted on a recv until rollout rank 0 exits (after the stop) and closes the
-            # channel; a process that exits with that recv pending aborts in gloo's destructor (SIGABRT, "terminate
-            # called without an active exception") instead of returning its exit code
-            receiver.close(cfg.launch.collective_timeout_s)
+            # the receiving thread is posted on a recv until rollout rank 0 destroys the data group (after the stop,
+            # Roles.close); a process that exits with that recv pending aborts in gloo's destructor (SIGABRT)
+            ended = receiver.close(cfg.launch.collective_timeout_s)
         teardown(t)
+        if clean and ended:
+            roles.close(cfg.launch.collective_timeout_s)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -279,6 +284,7 @@ def rollout_role(cfg: RunConfig, roles: Roles) -> int:
     signals = StopSignals().install()  # the training ranks decide when to stop (and tell us)
     w = build_worker(cfg, roles)
     receiver = None
+    clean = False  # stopped by the training ranks (not an error): every rank reaches Roles.close
     try:
         start = bridge.broadcast_object(roles.weights, None)
         w.loader.load_state_dict(start["loader"])
@@ -306,12 +312,15 @@ def rollout_role(cfg: RunConfig, roles: Roles) -> int:
         receiver.wait_for(float("inf"))  # until the training ranks' stop
         return 0
     except bridge.Stopped as e:
+        clean = True
         return max(e.code, 0)
     finally:
         signals.uninstall()
         if w.reward_manager is not None:
             w.reward_manager.close()
         w.engine.close()
+        if clean:
+            roles.close(cfg.launch.collective_timeout_s)
 
 
 def partial_engine(w: RolloutWorker, receiver: bridge.WeightReceiver, roles: Roles):
