@@ -97,6 +97,8 @@ def plan_check(cfg) -> tuple[bool, str]:
     reasons = plan.errors + plan.reasons
     par, cl = plan_cfg.parallel, plan_cfg.cluster
     msg = f"plan: {plan_cfg.model.name} TP={par.tp} PP={par.pp} rollout TP={par.rollout_tp} "
+    if par.rollout_ranks:
+        msg += f"on {par.rollout_ranks} rollout ranks ({plan.engines} engines) "
     msg += f"on {cl.nodes}x{cl.gpus_per_node} GPUs: peak {plan.peak / 2**30:.1f} GiB/GPU, {verdict}"
     msg += "".join(f"\n  - {r}" for r in reasons)
     return plan.fits, msg

@@ -81,6 +81,46 @@ def test_plot_writes_a_png_and_overlays_runs(tmp_path, capsys):
     assert "no metrics.jsonl" in capsys.readouterr().err
 
 
+def test_plot_has_the_async_panels_only_for_a_disaggregated_run(tmp_path):
+    from megatron_rlvr.rundir.plot import panels_of, plot_runs, read_run
+
+    k = 2
+    rows = []
+    for s in range(1, 13):
+        fracs = [0.2, 0.3, 0.5] if s > 2 else [1.0, 0.0, 0.0]
+        row = {"step": s, "reward/mean": 0.05 * s, "async/staleness_mean": sum(j * f for j, f in enumerate(fracs))}
+        row.update({f"async/staleness_frac_{j}": f for j, f in enumerate(fracs)})
+        row.update({"async/staleness_max": float(k if s > 2 else 0), "async/dropped_samples": 0.0})
+        row.update({"async/trainer_wait_s": 0.1, "async/rollout_wait_s": 0.3, "async/policy_version": s - 1.0})
+        row.update({"async/rollout_version": max(s - 1.0 - k, 0.0), "sync/time_s": 0.05, "sync/gbytes": 0.002})
+        row.update({"sync/gbps": 0.04, "sync/apply_s": 0.01, "async/sample_version_min": max(s - 1.0 - k, 0)})
+        rows.append(row)
+    async_dir, colocated_dir = tmp_path / "async", tmp_path / "colocated"
+    for d, recs in (
+        (async_dir, rows),
+        (colocated_dir, [{"step": r["step"], "reward/mean": r["reward/mean"]} for r in rows]),
+    ):
+        d.mkdir()
+        _write_rows(d / "metrics.jsonl", recs)
+    panels = dict(panels_of([read_run(str(async_dir))]))
+    assert [key for key, _ in panels["staleness breakdown (fraction of trained samples per age)"]] == [
+        f"async/staleness_frac_{j}" for j in range(k + 1)
+    ]
+    assert [key for key, _ in panels["idle time per step (s)"]] == ["async/trainer_wait_s", "async/rollout_wait_s"]
+    for title in ("staleness of trained samples (updates behind the trained policy)", "weight version"):
+        assert title in panels
+    assert {key for key, _ in panels["weight sync volume"]} == {"sync/gbytes", "sync/gbps"}
+    assert [key for key, _ in panels["samples dropped / generations spanning a weight update"]] == [
+        "async/dropped_samples"
+    ]
+    colocated = dict(panels_of([read_run(str(colocated_dir))]))
+    assert list(colocated) == ["training reward"]  # no empty async panels on a colocated run
+    png = plot_runs([str(async_dir)])
+    assert png.endswith("curves.png") and os.path.getsize(png) > 10_000
+    # overlaid with the colocated run, the async panels stay (one run has them)
+    assert "weight version" in dict(panels_of([read_run(str(async_dir)), read_run(str(colocated_dir))]))
+
+
 def test_eval_refuses_a_folder_without_a_model(tmp_path, capsys):
     bench = tmp_path / "b.jsonl"
     _write_rows(bench, [{"problem": "1=", "answer": "1"}])

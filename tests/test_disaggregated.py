@@ -3,10 +3,11 @@ launched by ``megatron-rlvr train`` as a user runs it.
 
 1. Layouts that do not divide are refused with the reason; staleness beyond k is dropped and counted.
 2. k = 0 gives the colocated synchronous schedule's samples, loss and grad norm (same seeds, same threads).
-3. k = 1: every trained sample is at most one update old, some are one update old, and the tiny preset learns.
+3. k = 1 and k = 2: every trained sample is at most k updates old, most are k updates old, and the tiny preset learns.
 4. SIGTERM at k = 1 saves the data position of the last trained batch; the resumed run ends where an uninterrupted
    one does (no prompt skipped or repeated: in-flight batches are regenerated).
-5. A SIGKILLed rollout rank ends the job with a non-zero code in under 60 s.
+5. A SIGKILLed rollout rank ends the job with a non-zero code in under 60 s; a hung (SIGSTOPped) one once
+   launch.collective_timeout_s has passed.
 """
 
 import json
@@ -142,15 +143,43 @@ def test_steps_without_an_update_still_advance_the_version(tmp_path, monkeypatch
     assert sorted(recs) == [1, 2, 3] and all(r["train/skipped"] == 1.0 for r in recs.values())
 
 
-def test_k1_trains_only_samples_within_one_update_and_learns(tmp_path):
-    recs = _run(tmp_path / "k1", *DISAGG, "rollout.max_staleness=1", "schedule.steps=60", timeout=900)
+@pytest.mark.parametrize("k", [1, 2])
+def test_k_trains_only_samples_within_k_updates_and_learns(tmp_path, k):
+    """k = 1 (one-step-off) and k = 2 (bounded async): no trained sample is more than k updates old, most steps
+    train samples exactly k updates old (the rollout ranks run as far ahead as admission lets them), and the tiny
+    preset still learns."""
+    recs = _run(tmp_path / f"k{k}", *DISAGG, f"rollout.max_staleness={k}", "schedule.steps=60", timeout=900)
     assert sorted(recs) == list(range(1, 61))
-    assert all(r["async/staleness_max"] <= 1 and r["async/dropped_samples"] == 0 for r in recs.values())
-    assert sum(r["async/staleness_frac_1"] for r in recs.values()) > 30  # one-step-off: most steps are 1 behind
+    assert all(r["async/staleness_max"] <= k and r["async/dropped_samples"] == 0 for r in recs.values())
+    for s, r in recs.items():  # the oldest trained sample's version is within k of the policy being trained
+        assert s - 1 - k <= r["async/sample_version_min"] <= s - 1, (s, r["async/sample_version_min"])
+        fracs = [r[f"async/staleness_frac_{j}"] for j in range(k + 1)]
+        assert sum(fracs) == pytest.approx(1.0), (s, fracs)
+        assert r["async/staleness_mean"] == pytest.approx(sum(j * f for j, f in enumerate(fracs)))
+    assert sum(r[f"async/staleness_frac_{k}"] for r in recs.values()) > 30  # most steps are k behind
     for key in ("async/staleness_mean", "async/trainer_wait_s", "async/rollout_wait_s", "sync/time_s"):
         assert all(key in r for r in list(recs.values())[:-1]), key
     last = sum(recs[s]["reward/mean"] for s in range(56, 61)) / 5
     assert last >= 0.8, [round(recs[s]["reward/mean"], 2) for s in sorted(recs)]
+
+
+def test_partial_rollouts_at_k1_train_per_token_versions_within_k(tmp_path):
+    """Partial rollouts end to end (chunks of 2 tokens): the oldest token of every trained sample is within k, the
+    per-token staleness is logged and never above the per-sample (oldest-token) one."""
+    steps = 6
+    recs = _run(
+        tmp_path / "partial",
+        *DISAGG,
+        "rollout.max_staleness=1",
+        "rollout.partial_rollout_tokens=2",
+        f"schedule.steps={steps}",
+        timeout=300,
+    )
+    assert sorted(recs) == list(range(1, steps + 1))
+    for r in recs.values():
+        assert r["async/staleness_max"] <= 1 and r["async/dropped_samples"] == 0
+        assert 0 <= r["async/token_staleness_mean"] <= r["async/staleness_mean"] + 1e-9
+        assert 0 <= r["async/partial_samples"] <= r["rollout/kept_groups"] * 8
 
 
 def _wait_for_step(run_dir, step, proc, timeout=300):
@@ -200,6 +229,43 @@ def test_a_sigkilled_rollout_rank_ends_the_job_within_60_s(tmp_path):
     assert time.monotonic() - t0 < 60
     assert proc.returncode != 0, out[-3000:]
     assert "rank 1" in out and "SIGKILL" in out, out[-3000:]
+
+
+def test_a_hung_rollout_rank_ends_the_job_after_the_collective_timeout(tmp_path):
+    """A rollout rank that is alive but stopped (SIGSTOP: its sockets stay open, so nothing closes) must not make the
+    trainer wait forever: the data channel's receive times out after launch.collective_timeout_s (the groups between
+    the roles are created with it), the trainer exits naming the lost role, and the launcher kills the stopped rank."""
+    timeout_s = 10
+    run = tmp_path / "hung"
+    proc = subprocess.Popen(
+        _cmd(
+            f"logging.run_dir={run}",
+            *DISAGG,
+            "rollout.max_staleness=1",
+            "schedule.steps=500",
+            f"launch.collective_timeout_s={timeout_s}",
+        ),
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    _wait_for_step(run, 2, proc)
+    ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.environ().get("RANK") == "1"]
+    assert ranks, "no rollout rank process found"
+    t0 = time.monotonic()
+    ranks[0].send_signal(signal.SIGSTOP)
+    try:
+        out = proc.communicate(timeout=timeout_s + 90)[0].decode()
+    finally:
+        if ranks[0].is_running():
+            ranks[0].send_signal(signal.SIGCONT)
+    took = time.monotonic() - t0
+    assert timeout_s - 1 < took < timeout_s + 60, took  # not before the timeout (it was only stopped), not forever
+    assert proc.returncode != 0, out[-3000:]
+    assert f"a collective waited longer than launch.collective_timeout_s={timeout_s} s" in out, out[-3000:]
+    assert "rank 0 (pid" in out and "exited with code 1" in out, out[-3000:]  # the trainer noticed, not the launcher
+    assert not ranks[0].is_running() or ranks[0].status() == psutil.STATUS_ZOMBIE
 
 
 def test_k1_defaults_to_decoupled_ppo_with_truncated_is_and_k0_keeps_the_colocated_loss():

@@ -95,3 +95,14 @@ def test_launch_refuses_layout_that_does_not_fit(tmp_path):
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180)
     assert r.returncode == 1
     assert "DOES NOT FIT" in r.stdout and "refusing to launch" in r.stderr
+
+
+def test_launch_plans_the_disaggregated_config_per_role(tmp_path):
+    """configs/mcpo_14b_disagg.yaml: the launcher's plan check sizes both roles and refuses a rollout rank over its
+    memory (the dry run itself needs nemo_run; the check runs before it)."""
+    cmd = [sys.executable, "-m", "launch.run", "--config", "configs/mcpo_14b_disagg.yaml", "--executor", "slurm"]
+    cmd += ["--dryrun", "--base-dir", str(tmp_path), "rollout.gpu_memory_utilization=0.95"]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "rollout TP=1 on 8 rollout ranks (8 engines) on 3x8 GPUs" in r.stdout and "DOES NOT FIT" in r.stdout
+    assert "a rollout rank needs 78.0 GiB" in r.stdout and "refusing to launch" in r.stderr

@@ -236,7 +236,12 @@ def test_cli_fits_refuses_and_rejects(capsys, tmp_path):
 
 
 def test_configs_in_repo_fit_and_match_slurm_scripts():
-    for name, nodes, tp, rtp in (("mcpo_14b", 4, 4, 2), ("dapo_7b", 2, 2, 1), ("qwen3_30b_a3b", 4, 2, 4)):
+    for name, nodes, tp, rtp in (
+        ("mcpo_14b", 4, 4, 2),
+        ("dapo_7b", 2, 2, 1),
+        ("qwen3_30b_a3b", 4, 2, 4),
+        ("mcpo_14b_disagg", 3, 2, 1),
+    ):
         cfg = load_plan_config(REPO / "configs" / f"{name}.yaml")
         assert (cfg.cluster.nodes, cfg.parallel.tp, cfg.parallel.rollout_tp) == (nodes, tp, rtp)
         assert estimate_memory(cfg).fits
@@ -268,6 +273,62 @@ def test_qwen3_30b_a3b_slurm_table_is_the_planners():
     chosen = [g for line, g in table if line.endswith("<- chosen")]
     p = cfg.parallel
     assert [c[:5] for c in chosen] == [tuple(str(x) for x in (p.tp, p.pp, p.rollout_tp, 32 // (p.tp * p.pp), p.ep))]
+def test_disaggregated_plan_gives_each_role_its_own_memory_and_chooses_a_layout(capsys):
+    """parallel.rollout_ranks R > 0: a training rank holds the colocated training state of the same TP/PP/DP without
+    any engine; a rollout rank holds only its engine (util x GPU, never asleep) + the framework overhead; the engine
+    count is R / rollout TP. Checked on configs/mcpo_14b_disagg.yaml (3 nodes: 16 training + 8 rollout ranks)."""
+    from megatron_rlvr.planner import format_search, search_layouts
+
+    cfg = load_plan_config(REPO / "configs" / "mcpo_14b_disagg.yaml", warn=lambda _: None)
+    par, cl = cfg.parallel, cfg.cluster
+    assert (par.rollout_ranks, par.tp, par.pp, par.rollout_tp, cl.nodes) == (8, 2, 1, 1, 3)
+    plan = estimate_memory(cfg)
+    assert plan.fits and plan.disaggregated and plan.dp == 8 and plan.engines == 8 and plan.train_ranks == 16
+    c = plan.components
+    assert c["engine_in_training"] == 0 and c["train_state_in_rollout"] == 0 and c["host_ram_per_node"] == 0
+    # the same training layout colocated on 16 GPUs (DP=8): its training phase minus the sleeping engine's residual
+    colocated = estimate_memory(
+        PlanConfig(
+            model=cfg.model,
+            parallel=ParallelConfig(tp=2, pp=1, rollout_tp=1),
+            rollout=cfg.rollout,
+            train=cfg.train,
+            cluster=ClusterConfig(nodes=2, gpus_per_node=8, gpu_mem_gb=80),
+            ref_model=cfg.ref_model,
+        )
+    )
+    assert colocated.dp == 8
+    residual = cl.vllm_sleep_residual_gb * GIB
+    assert plan.train_peak == pytest.approx(colocated.train_peak - residual)
+    assert plan.rollout_peak == pytest.approx(
+        cfg.rollout.gpu_memory_utilization * 80 * GIB + cl.train_overhead_gb * GIB
+    )
+    # the KV cache: util x GPU - weights (whole model at rollout TP 1) - overhead, over 2 (K, V) x 48 x 8 x 128 x 2 B
+    kv = cfg.rollout.gpu_memory_utilization * 80 * GIB - c["engine_weights"] - cl.vllm_overhead_gb * GIB
+    assert c["engine_weights"] == 2 * cfg.model.param_count() and plan.kv_tokens == int(kv // (2 * L * KV * D * 2))
+    # the search keeps R, chooses the configured layout, and says so
+    plans = search_layouts(cfg)
+    assert all(p.config.parallel.rollout_ranks == 8 for p in plans)
+    chosen = next(p for p in plans if p.fits).config.parallel
+    assert (chosen.tp, chosen.pp, chosen.rollout_tp) == (par.tp, par.pp, par.rollout_tp)
+    table = format_search(plans)
+    assert "engines" in table and "chosen: tp=2 pp=1 rollout_tp=1" in table
+    # a TP=1 training rank cannot hold 14.8 B params with fp32 grads: the reason names the role
+    tp1 = next(p for p in plans if p.config.parallel.tp == 1 and p.config.parallel.pp == 1)
+    assert not tp1.fits and tp1.reasons[0].startswith("a training rank needs")
+    assert plan_main([str(REPO / "configs" / "mcpo_14b_disagg.yaml"), "--search"]) == 0
+    out = capsys.readouterr().out
+    assert "16 training ranks (TP x PP x DP) + 8 rollout ranks (8 engines)" in out and "FITS" in out
+    assert "per role: training ranks 69.0 GiB, rollout ranks 70.0 GiB per GPU" in out
+    # layouts that do not divide the roles, and a rollout rank over its memory, are refused with the reason
+    errors, _ = validate_layout(cfg.model, ParallelConfig(tp=1, rollout_tp=2, rollout_ranks=3), 24)
+    assert errors == ["parallel.rollout_ranks=3 is not divisible by rollout_tp=2"]
+    errors, _ = validate_layout(cfg.model, ParallelConfig(tp=4, rollout_tp=1, rollout_ranks=10), 24)
+    assert errors == ["training ranks 14 (world - rollout_ranks) is not divisible by tp x pp = 4 x 1 = 4"]
+    errors, _ = validate_layout(cfg.model, ParallelConfig(tp=2, rollout_ranks=24), 24)
+    assert errors == ["parallel.rollout_ranks=24 leaves no training rank in a world of 24"]
+    assert plan_main([str(REPO / "configs" / "mcpo_14b_disagg.yaml"), "rollout.gpu_memory_utilization=0.95"]) == 1
+    assert "a rollout rank needs 78.0 GiB" in capsys.readouterr().out
 
 
 def test_module_entry_point():

@@ -9,6 +9,8 @@
    within 60 s; SIGUSR1 makes the ranks checkpoint and exit 75, the job requeues itself and resumes.
    Skipped when no Slurm is running, unless MEGATRON_RLVR_REQUIRE_SLURM=1 (CI), which turns the skip into a
    failure.
+   slurm/mcpo_14b_disagg.sh likewise (3 nodes; the last node's ranks are the rollout ranks; its header's layout
+   table is the planner's).
 3. The same scenarios with the real trainer (`megatron-rlvr train configs/tiny.yaml`, 30 steps): a job preempted
    with SIGUSR1 checkpoints, is requeued (Restarts=1), resumes from that checkpoint and COMPLETES with the reward
    far above chance; SIGKILL of rank 1's trainer process ends its job FAILED within 60 s.
@@ -191,6 +193,57 @@ def test_container_flags_and_other_scripts_render():
     assert out["SRUN"].split()[-3:] == ["megatron-rlvr", "train", "configs/tiny.yaml"]
     d = sbatch_directives(REPO / "slurm" / "tiny_cpu.sh")
     assert d["ntasks"] == "2" and "gpus-per-node" not in d
+
+
+def test_mcpo_14b_disagg_renders_the_last_node_as_the_rollout_ranks_and_matches_its_plan():
+    """slurm/mcpo_14b_disagg.sh: 3 nodes x 8 tasks; srun's block distribution puts ranks 16..23 on the third node,
+    which are the config's parallel.rollout_ranks (the last ranks); the config validates for that world, and the
+    layout table in the script's header is the planner's (its chosen row and a refused one)."""
+    from megatron_rlvr.config import load_run_config
+    from megatron_rlvr.config.run import check_disaggregated_layout
+    from megatron_rlvr.planner import format_search, load_plan_config, search_layouts
+
+    script = REPO / "slurm" / "mcpo_14b_disagg.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    d = sbatch_directives(script)
+    nodes, per_node = int(d["nodes"]), int(d["ntasks-per-node"])
+    assert (nodes, per_node) == (3, 8) and d["gpus-per-node"] == "8"
+    assert d["signal"] == "USR1@180" and "requeue" in d and d["output"] == "logs/%x-%j.out"
+    hosts_expr = "gpu[01-03]"
+    alloc = {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NAME": "mcpo-14b-disagg",
+        "SLURM_JOB_NODELIST": hosts_expr,
+        "SLURM_JOB_NUM_NODES": str(nodes),
+        "SLURM_NNODES": str(nodes),
+        "SLURM_NTASKS": str(nodes * per_node),
+        "SLURM_NTASKS_PER_NODE": str(per_node),
+    }
+    out = dry_run(str(script), alloc)
+    srun = out["SRUN"].split()
+    assert srun[-3:] == ["megatron-rlvr", "train", "configs/mcpo_14b_disagg.yaml"]
+    for flag in ("--kill-on-bad-exit=1", "--distribution=block", "--nodes=3", "--ntasks=24"):
+        assert flag in srun, flag
+    cfg = load_run_config(str(REPO / "configs" / "mcpo_14b_disagg.yaml"), check_files=False)
+    world = nodes * per_node
+    check_disaggregated_layout(cfg, world)  # (the model's own checks need its files: tests/test_planner.py)
+    R = cfg.parallel.rollout_ranks
+    assert R == per_node and cfg.rollout.max_staleness >= 1
+    hosts = expand_hostlist(hosts_expr)
+    for task in range(world):
+        env = {**alloc, "SLURM_PROCID": str(task), "SLURM_LOCALID": str(task % per_node)}
+        env.update({"SLURM_NODEID": str(task // per_node), "SLURMD_NODENAME": hosts[task // per_node]})
+        rank = dist_env_from_slurm(env)["rank"]
+        assert (rank >= world - R) == (env["SLURMD_NODENAME"] == hosts[-1]), rank  # rollout ranks = the last node
+    table = format_search(
+        search_layouts(load_plan_config(REPO / "configs" / "mcpo_14b_disagg.yaml", warn=lambda _: None))
+    )
+    rows = [" ".join(line.split()) for line in table.splitlines()]
+    header = [" ".join(line.lstrip("# ").split()) for line in script.read_text().splitlines() if line.startswith("#  ")]
+    chosen = next(r for r in rows if r.endswith("<- chosen"))
+    assert chosen in header, (chosen, header)
+    refused = next(r for r in header if " no: " in r)
+    assert any(r.startswith(refused.split(" no:")[0]) for r in rows), refused
 
 
 def test_rendezvous_preparation_without_a_cluster():

@@ -1,35 +1,42 @@
 """Steps per second of the disaggregated schedule at max_staleness k = 0 (rollout and training alternate) and k = 1
-(one-step-off: they overlap), on the same ranks (default: 1 training rank + 1 rollout rank, one thread each).
+(one-step-off: they overlap), on the same ranks (1 training rank + 1 rollout rank, one thread each), and of the
+colocated synchronous schedule on the same total cores (2 ranks x 1 thread, data parallel: both generate, then
+both train) for reference.
 
 The workload is the tiny preset with longer responses, so that generation (the transformers engine, token by
-token) and training take comparable time per step; each run's own metrics say how comparable
-(``async/rollout_s`` against the training time). Runs alternate k = 0, k = 1, k = 0, ... so that a slow phase of a
-shared machine hits both; the rate of a run is measured from its metrics' wall times between the first and the
-last step (start-up excluded). Prints one line per run, then ``async_speedup=`` (k = 1 over k = 0, medians).
+token) and training take comparable time per step; each run's own metrics say how comparable (``async/rollout_s``
+against the training rank's busy time). The three runs of a round go in a rotating order (k0, k1, colocated, then
+k1, colocated, k0, ...) so that neither a slow phase of a shared machine nor the position in a round favours one.
+The rate of a run is measured from its metrics' wall times between the first and the last steady step (the first
+``--skip`` steps pay start-up and, at k = 1, are served by the rollout rank's head start, which would inflate the
+rate). Prints one line per run, the medians, the load average, and last ``async_speedup=`` (k = 1 over k = 0,
+medians). On a machine whose cores are busy with other work the overlap has no free core to run on: the speedup
+then says nothing about the schedule (compare the load average with the core count).
 
-    PYTHONPATH=. python tools/bench_async.py [--rounds 2] [--steps 12] [extra overrides ...]
+    PYTHONPATH=. python tools/bench_async.py [--rounds 3] [--steps 14] [extra overrides ...]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatron_rlvr.rundir.metrics_log import read_metrics  # noqa: E402
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKLOAD = [
     "configs/tiny.yaml",
     "parallel.tp=1",
-    "parallel.rollout_ranks=1",
     "launch.threads_per_rank=1",
     "reward.num_workers=0",
     "rollout.max_response_len=24",
     "rollout.max_prompt_len=8",
-    "train.prompts_per_step=16",
+    "train.prompts_per_step=64",
     "rollout.n=8",
     "data.procedural.num_examples=100000",
     "checkpoint.save_every=0",
@@ -41,18 +48,26 @@ WORKLOAD = [
 ]
 
 
-def run(k: int, steps: int, extra: list[str], root: str, i: int) -> dict:
-    run_dir = os.path.join(root, f"k{k}_{i}")
+MODES = {
+    "k0": ["parallel.rollout_ranks=1", "rollout.max_staleness=0"],
+    "k1": ["parallel.rollout_ranks=1", "rollout.max_staleness=1"],
+    "colocated": ["parallel.rollout_ranks=0", "launch.nproc=2"],  # same 2 ranks x 1 thread, DP = 2
+}
+
+
+def run(mode: str, steps: int, skip: int, extra: list[str], root: str, i: int) -> dict:
+    run_dir = os.path.join(root, f"{mode}_{i}")
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "megatron_rlvr.commands.cli", "train", *WORKLOAD]
-    cmd += [f"rollout.max_staleness={k}", f"schedule.steps={steps}", f"logging.run_dir={run_dir}", *extra]
+    cmd = [sys.executable, "-m", "megatron_rlvr.commands.cli", "train", *WORKLOAD, *MODES[mode]]
+    cmd += [f"schedule.steps={steps}", f"logging.run_dir={run_dir}", *extra]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode:
-        raise SystemExit(f"k={k} run failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        recs = [json.loads(line) for line in f]
-    skip = 2  # the first steps pay one-off costs (first forward, allocator warm-up)
+        raise SystemExit(f"{mode} run failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    recs = read_metrics(os.path.join(run_dir, "metrics.jsonl"))  # one record per step (a step may log twice)
+    if [r["step"] for r in recs] != list(range(1, steps + 1)):
+        raise SystemExit(f"{mode} run logged steps {[r['step'] for r in recs]}, expected 1..{steps}")
     steady = recs[skip:]
+    # steps completed between the first and the last steady record, over the time between them
     rate = (len(steady) - 1) / (steady[-1]["wall_time"] - steady[0]["wall_time"])
 
     def mean(key):
@@ -60,9 +75,9 @@ def run(k: int, steps: int, extra: list[str], root: str, i: int) -> dict:
         return sum(vals) / max(len(vals), 1)
 
     return {
-        "k": k,
+        "mode": mode,
         "steps_per_s": rate,
-        "rollout_s": mean("async/rollout_s"),
+        "rollout_s": mean("async/rollout_s") or mean("time/generate_s"),
         "train_s": mean("time/update_s") + mean("time/logprobs_s"),
         "trainer_wait_s": mean("async/trainer_wait_s"),
         "rollout_wait_s": mean("async/rollout_wait_s"),
@@ -73,25 +88,35 @@ def run(k: int, steps: int, extra: list[str], root: str, i: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=14)
+    ap.add_argument("--skip", type=int, default=3, help="steps left out of the rate (start-up, k = 1 head start)")
     ap.add_argument("extra", nargs="*", help="more config overrides")
     a = ap.parse_args()
-    rates: dict[int, list[float]] = {0: [], 1: []}
+    if a.steps - a.skip < 3:
+        raise SystemExit(f"--steps {a.steps} leaves fewer than 3 steady steps after --skip {a.skip}")
+    modes = list(MODES)
+    rates: dict[str, list[float]] = {m: [] for m in modes}
+    load0 = os.getloadavg()
+    print(f"{os.cpu_count()} cores, load average at start {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}", flush=True)
     with tempfile.TemporaryDirectory() as root:
         for i in range(a.rounds):
-            for k in (0, 1):
-                r = run(k, a.steps, a.extra, root, i)
-                rates[k].append(r["steps_per_s"])
+            for mode in modes[i % len(modes) :] + modes[: i % len(modes)]:
+                r = run(mode, a.steps, a.skip, a.extra, root, i)
+                rates[mode].append(r["steps_per_s"])
                 print(
-                    f"round {i} k={k}: {r['steps_per_s']:.3f} steps/s | rollout {r['rollout_s']:.3f} s, train "
+                    f"round {i} {mode:>9}: {r['steps_per_s']:.3f} steps/s | rollout {r['rollout_s']:.3f} s, train "
                     f"{r['train_s']:.3f} s per step | idle: trainer {r['trainer_wait_s']:.3f} s, rollout "
-                    f"{r['rollout_wait_s']:.3f} s | staleness {r['staleness_mean']:.2f}",
+                    f"{r['rollout_wait_s']:.3f} s | staleness {r['staleness_mean']:.2f} | load "
+                    f"{os.getloadavg()[0]:.2f}",
                     flush=True,
                 )
-    k0, k1 = statistics.median(rates[0]), statistics.median(rates[1])
-    print(f"k0_steps_per_s={k0:.3f} k1_steps_per_s={k1:.3f}")
-    print(f"async_speedup={k1 / k0:.2f}")
+    med = {m: statistics.median(v) for m, v in rates.items()}
+    load1 = os.getloadavg()
+    print(" ".join(f"{m}_steps_per_s={v:.3f}" for m, v in med.items()))
+    print(f"colocated_over_k0={med['colocated'] / med['k0']:.2f} (the synchronous colocated schedule, same cores)")
+    print(f"load average at end {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f} on {os.cpu_count()} cores")
+    print(f"async_speedup={med['k1'] / med['k0']:.2f}")
 
 
 if __name__ == "__main__":

@@ -303,6 +303,12 @@ def validate_cross_section(cfg: RunConfig, hf: dict) -> None:
             f"rollout.max_staleness={cfg.rollout.max_staleness} needs the disaggregated layout: the colocated schedule "
             "is synchronous (set parallel.rollout_ranks > 0, or rollout.max_staleness=0)"
         )
+    if cfg.rollout.partial_rollout_tokens and cfg.rollout.max_staleness < 1:
+        raise ConfigError(
+            f"rollout.partial_rollout_tokens={cfg.rollout.partial_rollout_tokens} needs the disaggregated layout with "
+            "rollout.max_staleness >= 1: otherwise no weight update can land during a generation (set "
+            "parallel.rollout_ranks > 0 and rollout.max_staleness >= 1, or partial_rollout_tokens=0)"
+        )
     if cfg.parallel.rollout_ranks and (cfg.eval.every or cfg.diagnostics.forgetting_every):
         raise ConfigError(
             "parallel.rollout_ranks > 0: periodic evaluation (eval.every) and the forgetting probe "

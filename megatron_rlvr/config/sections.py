@@ -185,10 +185,18 @@ class RolloutConfig:
     """Disaggregated layout (parallel.rollout_ranks > 0): the rollout of step s starts only once the engines hold
     the weights of step s - 1 - max_staleness or newer, so every trained sample is at most this many updates behind
     the policy it trains (0: on-policy, rollout and training alternate; 1: one-step-off; k > 1: bounded async)."""
+    partial_rollout_tokens: int = 0
+    """Partial rollouts (in-flight weight updates; disaggregated layout with max_staleness >= 1): generate in chunks
+    of this many tokens per sample, and between chunks load any weight version that arrived, continuing every
+    unfinished sample from prompt + tokens so far under it. Each token keeps the version that produced it; admission
+    and dropping use a sample's oldest token. 0 = off (a generation keeps the weights it started with)."""
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"rollout.engine must be one of {ENGINES}, got {self.engine!r}")
+        t = self.partial_rollout_tokens
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise ValueError(f"rollout.partial_rollout_tokens must be an int >= 0 (0 = off), got {t!r}")
         if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
             raise ValueError(f"rollout.max_staleness must be an int >= 0, got {self.max_staleness!r}")
         for k in ("n", "max_prompt_len", "max_response_len", "max_batch_rows"):

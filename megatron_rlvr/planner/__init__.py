@@ -44,6 +44,10 @@ Memory model (per GPU, bytes; GiB = 2**30). Every term is a formula of the confi
     overhead + that cache. ``rollout.engine=hf`` (the transformers engine, rollout TP 1) instead keeps the whole
     model on every GPU in both phases, plus a KV cache of ``max_batch_rows`` full-length rows while generating;
     ``auto`` is planned as vLLM. Peak = max(training phase, rollout phase).
+  * disaggregated (``parallel.rollout_ranks`` R > 0): the roles have their own GPUs. A training rank holds the
+    training terms above with DP = (world - R) / (tp x pp) and no engine; a rollout rank holds only its engine
+    (vLLM never sleeps there) plus the framework overhead. ``train_peak`` / ``rollout_peak`` are then the two
+    roles' GPUs; the engine count is R / rollout TP.
 """
 
 from megatron_rlvr.config.sections import ClusterConfig, ParallelConfig, RolloutConfig, TrainConfig

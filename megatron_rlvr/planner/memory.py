@@ -79,7 +79,9 @@ class PlanConfig:
 
 
 def validate_layout(model: ModelSpec, par: ParallelConfig, world_size: int, gpus_per_node: int = 8):
-    """(errors, warnings) for this layout; an empty error list means Megatron and vLLM can both build it.
+    """(errors, warnings) for this layout; an empty error list means Megatron and vLLM can both build it. With
+    ``parallel.rollout_ranks`` R > 0 (disaggregated) TP x PP must divide the world - R training ranks and the
+    rollout TP the R rollout ranks.
 
     Megatron-Core (TransformerConfig.__post_init__, core 0.16): num_attention_heads % tp == 0, and
     num_query_groups must be a multiple OR a divisor of tp; when kv_heads < tp each KV head is replicated on
@@ -88,6 +90,13 @@ def validate_layout(model: ModelSpec, par: ParallelConfig, world_size: int, gpus
     """
     errors: list[str] = []
     warnings: list[str] = []
+    # disaggregated (parallel.rollout_ranks > 0): the first world - R ranks train, the last R run the engines
+    R = par.rollout_ranks
+    if R and R >= world_size:
+        errors.append(f"parallel.rollout_ranks={R} leaves no training rank in a world of {world_size}")
+        return errors, warnings
+    engine_world = R or world_size
+    world_size -= R
     for axis, t in (("tp", par.tp), ("rollout_tp", par.rollout_tp)):
         if model.heads % t:
             errors.append(f"parallel.{axis}={t} does not divide the {model.heads} attention heads")
@@ -103,12 +112,14 @@ def validate_layout(model: ModelSpec, par: ParallelConfig, world_size: int, gpus
     if model.layers % par.pp:
         errors.append(f"parallel.pp={par.pp} does not divide the {model.layers} layers")
     mp = par.tp * par.pp
+    what = f"training ranks {world_size} (world - rollout_ranks)" if R else f"world size {world_size}"
     if world_size % mp:
-        errors.append(f"world size {world_size} is not divisible by tp x pp = {par.tp} x {par.pp} = {mp}")
-    if world_size % par.rollout_tp:
-        errors.append(f"world size {world_size} is not divisible by rollout_tp={par.rollout_tp}")
+        errors.append(f"{what} is not divisible by tp x pp = {par.tp} x {par.pp} = {mp}")
+    if engine_world % par.rollout_tp:
+        where = f"parallel.rollout_ranks={R}" if R else f"world size {engine_world}"
+        errors.append(f"{where} is not divisible by rollout_tp={par.rollout_tp}")
     if world_size < mp:
-        errors.append(f"world size {world_size} is smaller than tp x pp = {mp}")
+        errors.append(f"{what} is smaller than tp x pp = {mp}")
     expert_layout_errors(model, par, world_size, errors)
     return errors, warnings
 
@@ -292,6 +303,17 @@ class MemoryPlan:
     experts' state (0: a dense model)."""
     stage_expert_param_counts: list[int] = field(default_factory=list)
     """Routed-expert parameters held by one GPU of each pipeline stage (included in ``stage_param_counts``)."""
+    engines: int = 0
+    """Rollout engines: rollout ranks (the world when colocated) / rollout TP."""
+
+    @property
+    def disaggregated(self) -> bool:
+        """parallel.rollout_ranks > 0: ``train_peak`` is a training rank's GPU, ``rollout_peak`` a rollout rank's."""
+        return self.config.parallel.rollout_ranks > 0
+
+    @property
+    def train_ranks(self) -> int:
+        return self.world_size - self.config.parallel.rollout_ranks
 
     @property
     def peak(self) -> float:
@@ -341,8 +363,13 @@ def estimate_memory(cfg: PlanConfig) -> MemoryPlan:
     m, par, ro, tr, cl = cfg.model, cfg.parallel, cfg.rollout, cfg.train, cfg.cluster
     world = cl.world_size
     errors, warnings = validate_layout(m, par, world, cl.gpus_per_node)
-    dp = max(1, world // (par.tp * par.pp))
+    # disaggregated: training ranks hold only the training state, rollout ranks only an engine (never asleep)
+    R = par.rollout_ranks
+    disagg = R > 0
+    train_world = world - R
+    dp = max(1, train_world // (par.tp * par.pp))
     plan = MemoryPlan(config=cfg, world_size=world, dp=dp, errors=errors, warnings=warnings)
+    plan.engines = max(1, (R or world) // par.rollout_tp)
     T = cfg.micro_batch_tokens
     if T < cfg.max_model_len:
         errors.append(
@@ -360,7 +387,7 @@ def estimate_memory(cfg: PlanConfig) -> MemoryPlan:
     expert_params = stage_expert_params(m, par)
     plan.stage_expert_param_counts = expert_params
     moe_per_stage = _stage_moe_layers(m, par.pp)
-    edp = max(1, world // (par.expert_tp * par.ep * par.pp)) if m.is_moe else 1
+    edp = max(1, train_world // (par.expert_tp * par.ep * par.pp)) if m.is_moe else 1
     plan.edp = edp if m.is_moe else 0
     # Megatron trains MoE layers with tp > 1 only under sequence parallelism (the model args switch it on)
     sp = cfg.sequence_parallel or (m.is_moe and par.tp > 1)
@@ -380,13 +407,13 @@ def estimate_memory(cfg: PlanConfig) -> MemoryPlan:
         else:
             engine = ro.gpu_memory_utilization * G
             kv_cache = engine - engine_w - engine_overhead
-        in_training = cl.vllm_sleep_residual_gb * GIB
+        in_training = 0.0 if disagg else cl.vllm_sleep_residual_gb * GIB
     else:  # the transformers engine: whole model on every rank, never asleep; a cache per batch of rows
         engine_w = b * m.param_count()
         engine_overhead = 0.0
         kv_cache = ro.max_batch_rows * cfg.max_model_len * kv_per_token
         engine = engine_w + kv_cache
-        in_training = engine_w
+        in_training = 0.0 if disagg else engine_w
     plan.kv_tokens = max(0, int(kv_cache // kv_per_token))
 
     best = None
@@ -418,7 +445,7 @@ def estimate_memory(cfg: PlanConfig) -> MemoryPlan:
         c["engine_in_training"] = in_training
         train_peak = sum(c[k] for k in _TRAIN_PHASE_TERMS)
         state = c["weights"] + c["grads"] + c["optimizer"] + c["ref_model"]
-        c["train_state_in_rollout"] = 0 if cl.offload_during_rollout else state
+        c["train_state_in_rollout"] = 0 if (cl.offload_during_rollout or disagg) else state
         c["engine"] = engine
         c["engine_weights"] = engine_w
         c["engine_overhead"] = engine_overhead
@@ -428,7 +455,10 @@ def estimate_memory(cfg: PlanConfig) -> MemoryPlan:
             best = (s, train_peak, rollout_peak, c)
     s, plan.train_peak, plan.rollout_peak, plan.components = best
     plan.worst_stage = s
+    # level-1 sleep backs the weights up in host RAM; a disaggregated engine never sleeps
     plan.components["host_ram_per_node"] = engine_w * cl.gpus_per_node if vllm and ro.sleep_level == 1 else 0
+    if disagg:
+        plan.components["host_ram_per_node"] = 0
 
     limit = plan.limit
     lim_txt = f"{limit / GIB:.1f} GiB usable ({cl.gpu_mem_gb:g} x {cl.usable_fraction:g})"
@@ -447,11 +477,18 @@ def estimate_memory(cfg: PlanConfig) -> MemoryPlan:
         )
     if plan.train_peak > limit:
         hint = "set train.recompute=full, " if tr.recompute != "full" else ""
+        who = "a training rank" if disagg else "training phase"
         plan.reasons.append(
-            f"training phase needs {plan.train_peak / GIB:.1f} GiB on pipeline stage {s}, over {lim_txt}; "
+            f"{who} needs {plan.train_peak / GIB:.1f} GiB on pipeline stage {s}, over {lim_txt}; "
             f"{hint}lower train.micro_batch_tokens, raise tp/pp, or add nodes (shards the optimizer further)"
         )
-    if plan.rollout_peak > limit:
+    if disagg and plan.rollout_peak > limit:
+        name, lower = ("vLLM", raise_kv) if vllm else ("transformers engine", "rollout.max_batch_rows")
+        plan.reasons.append(
+            f"a rollout rank needs {plan.rollout_peak / GIB:.1f} GiB ({name} {engine / GIB:.1f} + overhead), over "
+            f"{lim_txt}; lower {lower} or raise parallel.rollout_tp"
+        )
+    elif plan.rollout_peak > limit:
         name, lower = ("vLLM", raise_kv) if vllm else ("transformers engine", "rollout.max_batch_rows")
         plan.reasons.append(
             f"rollout phase needs {plan.rollout_peak / GIB:.1f} GiB (training state "

@@ -32,9 +32,14 @@ def format_plan(plan: MemoryPlan) -> str:
         f"heads={m.heads} kv_heads={m.kv_heads} d={m.head_dim} V={m.vocab}",
         f"cluster {cl.nodes} node(s) x {cl.gpus_per_node} GPUs x {cl.gpu_mem_gb:g} GiB = world {plan.world_size}",
         f"layout  TP={par.tp} PP={par.pp} DP={plan.dp} SP={'on' if cfg.sequence_parallel else 'off'} | rollout "
-        f"TP={par.rollout_tp} ({plan.world_size // par.rollout_tp} {engine} engines"
+        f"TP={par.rollout_tp} ({plan.engines} {engine} engines"
         f"{', rollout.engine=auto' if ro.engine == 'auto' else ''})",
     ]
+    if plan.disaggregated:
+        lines[2] += (
+            f"\n        disaggregated: {plan.train_ranks} training ranks (TP x PP x DP) + {par.rollout_ranks} rollout "
+            f"ranks ({plan.engines} engines), rollout.max_staleness={ro.max_staleness}"
+        )
     if m.is_moe:
         lines[0] += (
             f"\n        MoE: {m.n_moe_layers} of {m.layers} layers, {m.experts} experts (f_e={m.expert_ffn}), "
@@ -60,7 +65,8 @@ def format_plan(plan: MemoryPlan) -> str:
     )
     lines.append("")
     lines.append(f"{'GiB per GPU':<58}{'':>8}")
-    lines.append(f"-- training phase (pipeline stage {plan.worst_stage} of {par.pp}, the largest) " + "-" * 12)
+    phase = f"training ranks: {plan.train_ranks} GPUs" if plan.disaggregated else "training phase"
+    lines.append(f"-- {phase} (pipeline stage {plan.worst_stage} of {par.pp}, the largest) " + "-" * 12)
     opt = "Adam m,v (8 B/param" if cfg.dtype == "float32" else "fp32 master + Adam m,v (12 B/param"
     rows = [
         (f"weights {dt} ({p / 1e9:.3f} B params on this GPU)", c["weights"]),
@@ -85,25 +91,25 @@ def format_plan(plan: MemoryPlan) -> str:
             c["logits_chunk"],
         ),
         ("framework (CUDA context, NCCL, fragmentation)", c["train_overhead"]),
-        (
-            f"vLLM asleep (level {ro.sleep_level}, residual)"
-            if vllm
-            else f"transformers engine weights {dt} (resident)",
-            c["engine_in_training"],
-        ),
     ]
+    if not plan.disaggregated:  # a disaggregated training rank holds no engine
+        engine_row = f"vLLM asleep (level {ro.sleep_level}, residual)" if vllm else f"transformers engine weights {dt}"
+        rows.append((engine_row if vllm else engine_row + " (resident)", c["engine_in_training"]))
     lines += [f"  {label:<56}{_g(v)}" for label, v in rows]
-    lines.append(f"  {'= training peak':<56}{_g(plan.train_peak)}")
+    lines.append(
+        f"  {'= training peak' + (' per training rank' if plan.disaggregated else ''):<56}{_g(plan.train_peak)}"
+    )
     if not vllm:
         head = f"transformers engine, max_batch_rows={ro.max_batch_rows}"
     elif ro.kv_cache_gb is not None:
         head = f"vLLM TP={par.rollout_tp}, kv_cache_gb={ro.kv_cache_gb:g}"
     else:
         head = f"vLLM TP={par.rollout_tp}, gpu_memory_utilization={ro.gpu_memory_utilization:g}"
-    lines.append(f"-- rollout phase ({head}) " + "-" * 8)
+    where = f"rollout ranks: {par.rollout_ranks} GPUs, never asleep" if plan.disaggregated else "rollout phase"
+    lines.append(f"-- {where} ({head}) " + "-" * 8)
     kv_seqs = plan.kv_tokens / cfg.max_model_len
     off = " (offloaded)" if cfg.cluster.offload_during_rollout else ""
-    rows = [(f"training state kept on GPU{off}", c["train_state_in_rollout"])]
+    rows = [] if plan.disaggregated else [(f"training state kept on GPU{off}", c["train_state_in_rollout"])]
     if vllm:
         whole = "util x GPU" if ro.kv_cache_gb is None else "weights + overhead + kv_cache_gb"
         rows += [
@@ -121,11 +127,18 @@ def format_plan(plan: MemoryPlan) -> str:
         ("framework (CUDA context, NCCL, fragmentation)", c["train_overhead"]),
     ]
     lines += [f"  {label:<56}{_g(v)}" for label, v in rows]
-    lines.append(f"  {'= rollout peak':<56}{_g(plan.rollout_peak)}")
+    lines.append(
+        f"  {'= rollout peak' + (' per rollout rank' if plan.disaggregated else ''):<56}{_g(plan.rollout_peak)}"
+    )
     lines.append("")
-    if vllm and ro.sleep_level == 1:
+    if vllm and ro.sleep_level == 1 and not plan.disaggregated:
         lines.append(f"host RAM per node for vLLM sleep level 1 weight backup: {c['host_ram_per_node'] / GIB:.1f} GiB")
     verdict = "FITS" if plan.fits else "DOES NOT FIT"
+    if plan.disaggregated:
+        lines.append(
+            f"per role: training ranks {plan.train_peak / GIB:.1f} GiB, rollout ranks {plan.rollout_peak / GIB:.1f} "
+            "GiB per GPU"
+        )
     lines.append(
         f"peak {plan.peak / GIB:.1f} GiB per GPU of {plan.limit / GIB:.1f} usable "
         f"({cl.gpu_mem_gb:g} GiB x {cl.usable_fraction:g}): {verdict}"
@@ -180,19 +193,33 @@ def search_layouts(cfg: PlanConfig) -> list[MemoryPlan]:
 
 
 def format_search(plans: list[MemoryPlan]) -> str:
+    """The search table, best first; the first fitting row is marked as the layout the planner would choose. When
+    disaggregated, ``train`` / ``rollout`` are a training rank's and a rollout rank's GPU (the rollout ranks' count
+    is the config's: memory does not decide the balance of generation and training time)."""
     moe = bool(plans) and plans[0].config.model.is_moe
+    disagg = bool(plans) and plans[0].disaggregated
     ep_head = f" {'ep':>3}" if moe else ""
-    head = f"{'tp':>3} {'pp':>3} {'rtp':>4} {'dp':>4}{ep_head} {'train':>7} {'rollout':>8} {'peak':>7} {'kv seqs':>8}"
-    head += "  verdict"
-    lines = [head + "   (GiB per GPU)"]
+    eng_head = f" {'engines':>7}" if disagg else ""
+    head = f"{'tp':>3} {'pp':>3} {'rtp':>4} {'dp':>4}{ep_head}{eng_head} {'train':>7} {'rollout':>8} {'peak':>7}"
+    head += f" {'kv seqs':>8}  verdict"
+    lines = [head + "   (GiB per GPU" + (": a training rank, a rollout rank, the larger)" if disagg else ")")]
+    chosen = next((p for p in plans if p.fits), None)
     for p in plans:
         par = p.config.parallel
         seqs = p.kv_tokens / p.config.max_model_len
         why = "fits" if p.fits else "no: " + p.reasons[0].split(";")[0]
         ep = f" {par.ep:>3}" if moe else ""
+        eng = f" {p.engines:>7}" if disagg else ""
         lines.append(
-            f"{par.tp:>3} {par.pp:>3} {par.rollout_tp:>4} {p.dp:>4}{ep} {p.train_peak / GIB:7.1f} "
-            f"{p.rollout_peak / GIB:8.1f} {p.peak / GIB:7.1f} {seqs:8.1f}  {why}"
+            f"{par.tp:>3} {par.pp:>3} {par.rollout_tp:>4} {p.dp:>4}{ep}{eng} {p.train_peak / GIB:7.1f} "
+            f"{p.rollout_peak / GIB:8.1f} {p.peak / GIB:7.1f} {seqs:8.1f}  {why}{'   <- chosen' if p is chosen else ''}"
+        )
+    if chosen is not None:
+        par = chosen.config.parallel
+        lines.append(
+            f"chosen: tp={par.tp} pp={par.pp} rollout_tp={par.rollout_tp}"
+            + (f" ep={par.ep}" if moe else "")
+            + " (fits with the smallest tp x pp, then the least pp, then the smallest rollout TP: the most engines)"
         )
     return "\n".join(lines)
 
@@ -205,7 +232,8 @@ def format_search(plans: list[MemoryPlan]) -> str:
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="megatron-rlvr plan",
-        description="Validate a parallel layout and estimate per-GPU memory (training + colocated vLLM).",
+        description="Validate a parallel layout and estimate per-GPU memory (training + colocated vLLM, or with "
+        "parallel.rollout_ranks > 0 each role of the disaggregated layout).",
     )
     ap.add_argument("config", help="run-config YAML, HF config.json / folder, or a built-in model name")
     ap.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. parallel.tp=8")

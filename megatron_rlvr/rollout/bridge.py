@@ -143,6 +143,7 @@ class WeightReceiver:
                 if "stop" in header:
                     with self.cond:
                         self.stop_code = header["stop"]
+                        self.pg = None  # nothing more arrives: the group can be destroyed (Roles.close)
                         self.cond.notify_all()
                     return
                 t0 = t0 if t0 is not None else time.perf_counter()
@@ -174,6 +175,12 @@ class WeightReceiver:
             ) from self.error
         if self.stop_code is not None:
             raise Stopped(self.stop_code)
+
+    def poll(self) -> int:
+        """The newest complete version now (no wait). Raises Stopped / PeerLost like ``wait_for``."""
+        with self.cond:
+            self._check()
+            return self.newest
 
     def wait_for(self, min_version: float, poll_s: float = 0.5) -> int:
         """Wait until a version >= ``min_version`` is complete; returns the newest complete version. Raises Stopped
@@ -213,6 +220,15 @@ class BatchReceiver:
         except BaseException as e:  # noqa: BLE001 - handed to the main thread
             self.error = e
             self.queue.put(None)
+
+    def close(self, timeout_s: float) -> bool:
+        """Wait (at most ``timeout_s``) for the thread to end: its recv fails once rollout rank 0 has exited and
+        closed the channel. Returns whether it ended."""
+        self.thread.join(timeout_s)
+        if self.thread.is_alive():
+            return False
+        self.pg = None  # the group can be destroyed (Roles.close)
+        return True
 
     def get(self, should_stop: Callable[[], bool] = lambda: False, poll_s: float = 0.5):
         """The next message; raises PeerLost when the channel failed, Stopped(-1) when ``should_stop()``."""

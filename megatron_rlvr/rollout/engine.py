@@ -106,10 +106,15 @@ class Completion:
     """Mixture-of-experts models, when the engine was asked to return routes: [MoE layers, P + R - 1, k] int16, the
     top-k experts the engine's router chose for every token it ran (the prompt's P and every generated token but the
     last, which is never fed back), in layer order; None otherwise (routing replay R3)."""
+    versions: list[int] | None = None
+    """Per generated token: the weight version that produced it (partial rollouts, rollout.partial_rollout_tokens);
+    None: all tokens come from the weights the engine held for the whole call."""
 
     def __post_init__(self):
         if len(self.token_ids) != len(self.logprobs):
             raise ValueError(f"Completion has {len(self.token_ids)} token ids but {len(self.logprobs)} logprobs")
+        if self.versions is not None and len(self.versions) != len(self.token_ids):
+            raise ValueError(f"Completion has {len(self.token_ids)} token ids but {len(self.versions)} versions")
 
 
 @dataclass

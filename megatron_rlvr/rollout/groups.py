@@ -34,7 +34,10 @@ class Group:
     """Verifier rewards (before any shaping)."""
     versions: list[int] = field(default_factory=list)
     """The policy version (last step whose update the engine held) that generated each sample; filled by the
-    disaggregated schedule (empty: the colocated schedule's, all of RolloutBatch.policy_version)."""
+    disaggregated schedule (empty: the colocated schedule's, all of RolloutBatch.policy_version). With partial
+    rollouts a sample's tokens may come from several versions: this is its OLDEST token's version."""
+    token_versions: list[list[int]] = field(default_factory=list)
+    """Partial rollouts only (else empty): per sample, per response token, the version that generated it."""
     routes: list = field(default_factory=list)
     """Per sample, the engine's MoE routes [MoE layers, P + R - 1, k] int16 (``Completion.routes``) when the engine
     returns them (routing replay R3); empty otherwise."""
@@ -115,7 +118,9 @@ def generate_groups(
     mine: list[Group] = []
     stats = {"time/generate_s": 0.0, "time/reward_s": 0.0}
     reward_stats: dict[str, float] = {}
-    if len(share) > 0:
+    # an engine that runs collectives inside generate (partial rollouts: weight agreement between chunks) is called
+    # on every rank, with no prompts where the share is empty
+    if len(share) > 0 or getattr(engine, "generate_on_every_rank", False):
         # Every rank of an engine's tensor-parallel group calls generate: a vLLM engine with rollout TP > 1 is SPMD
         # (its ranks run the same steps together); only the group's leader keeps and scores the outputs.
         t0 = time.perf_counter()
@@ -133,6 +138,8 @@ def generate_groups(
                 g.finish_reasons.append(c.finish_reason)
                 if c.routes is not None:
                     g.routes.append(c.routes)
+                if c.versions is not None:
+                    g.token_versions.append(list(c.versions))
                 g.texts.append(text)
                 texts.append(text)
                 gts.append(examples[i].answer)

@@ -37,8 +37,42 @@ PANELS: list[tuple[str, list[tuple[str, str]]]] = [
         "train / inference mismatch",
         [("mismatch/abs_prob_diff_mean", "mean |p_train - p_rollout|"), ("mismatch/kl_k3", "k3 KL(rollout || train)")],
     ),
+    # the disaggregated schedule (parallel.rollout_ranks > 0); colocated runs log none of these keys
+    (
+        "staleness of trained samples (updates behind the trained policy)",
+        [("async/staleness_mean", "mean"), ("async/staleness_max", "max"), ("async/token_staleness_mean", "per token")],
+    ),
+    ("staleness breakdown (fraction of trained samples per age)", [("async/staleness_frac_*", "age ")]),
+    (
+        "samples dropped / generations spanning a weight update",
+        [
+            ("async/dropped_samples", "dropped (older than k)"),
+            ("async/partial_samples", "spanning an update"),
+            ("async/in_flight_updates", "updates loaded mid-rollout"),
+        ],
+    ),
+    (
+        "idle time per step (s)",
+        [
+            ("async/trainer_wait_s", "trainer waits for samples"),
+            ("async/rollout_wait_s", "rollout waits for weights"),
+            ("async/rollout_s", "rollout generating"),
+        ],
+    ),
+    (
+        "weight version",
+        [
+            ("async/policy_version", "trained policy"),
+            ("async/rollout_version", "rollout engines (at rollout start)"),
+            ("async/sample_version_min", "oldest trained sample"),
+        ],
+    ),
+    ("weight sync time (s)", [("sync/time_s", "publish (trainer)"), ("sync/apply_s", "apply (rollout)")]),
+    ("weight sync volume", [("sync/gbytes", "GB sent"), ("sync/gbps", "GB/s")]),
 ]
-"""(title, [(metric key, label), ...]) of each panel; missing metrics are left out."""
+"""(title, [(metric key, label), ...]) of each panel; missing metrics are left out, and a panel without any of its
+metrics too. A key ending in ``*`` stands for every logged key with that prefix (in numeric order of the rest,
+labelled ``label + rest``)."""
 
 _STYLES = ["-", "--", ":", "-."]
 
@@ -78,6 +112,27 @@ def _smooth(ys: list[float], w: int) -> list[float]:
     return out
 
 
+def _suffix_order(suffix: str):
+    return (0, int(suffix), "") if suffix.isdigit() else (1, 0, suffix)
+
+
+def panels_of(runs: list[tuple[str, list[dict]]]) -> list[tuple[str, list[tuple[str, str]]]]:
+    """The panels of PANELS that have a metric in ``runs`` ((label, records) pairs), with the keys present."""
+    logged = {k for _, recs in runs for r in recs for k in r}
+    out = []
+    for title, keys in PANELS:
+        present = []
+        for key, label in keys:
+            if key.endswith("*"):
+                rests = sorted((k[len(key) - 1 :] for k in logged if k.startswith(key[:-1])), key=_suffix_order)
+                present += [(key[:-1] + rest, label + rest) for rest in rests]
+            elif key in logged:
+                present.append((key, label))
+        if present:
+            out.append((title, present))
+    return out
+
+
 def plot_runs(run_dirs: list[str], out: str | None = None, smooth: int = 5) -> str:
     """Write the curves PNG; returns its path (default <first run dir>/curves.png, or compare.png for several)."""
     import matplotlib
@@ -88,8 +143,7 @@ def plot_runs(run_dirs: list[str], out: str | None = None, smooth: int = 5) -> s
     if not run_dirs:
         raise ValueError("plot: give at least one run directory")
     runs = [read_run(d) for d in run_dirs]
-    panels = [(t, [(k, lab) for k, lab in keys if any(k in r for _, recs in runs for r in recs)]) for t, keys in PANELS]
-    panels = [(t, keys) for t, keys in panels if keys]
+    panels = panels_of(runs)
     if not panels:
         raise ValueError("plot: the runs have no metrics to plot yet")
     cols = 2

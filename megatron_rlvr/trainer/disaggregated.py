@@ -110,7 +110,9 @@ def publish_version(roles: Roles, version: int) -> dict[str, float]:
 
 def staleness_filter(rolled: RolloutBatch, step: int, k: int) -> tuple[RolloutBatch, dict[str, float]]:
     """Drop the kept groups generated more than ``k`` updates before the policy of ``step`` (version step - 1); the
-    staleness metrics over the trained samples (mean, max, histogram ``async/staleness_frac_<j>``)."""
+    staleness metrics over the trained samples (mean, max, histogram ``async/staleness_frac_<j>``). A sample's
+    version is its OLDEST token's (partial rollouts): admission and dropping bound the oldest token's staleness;
+    ``async/token_staleness_mean`` is over tokens."""
     now = step - 1
 
     def versions(g):
@@ -126,6 +128,11 @@ def staleness_filter(rolled: RolloutBatch, step: int, k: int) -> tuple[RolloutBa
         for j in range(k + 1):
             m[f"async/staleness_frac_{j}"] = sum(x == j for x in lags) / len(lags)
         m["async/sample_version_min"] = float(now - max(lags))
+    tokens = [now - v for i in fresh for tv in rolled.groups[i].token_versions for v in tv]
+    if tokens:  # partial rollouts: a sample's tokens span versions (its staleness above is its oldest token's)
+        m["async/token_staleness_mean"] = sum(tokens) / len(tokens)
+        spanning = sum(len(set(tv)) > 1 for i in fresh for tv in rolled.groups[i].token_versions)
+        m["async/partial_samples"] = float(spanning)
     if len(fresh) != len(rolled.kept):
         rolled = dataclasses.replace(rolled, kept=fresh)
     return rolled, m
@@ -168,6 +175,8 @@ def train_role(cfg: RunConfig, run_dir: str | None, lock: RunLock | None, roles:
     t = setup(cfg, run_dir, lock, with_engine=False)
     t.update_settings = off_policy_correction(cfg, t.update_settings)
     code = 0
+    receiver = None
+    clean = False  # the loop ended (finished or stopped), not an error: every rank reaches Roles.close
     try:
         k = cfg.rollout.max_staleness
         if roles.weights is not None:  # the rollout ranks start from the checkpoint's data position
@@ -197,9 +206,11 @@ def train_role(cfg: RunConfig, run_dir: str | None, lock: RunLock | None, roles:
             stopped = end_step(t, step, " (in-flight rollouts are regenerated on resume)")
             if stopped is not None:
                 code = stopped
+                clean = True
                 return code
         t.step = max(t.start_step, cfg.schedule.steps)
         finish(t)
+        clean = True
         return 0
     finally:
         if roles.weights is not None:
@@ -207,7 +218,14 @@ def train_role(cfg: RunConfig, run_dir: str | None, lock: RunLock | None, roles:
                 bridge.publish_stop(roles.weights, code)
             except Exception:  # noqa: BLE001 - the rollout ranks are gone already; nothing to stop
                 pass
+        ended = True
+        if receiver is not None:
+            # the receiving thread is posted on a recv until rollout rank 0 destroys the data group (after the stop,
+            # Roles.close); a process that exits with that recv pending aborts in gloo's destructor (SIGABRT)
+            ended = receiver.close(cfg.launch.collective_timeout_s)
         teardown(t)
+        if clean and ended:
+            roles.close(cfg.launch.collective_timeout_s)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -226,6 +244,8 @@ class RolloutWorker:
     reward_manager: object
     loader: object
     policy_version: int = -1
+    in_flight: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Partial rollouts: metrics of the weight updates applied during the current rollout."""
 
     @property
     def algo(self):
@@ -264,10 +284,13 @@ def rollout_role(cfg: RunConfig, roles: Roles) -> int:
     signals = StopSignals().install()  # the training ranks decide when to stop (and tell us)
     w = build_worker(cfg, roles)
     receiver = None
+    clean = False  # stopped by the training ranks (not an error): every rank reaches Roles.close
     try:
         start = bridge.broadcast_object(roles.weights, None)
         w.loader.load_state_dict(start["loader"])
         receiver = bridge.WeightReceiver(roles.weights, device=_device()).start()
+        if cfg.rollout.partial_rollout_tokens:
+            w.engine = partial_engine(w, receiver, roles)
         k = cfg.rollout.max_staleness
         for step in range(start["start_step"] + 1, cfg.schedule.steps + 1):
             t0 = time.perf_counter()
@@ -275,23 +298,46 @@ def rollout_role(cfg: RunConfig, roles: Roles) -> int:
             m = apply_weights(w, receiver, agreed_version(receiver.wait_for(need), roles))
             m["async/rollout_wait_s"] = time.perf_counter() - t0
             t1 = time.perf_counter()
+            started = w.policy_version
+            w.in_flight = {}
             rolled = rollout(w, step)
-            for g in rolled.groups:
-                g.versions = [w.policy_version] * len(g.response_ids)
+            for g in rolled.groups:  # partial rollouts: a sample is as old as its oldest token
+                g.versions = [min(v) for v in g.token_versions] or [started] * len(g.response_ids)
             m["async/rollout_s"] = time.perf_counter() - t1
-            m["async/rollout_version"] = float(w.policy_version)
+            m["async/rollout_version"] = float(started)
+            m.update(w.in_flight)
             if roles.data is not None:
                 msg = {"step": step, "batch": rolled, "loader": w.loader.state_dict(), "metrics": m}
                 bridge.send_object(roles.data, msg, dst=0)
         receiver.wait_for(float("inf"))  # until the training ranks' stop
         return 0
     except bridge.Stopped as e:
+        clean = True
         return max(e.code, 0)
     finally:
         signals.uninstall()
         if w.reward_manager is not None:
             w.reward_manager.close()
         w.engine.close()
+        if clean:
+            roles.close(cfg.launch.collective_timeout_s)
+
+
+def partial_engine(w: RolloutWorker, receiver: bridge.WeightReceiver, roles: Roles):
+    """The worker's engine generating in chunks of rollout.partial_rollout_tokens; between chunks the rollout ranks
+    load the newest version they all hold (megatron_rlvr.rollout.partial)."""
+    from megatron_rlvr.rollout.partial import PartialRolloutEngine
+
+    def between_chunks() -> None:
+        version = agreed_version(receiver.poll(), roles)
+        if version > w.policy_version:
+            m = apply_weights(w, receiver, version)
+            w.in_flight["async/in_flight_updates"] = w.in_flight.get("async/in_flight_updates", 0.0) + 1
+            w.in_flight["sync/in_flight_apply_s"] = w.in_flight.get("sync/in_flight_apply_s", 0.0) + m["sync/apply_s"]
+
+    return PartialRolloutEngine(
+        w.engine, w.cfg.rollout.partial_rollout_tokens, lambda: w.policy_version, between_chunks, w.tokenizer
+    )
 
 
 def apply_weights(w: RolloutWorker, receiver: bridge.WeightReceiver, version: int) -> dict[str, float]:
