@@ -273,6 +273,8 @@ def test_qwen3_30b_a3b_slurm_table_is_the_planners():
     chosen = [g for line, g in table if line.endswith("<- chosen")]
     p = cfg.parallel
     assert [c[:5] for c in chosen] == [tuple(str(x) for x in (p.tp, p.pp, p.rollout_tp, 32 // (p.tp * p.pp), p.ep))]
+
+
 def test_disaggregated_plan_gives_each_role_its_own_memory_and_chooses_a_layout(capsys):
     """parallel.rollout_ranks R > 0: a training rank holds the colocated training state of the same TP/PP/DP without
     any engine; a rollout rank holds only its engine (util x GPU, never asleep) + the framework overhead; the engine
