@@ -101,6 +101,71 @@ def family_of(cfg: dict, where: str = "HF config") -> tuple[str, Family]:
     raise ValueError(f"{where}: model_type {mtype!r} is not supported (dense decoder-only: {supported})")
 
 
+@dataclass(frozen=True)
+class VLFamily:
+    """A vision-language architecture: an HF vision tower beside the language model of a text family, whose
+    rotary embedding is multimodal (M-RoPE: separate temporal / height / width position ids per frequency band)."""
+
+    kind: str
+    """Short name (``qwen2_5_vl`` / ``qwen3_vl``), the processor kind of ``families.vl_processor``."""
+    text_architecture: str
+    """The text family (a ``FAMILIES`` key) of the language model in ``text_config``."""
+    lm_prefix: str
+    """Prefix of the language model's tensors in the saved checkpoint, in place of the text family's ``model.``."""
+    vision_prefix: str
+    """Prefix of the vision tower's tensors in the saved checkpoint."""
+    interleaved_mrope: bool
+    """Frequency bands interleaved t,h,w,t,h,w,... (Qwen3-VL) instead of contiguous sections (Qwen2-VL / 2.5-VL)."""
+    deepstack: bool
+    """Features of early vision blocks are added to the hidden states at image positions after the first language
+    layers (Qwen3-VL's DeepStack)."""
+
+
+VL_FAMILIES: dict[str, VLFamily] = {
+    # transformers' save_pretrained writes Qwen2.5-VL's language model under Qwen2's own names
+    "Qwen2_5_VLForConditionalGeneration": VLFamily(
+        "qwen2_5_vl", "Qwen2ForCausalLM", "model.", "visual.", interleaved_mrope=False, deepstack=False
+    ),
+    "Qwen3VLForConditionalGeneration": VLFamily(
+        "qwen3_vl",
+        "Qwen3ForCausalLM",
+        "model.language_model.",
+        "model.visual.",
+        interleaved_mrope=True,
+        deepstack=True,
+    ),
+}
+"""The supported vision-language architectures, keyed by HF ``architectures[0]``."""
+
+
+def vl_family_of(cfg: dict) -> tuple[str, VLFamily] | None:
+    """(architecture, VLFamily) of a vision-language HF config dict; None for a text-only config."""
+    archs = cfg.get("architectures") or []
+    if archs and archs[0] in VL_FAMILIES:
+        return archs[0], VL_FAMILIES[archs[0]]
+    for arch, fam in VL_FAMILIES.items():
+        if not archs and cfg.get("model_type") == fam.kind:
+            return arch, fam
+    return None
+
+
+def vl_text_config(cfg: dict, where: str = "HF config") -> dict:
+    """The language model's config of a vision-language HF config dict as a text-family config (its
+    ``architectures`` set to the text family, ``tie_word_embeddings`` from the top level where transformers keeps
+    it). Raises ValueError for a text-only config or one without ``text_config``."""
+    found = vl_family_of(cfg)
+    if found is None:
+        raise ValueError(f"{where}: not a vision-language config (architectures={cfg.get('architectures')!r})")
+    arch, fam = found
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(f"{where}: {arch} needs a text_config section")
+    if not isinstance(cfg.get("vision_config"), dict):
+        raise ValueError(f"{where}: {arch} needs a vision_config section")
+    tie = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    return dict(text, architectures=[fam.text_architecture], tie_word_embeddings=bool(tie))
+
+
 def has_qkv_bias(cfg: dict, fam: Family) -> bool:
     """Whether q/k/v carry a bias in this config (a family default, a per-config field, or Llama's attention_bias)."""
     if fam.qkv_bias_field is not None:
