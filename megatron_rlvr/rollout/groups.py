@@ -63,8 +63,13 @@ def engine_info(rank: int, world_size: int, rollout_tp: int) -> EngineInfo:
     return EngineInfo(index=rank // rollout_tp, count=world_size // rollout_tp, leader=rank % rollout_tp == 0)
 
 
+IMAGE_PAD_TOKEN = "<|image_pad|>"
+"""Qwen-VL's image placeholder token: one per image in a prompt before expansion."""
+
+
 def tokenize_prompts(examples: list[Example], tokenizer, data_cfg, max_prompt_len: int):
-    """(kept examples, their prompt ids, number skipped as too long)."""
+    """(kept examples, their prompt ids, number skipped as too long). An example with images must tokenize to one
+    ``<|image_pad|>`` per image; ``max_prompt_len`` counts the unexpanded prompt."""
     from megatron_rlvr.data import render
 
     kept, ids, too_long = [], [], 0
@@ -73,6 +78,16 @@ def tokenize_prompts(examples: list[Example], tokenizer, data_cfg, max_prompt_le
         toks = tokenizer(text, add_special_tokens=False)["input_ids"]
         if not toks:
             toks = [tokenizer.eos_token_id]
+        if ex.images:
+            # one pad per image, unexpanded (the engine expands it); a template without image parts writes none
+            pad = tokenizer.convert_tokens_to_ids(IMAGE_PAD_TOKEN)
+            n_pads = sum(1 for t in toks if t == pad)
+            if n_pads != len(ex.images):
+                raise ValueError(
+                    f"example {ex.id}: its rendered prompt holds {n_pads} {IMAGE_PAD_TOKEN} tokens for "
+                    f"{len(ex.images)} images (data.template={data_cfg.template!r}: the chat template must write one "
+                    "per image part, as Qwen-VL's does; is model.name a vision-language model?)"
+                )
         if len(toks) > max_prompt_len:
             too_long += 1
             continue
