@@ -111,11 +111,18 @@ def model_args_for(source: ModelSource, model_cfg: ModelConfig, par: ParallelCon
     )
 
 
-def random_hf_state_dict(hf_config: dict, seed: int) -> dict[str, torch.Tensor]:
+TINY_VISION_STD = 0.08
+"""Init scale of a built-in tiny VL model's vision tower (its norms: 1 + N(0, 0.2^2)). At transformers' 0.02 the
+tower's features of different images differ so little that the 2-layer language model needs hundreds of supervised
+steps before its answer depends on the image at all (tens at 0.08); RL from scratch never gets there."""
+
+
+def random_hf_state_dict(hf_config: dict, seed: int, vision_std: float | None = None) -> dict[str, torch.Tensor]:
     """A randomly initialised HF state dict (transformers' own init for the architecture) that depends only on
     (config, seed): loading it through the weight mapping gives the same model at EVERY parallel layout (megatron's
     own init draws per-rank tensors whose values depend on TP/PP and the padded vocabulary). Materialises the full
-    model on each rank: meant for small from-scratch models such as ``tiny``."""
+    model on each rank: meant for small from-scratch models such as ``tiny``. ``vision_std``: a vision-language
+    model's tower drawn from N(0, vision_std^2) instead (see TINY_VISION_STD), with the same seed."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     from megatron_rlvr.families.table import vl_family_of, vl_saved_name
@@ -129,6 +136,16 @@ def random_hf_state_dict(hf_config: dict, seed: int) -> dict[str, torch.Tensor]:
         hf = auto.from_config(hf_config_object(hf_config), dtype=torch.float32)
     finally:
         torch.random.set_rng_state(state)
+    if vl is not None and vision_std is not None:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in hf.named_parameters():
+                norm = "norm" in name or "ln_q" in name
+                p.copy_(
+                    1.0 + 0.2 * torch.randn(p.shape, generator=g)
+                    if norm
+                    else vision_std * torch.randn(p.shape, generator=g)
+                )
     rename = (lambda k: k) if vl is None else (lambda k: vl_saved_name(vl[1], k))
     return {rename(k): v.detach().clone() for k, v in hf.state_dict().items()}
 
@@ -145,7 +162,9 @@ def build_model(args, source: ModelSource, seed: int, pg, *, trainable: bool = T
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     model = build_gpt_model(args, pg_collection=pg)
-    weights = source.weights_dir if source.weights_dir is not None else random_hf_state_dict(source.hf_config, seed)
+    weights = source.weights_dir
+    if weights is None:
+        weights = random_hf_state_dict(source.hf_config, seed, vision_std=TINY_VISION_STD if source.is_tiny else None)
     load_hf_weights(unwrap(model), args, weights, pg_collection=pg)
     if lora is not None and trainable:
         from megatron_rlvr.models.lora import attach_lora
