@@ -150,6 +150,15 @@ def vl_family_of(cfg: dict) -> tuple[str, VLFamily] | None:
     return None
 
 
+def vl_saved_name(fam: VLFamily, name: str) -> str:
+    """transformers' in-memory parameter name of a VL model (``model.language_model.*``, ``model.visual.*``) -> the
+    name its ``save_pretrained`` writes (and the weight stream sends)."""
+    for memory, saved in (("model.language_model.", fam.lm_prefix), ("model.visual.", fam.vision_prefix)):
+        if name.startswith(memory):
+            return saved + name[len(memory) :]
+    return name
+
+
 def vl_text_config(cfg: dict, where: str = "HF config") -> dict:
     """The language model's config of a vision-language HF config dict as a text-family config (its
     ``architectures`` set to the text family, ``tie_word_embeddings`` from the top level where transformers keeps

@@ -47,14 +47,43 @@ def resolve_model_source(cfg: ModelConfig) -> ModelSource:
     return ModelSource(load_hf_config(cfg.hf_config), None, cfg.tokenizer, False)
 
 
+def vl_kind(source: ModelSource) -> str | None:
+    """``qwen2_5_vl`` / ``qwen3_vl`` for a vision-language policy, None for a text-only one."""
+    from megatron_rlvr.families.table import vl_family_of
+
+    found = vl_family_of(source.hf_config)
+    return None if found is None else found[1].kind
+
+
 def load_tokenizer(source: ModelSource):
     if source.tokenizer_dir is None:
+        if vl_kind(source) is not None:
+            from megatron_rlvr.families.tiny_vl import tiny_vl_tokenizer
+
+            return tiny_vl_tokenizer()
         from megatron_rlvr.families.tiny import tiny_tokenizer
 
         return tiny_tokenizer()
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(source.tokenizer_dir)
+
+
+def load_image_processor(source: ModelSource):
+    """The image processor of a vision-language policy (the model folder's, else the tiny models' built-in one);
+    None for a text-only policy. It turns an example's images into the tower's ``pixel_values`` and patch grids, for
+    the trainer and the transformers engine alike."""
+    kind = vl_kind(source)
+    if kind is None:
+        return None
+    folder = source.weights_dir or source.tokenizer_dir
+    if folder is None:
+        from megatron_rlvr.families.tiny_vl import tiny_image_processor
+
+        return tiny_image_processor(kind)
+    from megatron_rlvr.families.vl_processor import load_vl_processor
+
+    return load_vl_processor(folder, kind).image_processor
 
 
 def model_args_for(source: ModelSource, model_cfg: ModelConfig, par: ParallelConfig, train: TrainConfig):
@@ -87,17 +116,21 @@ def random_hf_state_dict(hf_config: dict, seed: int) -> dict[str, torch.Tensor]:
     (config, seed): loading it through the weight mapping gives the same model at EVERY parallel layout (megatron's
     own init draws per-rank tensors whose values depend on TP/PP and the padded vocabulary). Materialises the full
     model on each rank: meant for small from-scratch models such as ``tiny``."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    from megatron_rlvr.families.table import vl_family_of, vl_saved_name
     from megatron_rlvr.models.hf_config import hf_config_object
 
+    vl = vl_family_of(hf_config)
+    auto = AutoModelForCausalLM if vl is None else AutoModelForImageTextToText
     state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
-        hf = AutoModelForCausalLM.from_config(hf_config_object(hf_config), dtype=torch.float32)
+        hf = auto.from_config(hf_config_object(hf_config), dtype=torch.float32)
     finally:
         torch.random.set_rng_state(state)
-    return {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    rename = (lambda k: k) if vl is None else (lambda k: vl_saved_name(vl[1], k))
+    return {rename(k): v.detach().clone() for k, v in hf.state_dict().items()}
 
 
 def build_model(args, source: ModelSource, seed: int, pg, *, trainable: bool = True, lora=None):

@@ -132,12 +132,16 @@ def generate_groups(
         # (its ranks run the same steps together); only the group's leader keeps and scores the outputs.
         t0 = time.perf_counter()
         p = SamplingParams(**{**params.__dict__, "seed": round_seed(seed, step, round_idx)})
-        outputs = engine.generate([prompt_ids[i] for i in share], p, prompt_keys=share)
+        # vision-language prompts: the examples' images (the engine returns the prompts expanded, one token per
+        # merged patch, which the trainer trains on)
+        images = [examples[i].images for i in share] if any(examples[i].images for i in share) else None
+        kw = {} if images is None else {"images": images}
+        outputs = engine.generate([prompt_ids[i] for i in share], p, prompt_keys=share, **kw)
         stats["time/generate_s"] = time.perf_counter() - t0
     if info.leader and len(share) > 0:
         texts, gts, metas, item_ids = [], [], [], []
         for i, out in zip(share, outputs):
-            g = Group(example=examples[i], prompt_ids=prompt_ids[i])
+            g = Group(example=examples[i], prompt_ids=list(out.prompt_token_ids) if images else prompt_ids[i])
             for c in out.completions:
                 text = c.text if c.text is not None else tokenizer.decode(c.token_ids, skip_special_tokens=True)
                 g.response_ids.append(list(c.token_ids))

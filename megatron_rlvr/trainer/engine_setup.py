@@ -8,6 +8,7 @@ import os
 
 import torch
 
+from megatron_rlvr.megatron.policy import load_image_processor
 from megatron_rlvr.models.hf_config import hf_config_object
 from megatron_rlvr.rollout.lora_sync import adapter_engine_kwargs
 
@@ -62,6 +63,7 @@ def _hf_engine(cfg, source, tokenizer, dist_info):
         dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype],
         config=HFEngineConfig(max_batch_rows=cfg.rollout.max_batch_rows, device=str(dist_info.device)),
         eos_token_ids=_eos_ids(source, tokenizer),
+        image_processor=load_image_processor(source),
     )
 
 
