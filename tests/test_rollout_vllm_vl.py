@@ -41,8 +41,11 @@ def _image(side=32, colour="red"):
 def test_validate_images_one_pad_per_image():
     a, b = _image(), _image(48)
     prompts = [[1, PAD, 2], [1, PAD, PAD, 3], [4, 5]]
-    assert validate_images(None, prompts, PAD) is None
-    assert validate_images([[], [], []], prompts, PAD) is None  # no image anywhere: a text batch
+    text = [[1, 2], [3], [4, 5]]
+    assert validate_images(None, text, PAD) is None and validate_images(None, prompts, None) is None
+    assert validate_images([[], [], []], text, PAD) is None  # no image anywhere: a text batch
+    with pytest.raises(ValueError, match=r"prompt 0 holds 1 image tokens \(id 7\) for 0 images \(an image placeholder"):
+        validate_images(None, prompts, PAD)  # a placeholder without its image
     assert validate_images([[a], [a, b], []], prompts, PAD) == [[a], [a, b], []]
     with pytest.raises(ValueError, match="images has 2 entries for 3 prompts"):
         validate_images([[a], [a, b]], prompts, PAD)
