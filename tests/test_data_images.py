@@ -17,7 +17,7 @@ from megatron_rlvr.data import DataConfig, Example, MalformedRowError, load_exam
 from megatron_rlvr.data.images import load_image
 from megatron_rlvr.data.templates import IMAGE_PLACEHOLDER, prompt_messages
 from megatron_rlvr.families.tiny_vl import tiny_vl_tokenizer
-from megatron_rlvr.rollout.groups import tokenize_prompts
+from megatron_rlvr.rollout.groups import image_tokens, tokenize_prompts
 
 
 def _picture(seed: int, size=(40, 30)) -> Image.Image:
@@ -181,3 +181,11 @@ def test_processor_expands_the_rendered_pads(kind):
     expected = [int(g.prod()) // merge for g in out["image_grid_thw"]]
     pad = tok.convert_tokens_to_ids("<|image_pad|>")
     assert int((out["input_ids"][0] == pad).sum()) == sum(expected) and len(expected) == 2
+    # tokenize_prompts with the image processor measures the expanded prompt against max_prompt_len
+    assert [image_tokens(im, proc.image_processor) for im in ex.images] == expected
+    full = out["input_ids"].shape[1]
+    cfg = DataConfig(template="chat", prompt_template="{problem}")
+    _, ids, too_long = tokenize_prompts([ex], tok, cfg, full, proc.image_processor)
+    assert too_long == 0 and len(ids[0]) == full - sum(expected) + 2  # one pad per image in the ids
+    assert tokenize_prompts([ex], tok, cfg, full - 1, proc.image_processor)[2] == 1
+    assert tokenize_prompts([ex], tok, cfg, full - 1)[2] == 0  # without it only the unexpanded ids count

@@ -6,7 +6,8 @@
    (vLLM changes process-wide state): an engine started from dummy weights gets the checkpoint's tensors streamed
    under the names ``save_pretrained`` writes (tower included); three requests (one image; two images of different
    sizes; a non-square image) give the prompt ids transformers' processor expands to, and log-probs equal to
-   transformers' forward with pixel values (fp32, ~1e-6); then two weight updates (every tensor changed, vision
+   transformers' forward with pixel values (fp32, ~1e-6), also for an engine started from a config dict and the
+   processor object (the trainer's way for built-in models); then two weight updates (every tensor changed, vision
    tower included) with the SAME images: log-probs follow the new weights each time. Controls in the same rank show
    each fix is needed, each with the fix switched off: without the input-normalisation restore the first sync is
    wrong (~2.6), without the encoder-cache reset the repeated images keep the old tower's embeddings after an update.
@@ -15,6 +16,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 
@@ -39,8 +41,11 @@ def _image(side=32, colour="red"):
 def test_validate_images_one_pad_per_image():
     a, b = _image(), _image(48)
     prompts = [[1, PAD, 2], [1, PAD, PAD, 3], [4, 5]]
-    assert validate_images(None, prompts, PAD) is None
-    assert validate_images([[], [], []], prompts, PAD) is None  # no image anywhere: a text batch
+    text = [[1, 2], [3], [4, 5]]
+    assert validate_images(None, text, PAD) is None and validate_images(None, prompts, None) is None
+    assert validate_images([[], [], []], text, PAD) is None  # no image anywhere: a text batch
+    with pytest.raises(ValueError, match=r"prompt 0 holds 1 image tokens \(id 7\) for 0 images \(an image placeholder"):
+        validate_images(None, prompts, PAD)  # a placeholder without its image
     assert validate_images([[a], [a, b], []], prompts, PAD) == [[a], [a, b], []]
     with pytest.raises(ValueError, match="images has 2 entries for 3 prompts"):
         validate_images([[a], [a, b]], prompts, PAD)
@@ -191,6 +196,16 @@ def _vl_engine_checks(kind: str, root: str) -> dict:
     finally:
         eng.close()
 
+    # a config dict and the processor object instead of the folder (how the trainer starts it for a built-in model)
+    with open(os.path.join(folder, "config.json")) as f:
+        config_dict = json.load(f)
+    eng = VLLMRolloutEngine(config_dict, config=cfg, processor=proc)
+    try:
+        eng.update_weights(list(states[0].items()))
+        res["dict_err"] = _hf_logprob_err(folder, proc, reqs, eng.generate(prompts, params, images=images))[0]
+    finally:
+        eng.close()
+
     # controls: each fix switched off
     real_restore = vllm_platform.restore_mm_input_norm
     vllm_platform.restore_mm_input_norm = lambda model, model_config: 0
@@ -225,6 +240,7 @@ def test_vllm_vl_matches_transformers_across_updates(vllm_pool, tmp_path, kind):
     assert first < 1e-4, f"first sync of a dummy-started engine: max |dlogprob| {first:.2e}"
     assert max(updates) < 1e-4, f"after two updates with repeated images: {updates}"
     assert res["text_only"] == 1
+    assert res["dict_err"] < 1e-4, res["dict_err"]
     # the controls: without each fix the same comparison fails
     assert res["no_restore_err"] > 1e-2, res["no_restore_err"]
     assert res["no_reset_err"] > 1e-2, res["no_reset_err"]

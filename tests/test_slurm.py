@@ -179,6 +179,10 @@ def test_container_flags_and_other_scripts_render():
     assert "--container-image=/images/rlvr.sqsh" in srun
     assert f"--container-mounts={REPO}:{REPO}" in srun and f"--container-workdir={REPO}" in srun
     assert srun[-3:] == ["megatron-rlvr", "train", "configs/dapo_7b.yaml"]
+    out = dry_run("slurm/cpgd_vl_7b.sh", alloc)
+    assert out["SRUN"].split()[-3:] == ["megatron-rlvr", "train", "configs/cpgd_qwen2_5_vl_7b.yaml"]
+    d = sbatch_directives(REPO / "slurm" / "cpgd_vl_7b.sh")
+    assert (d["nodes"], d["ntasks-per-node"], d["gpus-per-node"]) == ("2", "8", "8") and d["signal"] == "USR1@180"
     out = dry_run("slurm/tiny_cpu.sh", {**alloc, "SLURM_JOB_NUM_NODES": "1", "SLURM_NTASKS": "2"})
     assert out["SRUN"].split()[-3:] == ["megatron-rlvr", "train", "configs/tiny.yaml"]
     d = sbatch_directives(REPO / "slurm" / "tiny_cpu.sh")

@@ -141,28 +141,32 @@ def validate_prompts(prompts: Sequence[Sequence[int]], vocab_size: int | None = 
 
 def validate_images(images, prompts: Sequence[Sequence[int]], image_token_id: int | None) -> list[list] | None:
     """Check ``images`` (None, or one list of PIL images per prompt) against the prompts: each prompt must hold
-    exactly one ``image_token_id`` per image (unexpanded, as the chat template writes it). Returns the lists, or
-    None when no prompt has an image."""
+    exactly one ``image_token_id`` per image (unexpanded, as the chat template writes it), so a prompt with an image
+    token but no image is refused too (the model would embed a placeholder). Returns the lists, or None when no
+    prompt has an image."""
     if images is None:
-        return None
-    images = [list(ims) for ims in images]
-    if len(images) != len(prompts):
-        raise ValueError(f"images has {len(images)} entries for {len(prompts)} prompts (one list per prompt)")
-    if not any(images):
-        return None
+        images = [[] for _ in prompts]
+    else:
+        images = [list(ims) for ims in images]
+        if len(images) != len(prompts):
+            raise ValueError(f"images has {len(images)} entries for {len(prompts)} prompts (one list per prompt)")
     if image_token_id is None:
-        raise ValueError("images were given, but this model has no image token (image_token_id): not a VL model")
+        if any(images):
+            raise ValueError("images were given, but this model has no image token (image_token_id): not a VL model")
+        return None
     for i, (ids, ims) in enumerate(zip(prompts, images)):
         for j, im in enumerate(ims):
             if not (hasattr(im, "mode") and hasattr(im, "size")):
                 raise ValueError(f"images[{i}][{j}] is a {type(im).__name__}, not a PIL image")
         pads = sum(1 for t in ids if t == image_token_id)
         if pads != len(ims):
-            hint = (
-                " (already expanded? pass one pad per image, as the chat template writes it)" if pads > len(ims) else ""
-            )
+            hint = ""
+            if not ims:
+                hint = " (an image placeholder without its image: pass the prompt's images)"
+            elif pads > len(ims):
+                hint = " (already expanded? pass one pad per image, as the chat template writes it)"
             raise ValueError(f"prompt {i} holds {pads} image tokens (id {image_token_id}) for {len(ims)} images{hint}")
-    return images
+    return images if any(images) else None
 
 
 def prompt_keys_or_default(prompt_keys, n_prompts: int) -> list[int]:

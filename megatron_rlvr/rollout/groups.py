@@ -67,9 +67,17 @@ IMAGE_PAD_TOKEN = "<|image_pad|>"
 """Qwen-VL's image placeholder token: one per image in a prompt before expansion."""
 
 
-def tokenize_prompts(examples: list[Example], tokenizer, data_cfg, max_prompt_len: int):
+def image_tokens(image, image_processor) -> int:
+    """Language tokens one image becomes (its pad's expansion): the processor's patch count after its resize, over
+    ``merge_size``^2 (the count vLLM and the processor use)."""
+    patches = image_processor.get_number_of_image_patches(image.height, image.width)
+    return patches // image_processor.merge_size**2
+
+
+def tokenize_prompts(examples: list[Example], tokenizer, data_cfg, max_prompt_len: int, image_processor=None):
     """(kept examples, their prompt ids, number skipped as too long). An example with images must tokenize to one
-    ``<|image_pad|>`` per image; ``max_prompt_len`` counts the unexpanded prompt."""
+    ``<|image_pad|>`` per image; with ``image_processor`` ``max_prompt_len`` counts the EXPANDED prompt (each pad as
+    its image's tokens: what the engine must hold), else the ids as tokenized."""
     from megatron_rlvr.data import render
 
     kept, ids, too_long = [], [], 0
@@ -88,7 +96,10 @@ def tokenize_prompts(examples: list[Example], tokenizer, data_cfg, max_prompt_le
                     f"{len(ex.images)} images (data.template={data_cfg.template!r}: the chat template must write one "
                     "per image part, as Qwen-VL's does; is model.name a vision-language model?)"
                 )
-        if len(toks) > max_prompt_len:
+        length = len(toks)
+        if ex.images and image_processor is not None:
+            length += sum(image_tokens(im, image_processor) - 1 for im in ex.images)
+        if length > max_prompt_len:
             too_long += 1
             continue
         kept.append(ex)

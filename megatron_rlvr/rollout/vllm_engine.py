@@ -188,11 +188,13 @@ def _config_dict(hf_config) -> dict:
 
 
 def _write_model_dir(
-    hf_config, eos_token_ids: Sequence[int] | None = None
+    hf_config, eos_token_ids: Sequence[int] | None = None, processor=None
 ) -> tuple[str, tempfile.TemporaryDirectory | None]:
     """vLLM needs a model folder with config.json; weights are not read (load_format='dummy').
 
-    ``generation_config.json`` carries the EOS ids vLLM stops at (``eos_token_ids``, else the config's)."""
+    ``generation_config.json`` carries the EOS ids vLLM stops at (``eos_token_ids``, else the config's). A
+    vision-language model's ``processor`` (tokenizer, image processor, chat template) is saved beside them: vLLM
+    builds its multimodal processing from the folder."""
     if isinstance(hf_config, (str, os.PathLike)) and os.path.isdir(hf_config):
         return os.fspath(hf_config), None
     cfg = _config_dict(hf_config)
@@ -206,6 +208,8 @@ def _write_model_dir(
         gen["eos_token_id"] = [int(t) for t in eos_token_ids]
     with open(os.path.join(tmp.name, "generation_config.json"), "w") as f:
         json.dump(gen, f)
+    if processor is not None:
+        processor.save_pretrained(tmp.name)
     return tmp.name, tmp
 
 
@@ -294,10 +298,12 @@ def _cpu_shm_files() -> set[str]:
 class VLLMRolloutEngine(RolloutEngine):
     """The RolloutEngine interface on vLLM (see the module docstring for the vLLM APIs used).
 
-    ``hf_config``: HF config (PretrainedConfig, dict, or a model folder; a vision-language model needs its folder).
-    ``tokenizer``: a tokenizer folder/name for stop strings and text (None: token ids only, stop strings refused; a
-    VL model always uses its folder's tokenizer, which vLLM's multi-modal processing needs). ``eos_token_ids``: the
-    ids that end a sample (None: the config's ``eos_token_id``).
+    ``hf_config``: HF config (PretrainedConfig, dict, or a model folder). ``tokenizer``: a tokenizer folder/name for
+    stop strings and text (None: token ids only, stop strings refused). ``eos_token_ids``: the ids that end a sample
+    (None: the config's ``eos_token_id``). A vision-language model needs its processor: the model folder's (its
+    ``preprocessor_config.json`` and tokenizer), or ``processor`` (a Qwen-VL processor object, saved into the
+    engine's model folder) with a config; its tokenizer is then the folder's, which vLLM's multimodal processing
+    needs.
     """
 
     def __init__(
@@ -307,6 +313,7 @@ class VLLMRolloutEngine(RolloutEngine):
         *,
         config: VLLMEngineConfig | None = None,
         eos_token_ids: Sequence[int] | None = None,
+        processor=None,
     ):
 
         self.config = cfg = config or VLLMEngineConfig()
@@ -332,12 +339,12 @@ class VLLMRolloutEngine(RolloutEngine):
         self.image_token_id = cfg_dict.get("image_token_id") if self.vl_kind else None
         kwargs = dict(cfg.extra_llm_kwargs)
         if self.vl_kind is not None:
-            if not (isinstance(hf_config, (str, os.PathLike)) and os.path.isdir(hf_config)):
+            folder = isinstance(hf_config, (str, os.PathLike)) and os.path.isdir(hf_config)
+            if not folder and processor is None:
                 raise ValueError(
-                    f"{arch} is a vision-language model: VLLMRolloutEngine needs its HF folder as hf_config (vLLM "
-                    "builds the image processor from its preprocessor_config.json), not a config object"
+                    f"{arch} is a vision-language model: VLLMRolloutEngine needs its HF folder as hf_config or its "
+                    "processor (processor=...): vLLM builds the multimodal processing from them"
                 )
-            tokenizer = tokenizer or os.fspath(hf_config)
             vllm_platform.install_vl_shims(self.vl_kind)
             kwargs.setdefault("limit_mm_per_prompt", {"image": cfg.max_images_per_prompt})
         # a VL config keeps the language model's sizes in text_config
@@ -356,7 +363,9 @@ class VLLMRolloutEngine(RolloutEngine):
         if self.platform.whole_prefill_budget and max_len:  # vllm_platform: no split prefill of seeded requests
             kwargs.setdefault("max_num_batched_tokens", max(4096, cfg.max_num_seqs * max_len))
         self._shm_before = _cpu_shm_files()
-        self._model_dir, self._tmp = _write_model_dir(hf_config, eos_token_ids)
+        self._model_dir, self._tmp = _write_model_dir(hf_config, eos_token_ids, processor if self.vl_kind else None)
+        if self.vl_kind is not None:
+            tokenizer = self._model_dir  # the processor's tokenizer, saved with it
         self.tokenizer = tokenizer
         eos = text_cfg.get("eos_token_id") if eos_token_ids is None else eos_token_ids
         self.eos_token_ids = tuple(

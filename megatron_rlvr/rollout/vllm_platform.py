@@ -187,9 +187,21 @@ def install_vl_shims(kind: str) -> bool:
         # Qwen3-VL's override adds video keys to a dict that has none without a video processor
         parent = info_cls.__mro__[1]
         info_cls.get_supported_mm_processor_kwargs = lambda self: parent.get_supported_mm_processor_kwargs(self)
+        # its dummy inputs (the start-up warm-up of the multimodal processing) always size a dummy video through
+        # the video processor: images only here
+        module.Qwen3VLDummyInputsBuilder.get_dummy_mm_data = _image_only_dummy_data
     ModelRegistry.register_model(arch, model_cls)
     _SHIMMED.add(kind)
     return True
+
+
+def _image_only_dummy_data(self, seq_len, mm_counts, mm_options):
+    """Dummy multimodal data of the largest image, ``mm_counts["image"]`` times, and no video."""
+    width, height = self.info.get_image_size_with_most_features()
+    images = self._get_dummy_images(
+        width=width, height=height, num_images=mm_counts.get("image", 0), overrides=mm_options.get("image")
+    )
+    return {"image": images}
 
 
 @torch.no_grad()

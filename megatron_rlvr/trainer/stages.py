@@ -49,7 +49,9 @@ def rollout(t: Trainer, step: int) -> RolloutBatch:
     rewards = None
     for round_idx in range(cfg.train.dynamic_sampling_max_rounds if dynamic else 1):
         examples = t.loader.next_batch(need)
-        examples, ids, too_long = tokenize_prompts(examples, t.tokenizer, cfg.data, cfg.rollout.max_prompt_len)
+        examples, ids, too_long = tokenize_prompts(
+            examples, t.tokenizer, cfg.data, cfg.rollout.max_prompt_len, t.image_processor
+        )
         m["data/prompts_too_long"] += too_long
         new, stats = generate_groups(
             t.engine,
