@@ -48,12 +48,14 @@ def test_tiny_vl_learns_to_count(dist_pool, tmp_path):
 @pytest.mark.slow
 def test_vl_presets_run_two_steps(dist_pool, tmp_path):
     """CPGD (policy drift), MCPO (mastered prompts, hinge KL) and GRPO on Qwen2.5-VL and Qwen3-VL (interleaved
-    M-RoPE, DeepStack), packed rows for one of them: finite losses, a gradient, each algorithm's own metrics."""
+    M-RoPE, DeepStack), packed rows for one of them: finite losses, a gradient, each algorithm's own metrics; the
+    vision tower trains with the language model, and stays at its start weights with model.freeze_vision."""
     runs = {
         "cpgd": ["algorithm.preset=cpgd"],
         "mcpo": ["algorithm.preset=mcpo"],
         "grpo": ["algorithm.preset=grpo"],
         "grpo_qwen3_vl": ["algorithm.preset=grpo", "model.name=tiny_vl3", "train.pack_sequences=true"],
+        "frozen": ["algorithm.preset=grpo", "model.freeze_vision=true"],
     }
     overrides = [
         *trainer_helpers.QUIET,
@@ -63,6 +65,7 @@ def test_vl_presets_run_two_steps(dist_pool, tmp_path):
         "rollout.n=4",
         "launch.nproc=4",
     ]
+    runs = {k: [*v, "checkpoint.export_hf=true"] if k in ("grpo", "frozen") else v for k, v in runs.items()}
     codes = dist_pool.run(_train, tp=2, args=(str(tmp_path), runs, overrides), timeout=600)[0]
     assert codes == {n: 0 for n in runs}
     for name in runs:
@@ -76,6 +79,34 @@ def test_vl_presets_run_two_steps(dist_pool, tmp_path):
                 assert r["optim/grad_norm"] > 0, name
     assert any("drift/kl" in r for r in _records(tmp_path / "cpgd"))
     assert any("mcpo/hinge_kl" in r for r in _records(tmp_path / "mcpo"))
+    # the exported policies against the start weights: the tower trains, and stays put with model.freeze_vision
+    from safetensors.torch import load_file
+
+    from megatron_rlvr.families.tiny import tiny_hf_config
+    from megatron_rlvr.megatron.policy import TINY_VISION_STD, random_hf_state_dict
+
+    start = random_hf_state_dict(tiny_hf_config(name="tiny_vl"), 1234, vision_std=TINY_VISION_STD)
+    moved = {}
+    for name in ("grpo", "frozen"):
+        end = load_file(str(tmp_path / name / "hf" / "model.safetensors"))
+        assert sorted(end) == sorted(start), name
+        moved[name] = {
+            part: sum(not torch.equal(end[k], start[k]) for k in start if k.startswith("visual.") == (part == "tower"))
+            for part in ("tower", "lm")
+        }
+    assert moved["grpo"]["tower"] > 0 and moved["grpo"]["lm"] > 0, moved
+    assert moved["frozen"]["tower"] == 0 and moved["frozen"]["lm"] > 0, moved
+
+
+def test_vl_config_refuses_pipeline_parallel_and_freeze_without_tower():
+    from megatron_rlvr.config import load_run_config
+    from megatron_rlvr.config.run import ConfigError, check_layout
+
+    with pytest.raises(ConfigError, match="vision-language policies .* parallel.pp=1"):
+        check_layout(load_run_config(CONFIG, ["parallel.pp=2", "parallel.tp=1"]), 2)
+    with pytest.raises(ConfigError, match="model.freeze_vision=true needs a vision-language model"):
+        check_layout(load_run_config(CONFIG, ["model.name=tiny", "model.freeze_vision=true"]), 2)
+    check_layout(load_run_config(CONFIG, ["model.freeze_vision=true"]), 2)
 
 
 def _vision(n_images, seed):

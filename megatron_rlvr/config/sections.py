@@ -59,6 +59,9 @@ class ModelConfig:
     """Training parameter dtype: ``float32`` or ``bfloat16`` (the engine uses the same)."""
     lora: LoRAConfig | None = None
     """Train low-rank adapters on the frozen model instead of every weight (models/lora.py); None: full fine-tuning."""
+    freeze_vision: bool = False
+    """Vision-language policies: keep the vision tower at its start weights (only the language model trains; the
+    tower still reaches the engines). False: the tower trains too, its gradients reduced over data parallel."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -66,6 +69,8 @@ class ModelConfig:
         sources = [k for k in ("hf_path", "hf_config", "gguf") if getattr(self, k)]
         if len(sources) > 1:
             raise ValueError(f"model: give at most one of hf_path, hf_config, gguf (got {sources})")
+        if not isinstance(self.freeze_vision, bool):
+            raise ValueError(f"model.freeze_vision must be true or false, got {self.freeze_vision!r}")
         if self.hf_config and not self.tokenizer:
             raise ValueError("model.hf_config (random init) needs model.tokenizer (a tokenizer folder)")
 

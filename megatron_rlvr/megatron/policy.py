@@ -150,10 +150,13 @@ def random_hf_state_dict(hf_config: dict, seed: int, vision_std: float | None = 
     return {rename(k): v.detach().clone() for k, v in hf.state_dict().items()}
 
 
-def build_model(args, source: ModelSource, seed: int, pg, *, trainable: bool = True, lora=None):
+def build_model(
+    args, source: ModelSource, seed: int, pg, *, trainable: bool = True, lora=None, freeze_vision: bool = False
+):
     """This rank's GPTModel (Float16Module-wrapped for bf16) with the start weights: the HF folder's, or a random
     init that depends only on (config, seed), identical at every layout (:func:`random_hf_state_dict`). ``lora``
-    (a LoRAConfig): freeze the weights and add adapters (megatron_rlvr.models.lora)."""
+    (a LoRAConfig): freeze the weights and add adapters (megatron_rlvr.models.lora). ``freeze_vision``: a
+    vision-language model's tower gets no gradient (megatron's DDP and optimizer then leave it out)."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megatron_rlvr.models.build import build_gpt_model, unwrap
@@ -166,6 +169,14 @@ def build_model(args, source: ModelSource, seed: int, pg, *, trainable: bool = T
     if weights is None:
         weights = random_hf_state_dict(source.hf_config, seed, vision_std=TINY_VISION_STD if source.is_tiny else None)
     load_hf_weights(unwrap(model), args, weights, pg_collection=pg)
+    if freeze_vision:
+        from megatron_rlvr.models.mapping import VISION_MODULE
+
+        tower = getattr(unwrap(model), VISION_MODULE, None)
+        if tower is None and args.vision is None:
+            raise ValueError("freeze_vision: the model has no vision tower (not a vision-language model)")
+        for p in tower.parameters() if tower is not None else ():  # no tower on later pipeline stages
+            p.requires_grad_(False)
     if lora is not None and trainable:
         from megatron_rlvr.models.lora import attach_lora
 

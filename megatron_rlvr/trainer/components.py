@@ -152,7 +152,8 @@ def setup(cfg: RunConfig, run_dir: str | None, lock: RunLock | None = None, with
     tokenizer = load_tokenizer(source)
     image_processor = load_image_processor(source)
     args = model_args_for(source, cfg.model, par, cfg.train)
-    model = wrap_ddp(build_model(args, source, cfg.train.seed, d.pg, lora=cfg.model.lora), par.distributed_optimizer)
+    model = build_model(args, source, cfg.train.seed, d.pg, lora=cfg.model.lora, freeze_vision=cfg.model.freeze_vision)
+    model = wrap_ddp(model, par.distributed_optimizer)
     optimizer, scheduler = build_optimizer(model, cfg.optimizer, cfg.schedule, par, cfg.model.dtype)
     ref_model = None
     if cfg.keeps_ref_model and cfg.model.lora is not None:  # the base model is the policy with adapters off
