@@ -145,7 +145,8 @@ def generate_groups(
         p = SamplingParams(**{**params.__dict__, "seed": round_seed(seed, step, round_idx)})
         # vision-language prompts: the examples' images (the engine returns the prompts expanded, one token per
         # merged patch, which the trainer trains on)
-        images = [examples[i].images for i in share] if any(examples[i].images for i in share) else None
+        images = [getattr(examples[i], "images", None) or [] for i in share]
+        images = images if any(images) else None
         kw = {} if images is None else {"images": images}
         outputs = engine.generate([prompt_ids[i] for i in share], p, prompt_keys=share, **kw)
         stats["time/generate_s"] = time.perf_counter() - t0
