@@ -95,3 +95,36 @@ def test_vllm_and_transformers_engines_agree(tiny_hf, tmp_path, capsys):
     out = capsys.readouterr()
     assert "engine vllm" in out.out and "digits  " in out.out and "pass@2" in out.out  # the table
     assert "digits: 20/20 problems" in out.err and "vLLM, rollout TP 1" in out.err  # progress, engine
+
+
+def test_evaluation_passes_each_prompts_images():
+    """Vision-language benchmarks: every prompt goes to the engine with its own images (one pad each), chunked or
+    not; the engine's answer here is the image count it was given, so every item is right exactly when the images
+    arrived with their prompt."""
+    from megatron_rlvr.data import DataConfig, ProceduralConfig, generate_examples
+    from megatron_rlvr.eval.benchmarks import evaluate_examples
+    from megatron_rlvr.families.tiny_vl import tiny_vl_tokenizer
+    from megatron_rlvr.rollout.engine import Completion, RolloutOutput, validate_images
+
+    tok = tiny_vl_tokenizer()
+    pad = tok.convert_tokens_to_ids("<|image_pad|>")
+    examples = generate_examples(ProceduralConfig(task="visual_count", num_examples=6, style="terse"))
+    for i, ex in enumerate(examples):  # 1, 2 or 3 images; the answer is that count
+        ex.images = ex.images * (1 + i % 3)
+        ex.prompt = "<image>" * len(ex.images) + ex.prompt
+        ex.answer = str(len(ex.images))
+
+    class CountingEngine:
+        def generate(self, prompts, params, prompt_keys=None, images=None):
+            images = validate_images(images, prompts, pad)  # one list per prompt, one pad per image
+            return [
+                RolloutOutput(list(p), [Completion([5], [-0.1], "stop", text=str(len(ims)))] * params.n)
+                for p, ims in zip(prompts, images)
+            ]
+
+    scorer = SimpleNamespace(score=lambda texts, gts, metas: ([float(t == g) for t, g in zip(texts, gts)], {}))
+    data = DataConfig(template="plain", prompt_template="{problem}")
+    kw = dict(k=2, temperature=1.0, top_p=1.0, max_tokens=3, max_prompt_len=64, seed=1)
+    for chunk in (None, 4):
+        correct, _ = evaluate_examples(CountingEngine(), scorer, tok, data, examples, **kw, chunk_prompts=chunk)
+        assert correct == [[True, True]] * 6

@@ -236,16 +236,17 @@ def test_cli_fits_refuses_and_rejects(capsys, tmp_path):
 
 
 def test_configs_in_repo_fit_and_match_slurm_scripts():
-    for name, nodes, tp, rtp in (
-        ("mcpo_14b", 4, 4, 2),
-        ("dapo_7b", 2, 2, 1),
-        ("qwen3_30b_a3b", 4, 2, 4),
-        ("mcpo_14b_disagg", 3, 2, 1),
+    for name, script_name, nodes, tp, rtp in (
+        ("mcpo_14b", "mcpo_14b", 4, 4, 2),
+        ("dapo_7b", "dapo_7b", 2, 2, 1),
+        ("qwen3_30b_a3b", "qwen3_30b_a3b", 4, 2, 4),
+        ("mcpo_14b_disagg", "mcpo_14b_disagg", 3, 2, 1),
+        ("cpgd_qwen2_5_vl_7b", "cpgd_vl_7b", 2, 4, 1),
     ):
         cfg = load_plan_config(REPO / "configs" / f"{name}.yaml")
         assert (cfg.cluster.nodes, cfg.parallel.tp, cfg.parallel.rollout_tp) == (nodes, tp, rtp)
         assert estimate_memory(cfg).fits
-        script = (REPO / "slurm" / f"{name}.sh").read_text()
+        script = (REPO / "slurm" / f"{script_name}.sh").read_text()
         assert f"#SBATCH --nodes={nodes}\n" in script and f"configs/{name}.yaml" in script
 
 

@@ -189,6 +189,10 @@ def test_container_flags_and_other_scripts_render():
     srun = out["SRUN"].split()
     assert srun[-4:] == ["megatron-rlvr", "train", "configs/qwen3_30b_a3b.yaml", "train.routing_replay=r2"]
     assert "--nodes=4" in srun and "--ntasks=32" in srun and out["MASTER_ADDR"] == "n1"
+    out = dry_run("slurm/cpgd_vl_7b.sh", alloc)
+    assert out["SRUN"].split()[-3:] == ["megatron-rlvr", "train", "configs/cpgd_qwen2_5_vl_7b.yaml"]
+    d = sbatch_directives(REPO / "slurm" / "cpgd_vl_7b.sh")
+    assert (d["nodes"], d["ntasks-per-node"], d["gpus-per-node"]) == ("2", "8", "8") and d["signal"] == "USR1@180"
     out = dry_run("slurm/tiny_cpu.sh", {**alloc, "SLURM_JOB_NUM_NODES": "1", "SLURM_NTASKS": "2"})
     assert out["SRUN"].split()[-3:] == ["megatron-rlvr", "train", "configs/tiny.yaml"]
     d = sbatch_directives(REPO / "slurm" / "tiny_cpu.sh")

@@ -371,7 +371,7 @@ def test_tiny_tokenizer_is_character_level_and_round_trips(tmp_path):
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
 
-@pytest.mark.parametrize("name", ["dapo_7b", "mcpo_7b", "mcpo_14b", "smollm2_gsm8k"])
+@pytest.mark.parametrize("name", ["dapo_7b", "mcpo_7b", "mcpo_14b", "smollm2_gsm8k", "cpgd_qwen2_5_vl_7b"])
 def test_shipped_configs_validate(name):
     """Every key of the GPU / real-model presets is known and valid. The model, engine, lengths and files are
     swapped for the tiny model's (no GPU, no weights, no data on a CI machine); everything else is built as written."""
@@ -385,7 +385,9 @@ def test_shipped_configs_validate(name):
     raw["train"]["micro_batch_tokens"] = 64
     raw["parallel"].update(sequence_parallel=False, rollout_tp=1)
     cfg = build_run_config(raw)
-    if name != "smollm2_gsm8k":  # the papers' settings (lr 1e-6, constant schedule)
+    if name == "cpgd_qwen2_5_vl_7b":
+        assert cfg.algorithm.name == "cpgd" and cfg.optimizer.lr == 1e-6 and cfg.rollout.n == 8
+    elif name != "smollm2_gsm8k":  # the papers' settings (lr 1e-6, constant schedule)
         assert cfg.optimizer.lr == 1e-6 and cfg.schedule.lr_decay == "constant"
         assert (cfg.train.prompts_per_step, cfg.train.mini_batch_prompts, cfg.rollout.n) == (128, 64, 16)
         assert (cfg.algorithm.policy_loss.eps_low, cfg.algorithm.policy_loss.eps_high) == (0.2, 0.28)

@@ -49,6 +49,7 @@ from megatron_rlvr.config.sections import (
     TrainConfig,
 )
 from megatron_rlvr.data.data_config import DataConfig
+from megatron_rlvr.families.table import vl_family_of, vl_text_config
 from megatron_rlvr.rewards.reward_config import RewardConfig
 
 
@@ -167,6 +168,15 @@ def check_layout(cfg: RunConfig, world_size: int) -> None:
     hf = model_hf_config(cfg.model)
     if not hf:
         return
+    if vl_family_of(hf) is not None:  # the language model's shapes are in text_config
+        if par.pp > 1:
+            raise ConfigError(
+                f"parallel.pp={par.pp}: vision-language policies ({hf['architectures'][0]}) train with parallel.pp=1 "
+                "(the vision tower and the 3-D positions are not passed between pipeline stages); use parallel.tp"
+            )
+        hf = vl_text_config(hf)
+    elif cfg.model.freeze_vision:
+        raise ConfigError("model.freeze_vision=true needs a vision-language model (it freezes the vision tower)")
     heads = int(hf.get("num_attention_heads", 0) or 0)
     kv = int(hf.get("num_key_value_heads") or heads)
     layers = int(hf.get("num_hidden_layers", 0) or 0)

@@ -17,6 +17,7 @@ from typing import Any
 from megatron_rlvr.config.lora_config import LoRAConfig
 from megatron_rlvr.data.data_config import cwd_note
 from megatron_rlvr.families.tiny import TINY_MODELS
+from megatron_rlvr.families.tiny_vl import TINY_VL_MODELS
 
 DTYPES = ("float32", "bfloat16")
 ENGINES = ("auto", "hf", "vllm")
@@ -41,7 +42,8 @@ class ModelConfig:
 
     name: str | None = "tiny"
     """``tiny``: the built-in 2-layer Qwen2 with a character tokenizer (megatron_rlvr/families/tiny.py), built from a
-    config, no download; ``tiny_moe``: its 2-layer Qwen3-MoE sibling (4 experts, top-2). Otherwise a label, and
+    config, no download; ``tiny_moe``: its 2-layer Qwen3-MoE sibling (4 experts, top-2); ``tiny_vl`` / ``tiny_vl3``:
+    a 2-layer Qwen2.5-VL / Qwen3-VL with a 2-block vision tower (families/tiny_vl.py). Otherwise a label, and
     hf_path / hf_config / gguf say what to load; a built-in spec name (``qwen2.5-7b``, see families/table.py) also
     lets ``plan`` size the job before the checkpoint is on disk."""
     hf_path: str | None = None
@@ -57,6 +59,9 @@ class ModelConfig:
     """Training parameter dtype: ``float32`` or ``bfloat16`` (the engine uses the same)."""
     lora: LoRAConfig | None = None
     """Train low-rank adapters on the frozen model instead of every weight (models/lora.py); None: full fine-tuning."""
+    freeze_vision: bool = False
+    """Vision-language policies: keep the vision tower at its start weights (only the language model trains; the
+    tower still reaches the engines). False: the tower trains too, its gradients reduced over data parallel."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -64,15 +69,18 @@ class ModelConfig:
         sources = [k for k in ("hf_path", "hf_config", "gguf") if getattr(self, k)]
         if len(sources) > 1:
             raise ValueError(f"model: give at most one of hf_path, hf_config, gguf (got {sources})")
+        if not isinstance(self.freeze_vision, bool):
+            raise ValueError(f"model.freeze_vision must be true or false, got {self.freeze_vision!r}")
         if self.hf_config and not self.tokenizer:
             raise ValueError("model.hf_config (random init) needs model.tokenizer (a tokenizer folder)")
 
     def check_files(self) -> None:
         """The weights (or config) to build the model from exist. A built-in spec name alone is enough for ``plan``
         (which skips this check), not for training."""
-        if not (self.hf_path or self.hf_config or self.gguf) and self.name not in TINY_MODELS:
+        if not (self.hf_path or self.hf_config or self.gguf) and self.name not in (*TINY_MODELS, *TINY_VL_MODELS):
             raise ValueError(
-                f"model.name={self.name!r} is not a built-in trainable model ({', '.join(TINY_MODELS)}): set "
+                f"model.name={self.name!r} is not a built-in trainable model "
+                f"({', '.join((*TINY_MODELS, *TINY_VL_MODELS))}): set "
                 "model.hf_path to its HF folder (or model.hf_config for a random init, or model.gguf)"
             )
         for key in ("hf_path", "hf_config", "tokenizer"):
@@ -87,7 +95,7 @@ class ModelConfig:
     @property
     def is_tiny(self) -> bool:
         """A built-in model over the character tokenizer (``tiny``, ``tiny_moe``: megatron_rlvr/families/tiny.py)."""
-        return not (self.hf_path or self.hf_config or self.gguf) and self.name in TINY_MODELS
+        return not (self.hf_path or self.hf_config or self.gguf) and self.name in (*TINY_MODELS, *TINY_VL_MODELS)
 
 
 MOE_DISPATCHERS = ("alltoall", "allgather")

@@ -9,6 +9,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_rlvr.data.images import count_markers, row_images
 from megatron_rlvr.data.records import Example, MalformedRowError
 from megatron_rlvr.data.schemas import SCHEMAS, detect_schema
 
@@ -84,6 +85,8 @@ def load_examples(path: str, schema: str = "auto", skip_malformed: bool = False)
     ``schema="auto"`` detects it from the first well-formed row and applies it to every row. A row that does not
     fit raises :class:`MalformedRowError` (a ValueError) naming ``file:line`` and the problem, or with
     ``skip_malformed=True`` is skipped and counted (``n_malformed``; the first messages are kept and logged).
+    Images (``images`` / ``image`` fields, any schema; :mod:`megatron_rlvr.data.images`) are decoded here: a missing
+    or undecodable image, or ``<image>`` markers that do not match the image count, make the row malformed.
     """
     if schema != "auto" and schema not in SCHEMAS:
         raise ValueError(f"unknown data schema {schema!r}; choose 'auto' or one of {sorted(SCHEMAS)}")
@@ -95,6 +98,7 @@ def load_examples(path: str, schema: str = "auto", skip_malformed: bool = False)
     parser = None if schema == "auto" else SCHEMAS[schema]
     # "<folder>/<file>:<line>" ids: benchmark folders reuse file names (gsm8k/test.jsonl, math500/test.jsonl).
     base = os.path.join(os.path.basename(os.path.dirname(os.path.abspath(path))), os.path.basename(path))
+    image_dir = os.path.dirname(os.path.abspath(path))  # relative image paths are relative to the data file
 
     def bad(msg: str) -> None:
         nonlocal n_malformed
@@ -124,9 +128,19 @@ def load_examples(path: str, schema: str = "auto", skip_malformed: bool = False)
         except ValueError as e:
             bad(f"{loc}: {e} (schema {schema!r})")
             continue
+        try:
+            images = row_images(row, image_dir)
+        except ValueError as e:
+            bad(f"{loc}: {e}")
+            continue
+        markers = count_markers(prompt)
+        if markers and markers != len(images):
+            bad(f"{loc}: the prompt has {markers} '<image>' markers for {len(images)} images")
+            continue
         line = loc.rsplit(":", 1)[1].replace("row ", "")
         source = meta.get("data_source") if isinstance(meta.get("data_source"), str) else path
-        examples.append(Example(prompt, answer, source, row_id if row_id is not None else f"{base}:{line}", meta))
+        row_id = row_id if row_id is not None else f"{base}:{line}"
+        examples.append(Example(prompt, answer, source, row_id, meta, images))
     if n_malformed:
         logger.warning("%s: skipped %d malformed rows; first: %s", path, n_malformed, malformed[0])
     return PromptDataset(examples, n_malformed, malformed)

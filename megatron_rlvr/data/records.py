@@ -30,6 +30,9 @@ class Example:
     """Stable identifier: the row's own id field if it has one, else ``<folder>/<file name>:<line>``."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """Extra scalar fields (e.g. ``level``, ``subject``, ``solution``); passed to reward functions as keywords."""
+    images: list = field(default_factory=list)
+    """The example's images for a vision-language policy, in the order their placeholders appear in the prompt:
+    decoded PIL images in RGB mode. Empty for text-only examples."""
 
     @property
     def level(self) -> Any:

@@ -1,8 +1,9 @@
 """Row schemas: each turns one raw row (a dict) into the fields of an :class:`Example`, or raises ValueError saying
 what is wrong (the loader adds file and line).
 
-- ``problem_answer``: ``problem`` (or ``prompt``) text + ``answer`` (string or number; 27.0 -> "27"). MATH-500,
-  AIME24, AMC23 and most "problem/answer" jsonl files.
+- ``problem_answer``: ``problem`` (or ``prompt``, or ``question``) text + ``answer`` (string or number; 27.0 ->
+  "27"). MATH-500, AIME24, AMC23, most "problem/answer" jsonl files, and the multimodal sets that add ``images`` /
+  ``image`` (geometry3k, MMK12; :mod:`megatron_rlvr.data.images` reads those fields for every schema).
 - ``dapo``: DAPO-Math-17k: ``prompt`` = list of chat messages, ``reward_model.ground_truth``, ``data_source``.
 - ``gsm8k``: ``question`` + ``answer`` whose final answer follows ``#### ``.
 - ``boxed_solution``: ``problem`` + ``solution`` whose final answer is the last ``\\boxed{}`` (Minerva math).
@@ -59,11 +60,12 @@ def _row_id(row: dict) -> str | None:
 
 
 def _scalar_metadata(row: dict, consumed: set[str]) -> dict[str, Any]:
+    consumed = consumed | {"image", "images"}  # read by megatron_rlvr.data.images
     return {k: v for k, v in row.items() if k not in consumed and (v is None or isinstance(v, (str, int, float, bool)))}
 
 
 def parse_problem_answer(row: dict) -> ParsedRow:
-    key = "problem" if "problem" in row else "prompt"
+    key = next((k for k in ("problem", "prompt") if k in row), "question" if "question" in row else "problem")
     text = _text(row, key)
     if "answer" not in row:
         raise ValueError(f"missing field 'answer' (fields present: {sorted(row)})")
@@ -131,7 +133,7 @@ def detect_schema(row: dict) -> str | None:
         return "dapo"
     if "question" in row and isinstance(row.get("answer"), str) and "####" in row["answer"]:
         return "gsm8k"
-    if ("problem" in row or "prompt" in row) and "answer" in row:
+    if ("problem" in row or "prompt" in row or "question" in row) and "answer" in row:
         return "problem_answer"
     if "problem" in row and "solution" in row:
         return "boxed_solution"

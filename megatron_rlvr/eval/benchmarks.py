@@ -134,8 +134,11 @@ def evaluate_examples(
         keys = [i for i, ex in zip(share, mine) if id(ex) in kept_idx]
         outputs = []
         step = chunk_prompts or max(len(ids), 1)
+        images = [ex.images for ex in kept]  # vision-language benchmarks: each prompt's images
         for start in range(0, len(ids), step):
-            outputs += engine.generate(ids[start : start + step], params, prompt_keys=keys[start : start + step])
+            chunk = images[start : start + step]
+            kw = {"images": chunk} if any(chunk) else {}
+            outputs += engine.generate(ids[start : start + step], params, prompt_keys=keys[start : start + step], **kw)
             if greedy:
                 for out in outputs[start:]:
                     out.completions = out.completions * k

@@ -3,8 +3,9 @@
 - ``FAMILIES``: every supported HF decoder family (Llama, Qwen2/2.5, Qwen3, and the mixture-of-experts Qwen2-MoE and
   Qwen3-MoE), keyed by ``architectures[0]``, with what distinguishes it. ``models/hf_config.py`` builds megatron
   models from it, the planner derives a :class:`ModelSpec` from it, so the two accept exactly the same models.
-- ``ModelSpec``: the shapes of a decoder-only transformer, dense or mixture-of-experts; ``BUILTIN_SPECS`` for
-  planning without a checkpoint (values from each model's official HF config.json).
+- ``ModelSpec``: the shapes of a decoder-only transformer, dense or mixture-of-experts, with a :class:`VisionSpec`
+  for a vision-language model's tower; ``BUILTIN_SPECS`` for planning without a checkpoint (values from each model's
+  official HF config.json).
 """
 
 from __future__ import annotations
@@ -101,6 +102,80 @@ def family_of(cfg: dict, where: str = "HF config") -> tuple[str, Family]:
     raise ValueError(f"{where}: model_type {mtype!r} is not supported (dense decoder-only: {supported})")
 
 
+@dataclass(frozen=True)
+class VLFamily:
+    """A vision-language architecture: an HF vision tower beside the language model of a text family, whose
+    rotary embedding is multimodal (M-RoPE: separate temporal / height / width position ids per frequency band)."""
+
+    kind: str
+    """Short name (``qwen2_5_vl`` / ``qwen3_vl``), the processor kind of ``families.vl_processor``."""
+    text_architecture: str
+    """The text family (a ``FAMILIES`` key) of the language model in ``text_config``."""
+    lm_prefix: str
+    """Prefix of the language model's tensors in the saved checkpoint, in place of the text family's ``model.``."""
+    vision_prefix: str
+    """Prefix of the vision tower's tensors in the saved checkpoint."""
+    interleaved_mrope: bool
+    """Frequency bands interleaved t,h,w,t,h,w,... (Qwen3-VL) instead of contiguous sections (Qwen2-VL / 2.5-VL)."""
+    deepstack: bool
+    """Features of early vision blocks are added to the hidden states at image positions after the first language
+    layers (Qwen3-VL's DeepStack)."""
+
+
+VL_FAMILIES: dict[str, VLFamily] = {
+    # transformers' save_pretrained writes Qwen2.5-VL's language model under Qwen2's own names
+    "Qwen2_5_VLForConditionalGeneration": VLFamily(
+        "qwen2_5_vl", "Qwen2ForCausalLM", "model.", "visual.", interleaved_mrope=False, deepstack=False
+    ),
+    "Qwen3VLForConditionalGeneration": VLFamily(
+        "qwen3_vl",
+        "Qwen3ForCausalLM",
+        "model.language_model.",
+        "model.visual.",
+        interleaved_mrope=True,
+        deepstack=True,
+    ),
+}
+"""The supported vision-language architectures, keyed by HF ``architectures[0]``."""
+
+
+def vl_family_of(cfg: dict) -> tuple[str, VLFamily] | None:
+    """(architecture, VLFamily) of a vision-language HF config dict; None for a text-only config."""
+    archs = cfg.get("architectures") or []
+    if archs and archs[0] in VL_FAMILIES:
+        return archs[0], VL_FAMILIES[archs[0]]
+    for arch, fam in VL_FAMILIES.items():
+        if not archs and cfg.get("model_type") == fam.kind:
+            return arch, fam
+    return None
+
+
+def vl_saved_name(fam: VLFamily, name: str) -> str:
+    """transformers' in-memory parameter name of a VL model (``model.language_model.*``, ``model.visual.*``) -> the
+    name its ``save_pretrained`` writes (and the weight stream sends)."""
+    for memory, saved in (("model.language_model.", fam.lm_prefix), ("model.visual.", fam.vision_prefix)):
+        if name.startswith(memory):
+            return saved + name[len(memory) :]
+    return name
+
+
+def vl_text_config(cfg: dict, where: str = "HF config") -> dict:
+    """The language model's config of a vision-language HF config dict as a text-family config (its
+    ``architectures`` set to the text family, ``tie_word_embeddings`` from the top level where transformers keeps
+    it). Raises ValueError for a text-only config or one without ``text_config``."""
+    found = vl_family_of(cfg)
+    if found is None:
+        raise ValueError(f"{where}: not a vision-language config (architectures={cfg.get('architectures')!r})")
+    arch, fam = found
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(f"{where}: {arch} needs a text_config section")
+    if not isinstance(cfg.get("vision_config"), dict):
+        raise ValueError(f"{where}: {arch} needs a vision_config section")
+    tie = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    return dict(text, architectures=[fam.text_architecture], tie_word_embeddings=bool(tie))
+
+
 def has_qkv_bias(cfg: dict, fam: Family) -> bool:
     """Whether q/k/v carry a bias in this config (a family default, a per-config field, or Llama's attention_bias)."""
     if fam.qkv_bias_field is not None:
@@ -164,6 +239,110 @@ def moe_fields(cfg: dict, fam: Family, where: str = "HF config") -> MoeFields | 
 
 
 @dataclass(frozen=True)
+class VisionSpec:
+    """Shape of a Qwen-VL vision tower (HF ``vision_config``): a ViT over ``patch_size`` x ``patch_size`` x
+    ``temporal_patch_size`` patches, then a merger that concatenates ``spatial_merge_size``^2 neighbouring patches
+    into one language-model token of width ``out_hidden``."""
+
+    kind: str
+    """``qwen2_5_vl`` (RMSNorm, SwiGLU MLP, conv without bias) or ``qwen3_vl`` (LayerNorm, GELU MLP, conv with bias,
+    learned position embeddings, DeepStack mergers)."""
+    depth: int
+    """ViT blocks (HF ``depth``)."""
+    hidden: int
+    """ViT width (HF ``hidden_size``)."""
+    ffn: int
+    """ViT MLP inner width (HF ``intermediate_size``)."""
+    heads: int
+    """ViT attention heads (HF ``num_heads``)."""
+    out_hidden: int
+    """Width of a merged token: the language model's hidden size (HF ``out_hidden_size``)."""
+    patch_size: int = 14
+    """Spatial patch side in pixels."""
+    temporal_patch_size: int = 2
+    """Frames per patch (an image is repeated to fill them)."""
+    spatial_merge_size: int = 2
+    """The merger concatenates this squared neighbouring patches into one language token."""
+    in_channels: int = 3
+    """Image channels."""
+    num_position_embeddings: int = 0
+    """Learned position embeddings (Qwen3-VL); 0: none (Qwen2.5-VL's rotary only)."""
+    deepstack_layers: int = 0
+    """DeepStack mergers (Qwen3-VL: one per ``deepstack_visual_indexes`` entry)."""
+
+    def __post_init__(self):
+        if self.kind not in ("qwen2_5_vl", "qwen3_vl"):
+            raise ValueError(f"vision spec: kind must be qwen2_5_vl or qwen3_vl, got {self.kind!r}")
+        for f in ("depth", "hidden", "ffn", "heads", "out_hidden", "patch_size", "spatial_merge_size"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"vision spec: {f} must be a positive integer, got {v!r}")
+
+    @property
+    def gated_mlp(self) -> bool:
+        """SwiGLU MLP (gate, up, down) in the blocks; else a 2-matrix GELU MLP."""
+        return self.kind == "qwen2_5_vl"
+
+    @property
+    def merged_width(self) -> int:
+        """Width of the merger's input: ``spatial_merge_size``^2 patches concatenated."""
+        return self.hidden * self.spatial_merge_size**2
+
+    def block_params(self) -> int:
+        """Parameters of one ViT block: two norms, fused QKV and output projection (with biases), the MLP (biases)."""
+        h, f = self.hidden, self.ffn
+        norms = 2 * h if self.kind == "qwen2_5_vl" else 4 * h  # RMSNorm weight / LayerNorm weight + bias
+        attn = h * 3 * h + 3 * h + h * h + h
+        mlp = (2 * (h * f + f) + f * h + h) if self.gated_mlp else (h * f + f + f * h + h)
+        return norms + attn + mlp
+
+    def merger_params(self, postshuffle_norm: bool = False) -> int:
+        """A patch merger: a norm over one patch (Qwen3-VL's DeepStack mergers: over the merged width), then
+        Linear(merged, merged) + GELU + Linear(merged, out_hidden), with biases."""
+        m, h = self.merged_width, self.hidden
+        width = m if postshuffle_norm else h
+        norm = width if self.kind == "qwen2_5_vl" else 2 * width
+        return norm + m * m + m + m * self.out_hidden + self.out_hidden
+
+    def param_count(self) -> int:
+        """Every parameter of the tower (as ``sum(p.numel() for p in visual.parameters())``)."""
+        conv = self.in_channels * self.temporal_patch_size * self.patch_size**2 * self.hidden
+        conv += self.hidden if self.kind == "qwen3_vl" else 0  # Qwen3-VL's patch conv has a bias
+        pos = self.num_position_embeddings * self.hidden
+        deepstack = self.deepstack_layers * self.merger_params(postshuffle_norm=True)
+        return conv + pos + self.depth * self.block_params() + self.merger_params() + deepstack
+
+    def activation_bytes_per_block(self, patches: int, dtype_bytes: int = 2) -> int:
+        """Bytes one ViT block saves for backward for ``patches`` patches: the language layer's count of
+        ``activation_bytes_per_layer`` (planner) with full multi-head attention (q = k = v = h) and no tensor
+        parallelism (the tower is a plain module, replicated): per patch, in 2-byte units, norm inputs 2h + 2h,
+        QKV and MLP inputs 2h + 2h, q, k, v 6h, attention output 2h, MLP 6f (SwiGLU) or 4f (fc1 output and GELU
+        output), = 16h + 6f or 16h + 4f."""
+        h, f = self.hidden, self.ffn
+        per_patch_2b = 16 * h + (6 * f if self.gated_mlp else 4 * f)
+        return patches * per_patch_2b * dtype_bytes // 2
+
+
+def vision_spec_from_hf_config(vision_config: dict, kind: str) -> VisionSpec:
+    """VisionSpec from an HF ``vision_config`` dict of a ``kind`` model."""
+    v = vision_config
+    return VisionSpec(
+        kind=kind,
+        depth=int(v["depth"]),
+        hidden=int(v["hidden_size"]),
+        ffn=int(v["intermediate_size"]),
+        heads=int(v["num_heads"]),
+        out_hidden=int(v["out_hidden_size"]),
+        patch_size=int(v.get("patch_size", 14)),
+        temporal_patch_size=int(v.get("temporal_patch_size", 2)),
+        spatial_merge_size=int(v.get("spatial_merge_size", 2)),
+        in_channels=int(v.get("in_channels", v.get("in_chans", 3))),
+        num_position_embeddings=int(v.get("num_position_embeddings", 0)) if kind == "qwen3_vl" else 0,
+        deepstack_layers=len(v.get("deepstack_visual_indexes") or ()) if kind == "qwen3_vl" else 0,
+    )
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Shape of a dense decoder-only transformer (Llama / Qwen2 / Qwen3 family: RMSNorm, RoPE, GQA, SwiGLU)."""
 
@@ -201,6 +380,8 @@ class ModelSpec:
     """Per layer: True for an MoE layer, False for a dense MLP of width ``ffn``; empty: every layer when ``experts``."""
     shared_expert_ffn: int = 0
     """Inner width of a shared SwiGLU expert in every MoE layer, with a sigmoid gate (Qwen2-MoE); 0: none."""
+    vision: VisionSpec | None = None
+    """The vision tower of a vision-language model (on the first pipeline stage); None: text only."""
 
     def __post_init__(self):
         for f in ("hidden", "ffn", "layers", "heads", "kv_heads", "vocab"):
@@ -271,8 +452,9 @@ class ModelSpec:
         return {"router": h * self.experts, "experts": self.experts * 3 * h * self.expert_ffn, "shared": shared}
 
     def param_count(self) -> int:
-        """Total parameters of the HF checkpoint (unpadded vocab), embeddings + L layers + final norm + LM head. An
-        MoE layer has the dense layer's attention and norms and the MoE MLP instead of the dense one."""
+        """Total parameters of the HF checkpoint (unpadded vocab), embeddings + L layers + final norm + LM head (+ the
+        vision tower). An MoE layer has the dense layer's attention and norms and the MoE MLP instead of the dense
+        one."""
         emb = self.vocab * self.hidden
         head = 0 if self.tied_embeddings else emb
         lp = self.layer_params()
@@ -280,7 +462,8 @@ class ModelSpec:
         dense_layer = sum(lp.values())
         moe_layer = dense_layer - lp["mlp_w"] + moe_mlp
         n_moe = self.n_moe_layers
-        return emb + (self.layers - n_moe) * dense_layer + n_moe * moe_layer + self.hidden + head
+        tower = self.vision.param_count() if self.vision is not None else 0
+        return emb + (self.layers - n_moe) * dense_layer + n_moe * moe_layer + self.hidden + head + tower
 
     def active_param_count(self) -> int:
         """Parameters one token passes through: ``param_count`` with only ``top_k`` routed experts per MoE layer
@@ -320,6 +503,22 @@ BUILTIN_SPECS: dict[str, ModelSpec] = {
     # num_key_value_heads 4, vocab_size 152064, tie_word_embeddings false.
     "qwen2.5-7b": _spec(
         name="Qwen2.5-7B", hidden=3584, ffn=18944, layers=28, heads=28, kv_heads=4, vocab=152064, qkv_bias=True
+    ),
+    # Qwen/Qwen2.5-VL-7B-Instruct: text as Qwen2.5-7B (hidden_size 3584, intermediate_size 18944, num_hidden_layers
+    # 28, num_attention_heads 28, num_key_value_heads 4, vocab_size 152064, untied; mrope_section [16, 24, 24]);
+    # vision_config depth 32, hidden_size 1280, intermediate_size 3420, num_heads 16, out_hidden_size 3584,
+    # patch_size 14, temporal_patch_size 2, spatial_merge_size 2 (window_size 112, fullatt_block_indexes
+    # [7, 15, 23, 31]: attention windows do not change the parameter or activation count).
+    "qwen2.5-vl-7b": _spec(
+        name="Qwen2.5-VL-7B",
+        hidden=3584,
+        ffn=18944,
+        layers=28,
+        heads=28,
+        kv_heads=4,
+        vocab=152064,
+        qkv_bias=True,
+        vision=VisionSpec(kind="qwen2_5_vl", depth=32, hidden=1280, ffn=3420, heads=16, out_hidden=3584),
     ),
     # Qwen/Qwen2.5-14B: hidden_size 5120, intermediate_size 13824, num_hidden_layers 48, num_attention_heads 40,
     # num_key_value_heads 8, vocab_size 152064, tie_word_embeddings false.
@@ -434,6 +633,13 @@ def model_spec_from_hf_config(source: str | Path | dict, name: str | None = None
         except json.JSONDecodeError as e:
             raise ValueError(f"{p}: not valid JSON ({e})") from None
     cfg = source
+    vision = None
+    vl = vl_family_of(cfg)
+    if vl is not None:  # a vision-language model: its language model's config plus the tower
+        text = vl_text_config(cfg, where)  # raises without text_config / vision_config
+        vision = vision_spec_from_hf_config(cfg["vision_config"], vl[1].kind)
+        name = name or cfg.get("_name_or_path") or None
+        cfg = text
     _, fam = family_of(cfg, where)
     mtype = fam.model_type
     act = cfg.get("hidden_act", "silu")
@@ -463,4 +669,5 @@ def model_spec_from_hf_config(source: str | Path | dict, name: str | None = None
         expert_ffn=moe.expert_ffn if moe else 0,
         moe_layers=moe.moe_layers if moe else (),
         shared_expert_ffn=moe.shared_expert_ffn if moe else 0,
+        vision=vision,
     )

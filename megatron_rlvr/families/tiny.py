@@ -100,10 +100,14 @@ def tiny_tokenizer():
 
 
 def tiny_hf_config(tokenizer=None, name: str = TINY_NAME) -> dict:
-    """The HF config of the built-in model ``name`` (``tiny`` or ``tiny_moe``) as a dict (what ``config.json`` of
-    its export holds)."""
+    """The HF config of the built-in model ``name`` (``tiny``, ``tiny_moe``, or a vision-language ``tiny_vl`` /
+    ``tiny_vl3`` of families/tiny_vl.py) as a dict (what ``config.json`` of its export holds)."""
+    from megatron_rlvr.families.tiny_vl import TINY_VL_MODELS, tiny_vl_config_dict
+
+    if name in TINY_VL_MODELS:
+        return tiny_vl_config_dict(TINY_VL_MODELS[name])
     if name not in TINY_MODELS:
-        raise ValueError(f"unknown built-in model {name!r}; built-in: {sorted(TINY_MODELS)}")
+        raise ValueError(f"unknown built-in model {name!r}; built-in: {sorted(TINY_MODELS) + sorted(TINY_VL_MODELS)}")
     tokenizer = tokenizer or tiny_tokenizer()
     cfg = dict(TINY_MODELS[name])
     cfg.update(

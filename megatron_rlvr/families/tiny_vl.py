@@ -151,6 +151,69 @@ def tiny_vl_hf_config(kind: str = "qwen2_5_vl", tokenizer=None, tie_word_embeddi
     return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=tie_word_embeddings, **ids)
 
 
+TINY_VL_MODELS = {"tiny_vl": "qwen2_5_vl", "tiny_vl3": "qwen3_vl"}
+"""The built-in vision-language models by ``model.name`` -> their kind (the ``tiny_vl`` preset's policy)."""
+
+
+def tiny_vl_config_dict(kind: str = "qwen2_5_vl") -> dict:
+    """The HF config of a tiny VL model of family ``kind`` as a plain dict, without transformers (the run config is
+    checked torch-free); ``transformers.AutoConfig.for_model(**it)`` gives the same model as :func:`tiny_vl_hf_config`
+    (tests/test_trainer_vl.py)."""
+    _check_kind(kind)
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + CHARS)}
+    hidden, heads = 128, 4
+    pad, eos = vocab["<|endoftext|>"], vocab["<|im_end|>"]
+    rope = dict(rope_type="default", rope_theta=10000.0, mrope_section=[4, 6, 6])
+    text = dict(
+        vocab_size=len(vocab),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        hidden_act="silu",
+        bos_token_id=pad,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        tie_word_embeddings=False,
+        model_type=f"{kind}_text",
+    )
+    vision = dict(
+        depth=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=2,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        out_hidden_size=hidden,
+        in_channels=3,
+    )
+    if kind == "qwen2_5_vl":
+        text.update(use_sliding_window=False, rope_parameters=rope)
+        vision.update(patch_size=14, window_size=56, fullatt_block_indexes=[1], model_type="qwen2_5_vl")
+        arch = "Qwen2_5_VLForConditionalGeneration"
+    else:
+        text.update(head_dim=hidden // heads, rope_parameters=dict(rope, mrope_interleaved=True))
+        vision.update(patch_size=16, num_position_embeddings=64, deepstack_visual_indexes=[0], model_type="qwen3_vl")
+        arch = "Qwen3VLForConditionalGeneration"
+    return dict(
+        architectures=[arch],
+        model_type=kind,
+        text_config=text,
+        vision_config=vision,
+        tie_word_embeddings=False,
+        image_token_id=vocab["<|image_pad|>"],
+        video_token_id=vocab["<|video_pad|>"],
+        vision_start_token_id=vocab["<|vision_start|>"],
+        vision_end_token_id=vocab["<|vision_end|>"],
+        eos_token_id=eos,
+        pad_token_id=pad,
+        dtype="float32",
+    )
+
+
 def save_tiny_vl(path: str | os.PathLike, kind: str = "qwen2_5_vl", seed: int = 0) -> str:
     """Write a random tiny VL checkpoint of family ``kind`` as a complete Hugging Face folder (config, safetensors,
     tokenizer, chat template, image processor) into ``path``; returns it.

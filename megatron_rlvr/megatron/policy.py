@@ -47,14 +47,43 @@ def resolve_model_source(cfg: ModelConfig) -> ModelSource:
     return ModelSource(load_hf_config(cfg.hf_config), None, cfg.tokenizer, False)
 
 
+def vl_kind(source: ModelSource) -> str | None:
+    """``qwen2_5_vl`` / ``qwen3_vl`` for a vision-language policy, None for a text-only one."""
+    from megatron_rlvr.families.table import vl_family_of
+
+    found = vl_family_of(source.hf_config)
+    return None if found is None else found[1].kind
+
+
 def load_tokenizer(source: ModelSource):
     if source.tokenizer_dir is None:
+        if vl_kind(source) is not None:
+            from megatron_rlvr.families.tiny_vl import tiny_vl_tokenizer
+
+            return tiny_vl_tokenizer()
         from megatron_rlvr.families.tiny import tiny_tokenizer
 
         return tiny_tokenizer()
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(source.tokenizer_dir)
+
+
+def load_image_processor(source: ModelSource):
+    """The image processor of a vision-language policy (the model folder's, else the tiny models' built-in one);
+    None for a text-only policy. It turns an example's images into the tower's ``pixel_values`` and patch grids, for
+    the trainer and the transformers engine alike."""
+    kind = vl_kind(source)
+    if kind is None:
+        return None
+    folder = source.weights_dir or source.tokenizer_dir
+    if folder is None:
+        from megatron_rlvr.families.tiny_vl import tiny_image_processor
+
+        return tiny_image_processor(kind)
+    from megatron_rlvr.families.vl_processor import load_vl_processor
+
+    return load_vl_processor(folder, kind).image_processor
 
 
 def model_args_for(source: ModelSource, model_cfg: ModelConfig, par: ParallelConfig, train: TrainConfig):
@@ -82,28 +111,52 @@ def model_args_for(source: ModelSource, model_cfg: ModelConfig, par: ParallelCon
     )
 
 
-def random_hf_state_dict(hf_config: dict, seed: int) -> dict[str, torch.Tensor]:
+TINY_VISION_STD = 0.08
+"""Init scale of a built-in tiny VL model's vision tower (its norms: 1 + N(0, 0.2^2)). At transformers' 0.02 the
+tower's features of different images differ so little that the 2-layer language model needs hundreds of supervised
+steps before its answer depends on the image at all (tens at 0.08); RL from scratch never gets there."""
+
+
+def random_hf_state_dict(hf_config: dict, seed: int, vision_std: float | None = None) -> dict[str, torch.Tensor]:
     """A randomly initialised HF state dict (transformers' own init for the architecture) that depends only on
     (config, seed): loading it through the weight mapping gives the same model at EVERY parallel layout (megatron's
     own init draws per-rank tensors whose values depend on TP/PP and the padded vocabulary). Materialises the full
-    model on each rank: meant for small from-scratch models such as ``tiny``."""
-    from transformers import AutoModelForCausalLM
+    model on each rank: meant for small from-scratch models such as ``tiny``. ``vision_std``: a vision-language
+    model's tower drawn from N(0, vision_std^2) instead (see TINY_VISION_STD), with the same seed."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    from megatron_rlvr.families.table import vl_family_of, vl_saved_name
     from megatron_rlvr.models.hf_config import hf_config_object
 
+    vl = vl_family_of(hf_config)
+    auto = AutoModelForCausalLM if vl is None else AutoModelForImageTextToText
     state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
-        hf = AutoModelForCausalLM.from_config(hf_config_object(hf_config), dtype=torch.float32)
+        hf = auto.from_config(hf_config_object(hf_config), dtype=torch.float32)
     finally:
         torch.random.set_rng_state(state)
-    return {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    if vl is not None and vision_std is not None:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in hf.named_parameters():
+                norm = "norm" in name or "ln_q" in name
+                p.copy_(
+                    1.0 + 0.2 * torch.randn(p.shape, generator=g)
+                    if norm
+                    else vision_std * torch.randn(p.shape, generator=g)
+                )
+    rename = (lambda k: k) if vl is None else (lambda k: vl_saved_name(vl[1], k))
+    return {rename(k): v.detach().clone() for k, v in hf.state_dict().items()}
 
 
-def build_model(args, source: ModelSource, seed: int, pg, *, trainable: bool = True, lora=None):
+def build_model(
+    args, source: ModelSource, seed: int, pg, *, trainable: bool = True, lora=None, freeze_vision: bool = False
+):
     """This rank's GPTModel (Float16Module-wrapped for bf16) with the start weights: the HF folder's, or a random
     init that depends only on (config, seed), identical at every layout (:func:`random_hf_state_dict`). ``lora``
-    (a LoRAConfig): freeze the weights and add adapters (megatron_rlvr.models.lora)."""
+    (a LoRAConfig): freeze the weights and add adapters (megatron_rlvr.models.lora). ``freeze_vision``: a
+    vision-language model's tower gets no gradient (megatron's DDP and optimizer then leave it out)."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megatron_rlvr.models.build import build_gpt_model, unwrap
@@ -112,8 +165,18 @@ def build_model(args, source: ModelSource, seed: int, pg, *, trainable: bool = T
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     model = build_gpt_model(args, pg_collection=pg)
-    weights = source.weights_dir if source.weights_dir is not None else random_hf_state_dict(source.hf_config, seed)
+    weights = source.weights_dir
+    if weights is None:
+        weights = random_hf_state_dict(source.hf_config, seed, vision_std=TINY_VISION_STD if source.is_tiny else None)
     load_hf_weights(unwrap(model), args, weights, pg_collection=pg)
+    if freeze_vision:
+        from megatron_rlvr.models.mapping import VISION_MODULE
+
+        tower = getattr(unwrap(model), VISION_MODULE, None)
+        if tower is None and args.vision is None:
+            raise ValueError("freeze_vision: the model has no vision tower (not a vision-language model)")
+        for p in tower.parameters() if tower is not None else ():  # no tower on later pipeline stages
+            p.requires_grad_(False)
     if lora is not None and trainable:
         from megatron_rlvr.models.lora import attach_lora
 

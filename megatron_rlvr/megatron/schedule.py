@@ -30,8 +30,9 @@ def run_microbatches(
 ) -> list[dict]:
     """Forward (and backward unless ``forward_only``) over ``microbatches``; returns, on the last pipeline stage,
     the info dict of each micro-batch (in order), and [] on other stages. A micro-batch has ``tokens`` and
-    ``position_ids`` [b, s] and ``attention_mask`` ([b, 1, s, s] bool, True = not attended; packed rows) or None
-    (causal), as the trainer's MicroBatch does.
+    ``position_ids`` [b, s] ([3, b, s] with images, whose inputs ``vision_kwargs(device)`` gives) and
+    ``attention_mask`` ([b, 1, s, s] bool, True = not attended; packed rows) or None (causal), as the trainer's
+    MicroBatch does.
 
     ``loss_fn(mb, logits_bsv)`` gets the micro-batch and this TP rank's logits shard [b, s, V/tp] and returns (this
     micro-batch's sum-reduced loss, info). Every micro-batch must have the same [b, s] when PP > 1.
@@ -64,8 +65,10 @@ def run_microbatches(
         mask = None if mask is None else mask.to(device)
         if routing is not None:
             routing.before_forward(mb)
+        # vision-language policies: the micro-batch's images, image mask and 3-D positions
+        vision = mb.vision_kwargs(device) if hasattr(mb, "vision_kwargs") else {}
         with native_torch():  # the model forward makes no CUDA call (cpu_shims: causal masks): skip the redirect
-            output = model_chunk(tokens, position_ids, mask)
+            output = model_chunk(tokens, position_ids, mask, **vision)
         if routing is not None:
             routing.after_forward(mb)
         return output, functools.partial(adapter, mb)

@@ -109,7 +109,17 @@ def build_gpt_model(
     if post_process is None:
         post_process = pp_rank == pp_size - 1
     rope = args.rope
-    model = GPTModel(
+    cls, extra = GPTModel, {"position_embedding_type": "rope"}
+    if args.vision is not None:
+        from megatron_rlvr.models.vision import vl_gpt_model_class
+
+        if pp_size > 1:
+            raise ValueError(
+                "vision-language models run with pipeline parallelism 1 (parallel.pp=1): the vision tower and "
+                "its multimodal positions are not passed between pipeline stages"
+            )
+        cls, extra = vl_gpt_model_class(), {"vision": args.vision}
+    model = cls(
         config=cfg,
         transformer_layer_spec=layer_spec(args, use_te, pp_rank=pp_rank),
         vocab_size=args.padded_vocab_size,
@@ -118,10 +128,10 @@ def build_gpt_model(
         post_process=post_process,
         parallel_output=parallel_output,
         share_embeddings_and_output_weights=args.share_embeddings_and_output_weights,
-        position_embedding_type="rope",
         rotary_base=rope.theta,
         seq_len_interpolation_factor=rope.factor if rope.kind == "linear" else None,
         pg_collection=pg_collection,
+        **extra,
     )
     _apply_rope_scaling(model, args)
     if torch.cuda.is_available():

@@ -33,8 +33,10 @@ TOKENIZER_FILES = (
     "tokenizer.model",
     "chat_template.jinja",
     "chat_template.json",
+    "processor_config.json",
+    "preprocessor_config.json",
 )
-"""Files copied verbatim from the source HF model folder when present."""
+"""Files copied verbatim from the source HF model folder when present (a vision-language model's processor too)."""
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

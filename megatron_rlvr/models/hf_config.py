@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from megatron_rlvr.families.table import FAMILIES, has_qkv_bias, moe_fields, padded_vocab
+from megatron_rlvr.families.table import FAMILIES, VL_FAMILIES, has_qkv_bias, moe_fields, padded_vocab, vl_text_config
 from megatron_rlvr.models.mapping import ModelDims
 
 
@@ -54,6 +54,9 @@ class MegatronModelArgs:
     """HF max_position_embeddings."""
     hf_config: dict = field(repr=False, default_factory=dict)
     """The HF config as a dict (written back verbatim on export)."""
+    vision: Any = None
+    """models.vision.VisionSpec of a vision-language model (the language model is then ``text_config``'s); None:
+    a text-only model."""
 
     @property
     def padded_vocab_size(self) -> int:
@@ -145,8 +148,14 @@ def megatron_model_args(
 
     from megatron_rlvr.models.fusions import detect as detect_fusions
     from megatron_rlvr.models.fusions import fusion_flags
+    from megatron_rlvr.models.vision import vision_param_names, vision_spec
 
     cfg = load_hf_config(hf_config)
+    full_cfg = cfg
+    vision = vision_spec(cfg)
+    if vision is not None:  # the language model is a text family's; M-RoPE and the tower come on top
+        cfg = vl_text_config(cfg)
+        config_overrides = {"mrope_section": list(vision.mrope_section), "apply_rope_fusion": False, **config_overrides}
     archs = cfg.get("architectures") or []
     arch = archs[0] if archs else None
     if arch not in FAMILIES:
@@ -192,6 +201,7 @@ def megatron_model_args(
         moe_ffn_hidden_size=moe.expert_ffn if moe else 0,
         shared_expert_ffn=moe.shared_expert_ffn if moe else 0,
         moe_layers=moe.moe_layers if moe else (),
+        **(_vision_dims(vision, vision_param_names(vision)) if vision is not None else {}),
     )
     dims.check_tp(tp_size)
     etp_size = tp_size if etp_size is None else etp_size
@@ -248,11 +258,18 @@ def megatron_model_args(
     return MegatronModelArgs(
         config=config,
         dims=dims,
-        architecture=arch,
+        architecture=(full_cfg.get("architectures") or [arch])[0],
         rope=rope,
         max_sequence_length=int(_get(cfg, "max_position_embeddings", 4096)),
-        hf_config=cfg,
+        hf_config=full_cfg,
+        vision=vision,
     )
+
+
+def _vision_dims(vision, names: tuple[str, ...]) -> dict[str, Any]:
+    """ModelDims fields of a vision-language model: where its tensors are in the checkpoint, the tower's names."""
+    fam = VL_FAMILIES[next(a for a, f in VL_FAMILIES.items() if f.kind == vision.kind)]
+    return dict(hf_lm_prefix=fam.lm_prefix, vision_prefix=fam.vision_prefix, vision_names=names)
 
 
 MOE_DISPATCHERS = ("alltoall", "allgather")

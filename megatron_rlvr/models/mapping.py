@@ -95,6 +95,14 @@ class ModelDims:
     """Inner width of the shared expert of each MoE layer (Qwen2-MoE); 0: none."""
     moe_layers: tuple[bool, ...] = ()
     """Per global layer: True for an MoE MLP, False for a dense one (empty: every layer dense)."""
+    hf_lm_prefix: str = "model."
+    """Prefix of the language model's HF tensors (the table's ``model.``); vision-language checkpoints may nest it
+    (Qwen3-VL: ``model.language_model.``)."""
+    vision_prefix: str = ""
+    """Prefix of the vision tower's HF tensors (``visual.`` / ``model.visual.``); empty: no tower."""
+    vision_names: tuple[str, ...] = ()
+    """The vision tower's parameter names (relative to the tower); megatron holds them as ``visual.<name>``,
+    replicated over TP, and HF as ``<vision_prefix><name>``."""
 
     def __post_init__(self):
         for name in (
@@ -408,6 +416,9 @@ class Rule:
         return "{expert}" in self.megatron
 
 
+VISION_MODULE = "visual"
+"""Attribute of a vision-language GPTModel that holds the HF vision tower (megatron names ``visual.*``)."""
+
 _L = "decoder.layers.{layer}."
 _H = "model.layers.{layer}."
 
@@ -576,6 +587,7 @@ class WeightMapping:
     def __init__(self, dims: ModelDims):
         self.dims = dims
         self.rules = tuple(r for r in RULES if r.when(dims))
+        self._vision = frozenset(dims.vision_names)
         self._patterns: list[tuple[re.Pattern, Rule]] = []
         for r in self.rules:
             for name in (r.megatron, *r.aliases):
@@ -615,13 +627,23 @@ class WeightMapping:
                     )
             fill = {"layer": m.group("layer") if layer is not None else None, "expert": local}
             canonical = rule.megatron.format(**fill) if layer is not None else rule.megatron
-            hf_names = tuple(h.format(layer=layer, expert=expert) for h in rule.hf)
+            hf_names = tuple(self._lm_name(h.format(layer=layer, expert=expert)) for h in rule.hf)
             return ResolvedParam(canonical, hf_names, layer, rule, self.dims, expert)
+        if name.startswith(VISION_MODULE + ".") and name[len(VISION_MODULE) + 1 :] in self._vision:
+            rel = name[len(VISION_MODULE) + 1 :]
+            rule = Rule(name, (self.dims.vision_prefix + rel,), "replicated")
+            return ResolvedParam(name, rule.hf, None, rule, self.dims)
         raise KeyError(
             f"megatron parameter {megatron_name!r} has no HF mapping (model dims: qkv_bias={self.dims.qkv_bias}, "
             f"qk_layernorm={self.dims.qk_layernorm}, tie_word_embeddings={self.dims.tie_word_embeddings}, "
             f"moe_layers={self.dims.moe_layers})"
         )
+
+    def _lm_name(self, hf_name: str) -> str:
+        """The table's HF name (``model.*`` / ``lm_head.*``) under the checkpoint's language-model prefix."""
+        if self.dims.hf_lm_prefix != "model." and hf_name.startswith("model."):
+            return self.dims.hf_lm_prefix + hf_name[len("model.") :]
+        return hf_name
 
     def hf_names(self) -> list[str]:
         """Every HF tensor name a checkpoint of this model holds (tied LM head counted once)."""
@@ -636,7 +658,8 @@ class WeightMapping:
         layer_rules = [r for r in self.rules if "{layer}" in r.megatron]
         # tied copy: exists only on a PP>1 last stage, it is not a separate tensor of the model
         other = [r for r in self.rules if "{layer}" not in r.megatron and not r.skip_on_export(self.dims)]
-        out = [self.resolve(r.megatron) for r in other if r.megatron.startswith("embedding.")]
+        out = [self.resolve(f"{VISION_MODULE}.{n}") for n in self.dims.vision_names]
+        out += [self.resolve(r.megatron) for r in other if r.megatron.startswith("embedding.")]
         for i in range(self.dims.num_layers):  # HF's order: layer by layer
             kind = "moe" if self.dims.is_moe_layer(i) else "dense"
             for r in layer_rules:

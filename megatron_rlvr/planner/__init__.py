@@ -37,6 +37,11 @@ Memory model (per GPU, bytes; GiB = 2**30). Every term is a formula of the confi
     router is replicated; the distributed optimizer shards the experts' state over expert-DP = world / (etp x ep x
     pp) and the rest over DP; a token stores activations only for its top-k routed copies
     (``moe_activation_bytes_per_layer``); vLLM holds every expert, sliced by the rollout TP.
+  * vision-language models: the vision tower (``ModelSpec.vision``) is a plain module on pipeline stage 0, whole on
+    each GPU there: its weights, when trained fp32 grads + Adam (16 B/param, not sharded by the distributed
+    optimizer) and the activations of its blocks for the micro-batch's patches (the prompt share of its tokens as
+    image tokens, ``spatial_merge_size``^2 patches each; see ``VisionSpec.activation_bytes_per_block``); vLLM holds
+    it sliced by the rollout TP.
   * colocated vLLM: the engine claims ``gpu_memory_utilization`` x GPU while rolling out (weights at rollout TP,
     a fixed overhead for activations / CUDA graphs, the rest is KV cache); during training it sleeps (level 1
     offloads weights to host RAM, level 2 discards them; both discard the KV cache), keeping only

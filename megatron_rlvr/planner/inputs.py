@@ -42,9 +42,16 @@ def model_spec_for(run: RunConfig) -> ModelSpec:
     return model_spec_from_hf_config(hf, name=m.name if m.name not in TINY_MODELS or m.is_tiny else None)
 
 
+def _vision_trainable(run: RunConfig) -> bool:
+    """Whether the run trains a vision-language model's tower: not when ``model.vision.freeze`` is set."""
+    freeze = getattr(getattr(run.model, "vision", None), "freeze", None)
+    return not bool(freeze)
+
+
 def plan_config_from_run(run: RunConfig, spec: ModelSpec | None = None) -> PlanConfig:
     """The planner's view of a run config: its own sections, the model's spec, the reference model resolved."""
     return PlanConfig(
+        vision_trainable=_vision_trainable(run),
         model=spec or model_spec_for(run),
         parallel=run.parallel,
         rollout=run.rollout,

@@ -41,10 +41,21 @@ class PlanConfig:
     dtype: str = "bfloat16"
     """Parameter dtype (the run's ``model.dtype``): weights, activations, logits, the reference model and the
     rollout engine's weights and KV cache are held in it; float32 also drops the separate fp32 master weights."""
+    vision_trainable: bool = True
+    """A vision-language model's tower is trained (gradients, Adam state, stored activations) rather than frozen
+    (weights only; it runs without autograd). Ignored for text models; LoRA runs keep the tower frozen."""
+    image_token_fraction: float | None = None
+    """Vision-language models: the share of a micro-batch's tokens that are image tokens, which sets how many
+    patches (``spatial_merge_size``^2 per image token) the tower sees per micro-batch. None: the prompt share of
+    the longest sequence, ``max_prompt_len / (max_prompt_len + max_response_len)`` (as if every prompt token were an
+    image token: an upper bound when sequences are packed in that proportion)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"model.dtype must be one of {tuple(DTYPE_BYTES)}, got {self.dtype!r}")
+        f = self.image_token_fraction
+        if f is not None and not (isinstance(f, (int, float)) and 0.0 <= f <= 1.0):
+            raise ValueError(f"image_token_fraction must be a number in [0, 1] or None, got {f!r}")
 
     @property
     def dtype_bytes(self) -> int:
@@ -63,6 +74,22 @@ class PlanConfig:
     @property
     def max_model_len(self) -> int:
         return self.rollout.max_prompt_len + self.rollout.max_response_len
+
+    @property
+    def image_patches_per_micro_batch(self) -> int:
+        """Patches the vision tower sees per micro-batch (0 for a text model): image tokens x merge^2."""
+        v = self.model.vision
+        if v is None:
+            return 0
+        frac = self.image_token_fraction
+        if frac is None:
+            frac = self.rollout.max_prompt_len / self.max_model_len
+        return int(self.micro_batch_tokens * frac) * v.spatial_merge_size**2
+
+    @property
+    def trains_vision(self) -> bool:
+        """The tower is trained: a VL model, ``vision_trainable``, and not a LoRA run."""
+        return self.model.vision is not None and self.vision_trainable and self.lora is None
 
     @property
     def keeps_ref_model(self) -> bool:
@@ -340,6 +367,8 @@ def _vllm_weight_params(model: ModelSpec, rtp: int) -> int:
     per_layer = qkv_w + qkv_b + (lp["out_w"] + lp["mlp_w"]) // rtp + lp["norms"]
     vocab_shard = -(-model.vocab // rtp)  # vLLM pads the vocab shard; the difference is negligible here
     emb = vocab_shard * h * (1 if model.tied_embeddings else 2)
+    # vLLM shards the vision tower's linear layers over the rollout TP as well (mm_encoder_tp_mode "weights")
+    emb += model.vision.param_count() // rtp if model.vision is not None else 0
     # MoE layers: every engine rank holds every routed expert, its inner width sliced by the rollout TP (vLLM's
     # FusedMoE without expert parallelism), the router replicated
     mp = model.moe_layer_params()
@@ -354,7 +383,13 @@ def estimate_memory(cfg: PlanConfig) -> MemoryPlan:
     ``components`` keys (bytes, worst stage): weights, grads, optimizer, ref_model, act_none, act_full, activations
     (the configured recompute mode), logits, logits_chunk, train_overhead, engine_in_training (vLLM asleep, or the
     transformers engine's resident weights), train_state_in_rollout, engine (the rollout engine awake), of which
-    engine_weights, engine_overhead, kv_cache; host_ram_per_node (vLLM sleep level 1 weight backup).
+    engine_weights, engine_overhead, kv_cache; host_ram_per_node (vLLM sleep level 1 weight backup). A
+    vision-language model's tower lives on pipeline stage 0, whole on every GPU there (a plain module beside
+    Megatron, not TP-sharded): its weights, and when trained its fp32 gradients and Adam state (12 B/param, not
+    sharded by the distributed optimizer) and the activations of its ``depth`` blocks for
+    ``image_patches_per_micro_batch`` patches per micro-batch in flight (no recompute inside the tower), are
+    included in the terms above and also reported as vision_weights, vision_state (gradients + optimizer) and
+    vision_activations; a frozen tower keeps one block's activations, transiently.
 
     The engine is ``rollout.engine``: vLLM claims ``gpu_memory_utilization`` x GPU (or its weights + overhead +
     ``rollout.kv_cache_gb``) and sleeps while training; the transformers engine (rollout TP 1) keeps its full weights
@@ -432,11 +467,26 @@ def estimate_memory(cfg: PlanConfig) -> MemoryPlan:
         else:
             c["optimizer"] = per_param * trained
         c["ref_model"] = b * p if cfg.keeps_ref_model and not cfg.lora else 0
+        v = m.vision if s == 0 else None  # the tower sits on the first pipeline stage
+        pv = v.param_count() if v is not None else 0
+        c["vision_weights"] = b * pv
+        c["vision_state"] = (4 + per_param) * pv if cfg.trains_vision else 0
+        c["weights"] += c["vision_weights"]
+        c["grads"] += 4 * pv if cfg.trains_vision else 0
+        c["optimizer"] += per_param * pv if cfg.trains_vision else 0
+        c["ref_model"] += b * pv if c["ref_model"] else 0
         n_moe = moe_per_stage[s]
         c["act_none"] = in_flight * ((n_local - n_moe) * a_layer + n_moe * a_moe)
         # Full recompute stores only each layer's input ([T, h], sharded by SP) and rebuilds one layer.
         layer_input = b * T * m.hidden // (par.tp if sp else 1)
         c["act_full"] = in_flight * n_local * layer_input + (max(a_layer, a_moe) if n_moe else a_layer)
+        if v is not None:
+            per_block = v.activation_bytes_per_block(cfg.image_patches_per_micro_batch, b)
+            c["vision_activations"] = in_flight * v.depth * per_block if cfg.trains_vision else per_block
+            c["act_none"] += c["vision_activations"]
+            c["act_full"] += c["vision_activations"]
+        else:
+            c["vision_activations"] = 0
         c["activations"] = c["act_full"] if tr.recompute == "full" else c["act_none"]
         last = s == par.pp - 1
         c["logits"] = T * vocab_shard * (b + b) if last else 0  # logits + their grad, in the model dtype

@@ -48,6 +48,13 @@ def format_plan(plan: MemoryPlan) -> str:
             f"{m.active_param_count() / 1e9:.2f} B params active per token"
         )
         lines[2] += f"\n        experts: EP={par.ep} ETP={par.expert_tp} expert-DP={plan.edp} ({par.moe_dispatcher})"
+    if m.vision is not None:
+        v = m.vision
+        lines[0] += (
+            f"\n        vision tower {v.kind}: {v.param_count() / 1e6:.0f} M params (depth={v.depth} h={v.hidden} "
+            f"f={v.ffn}), {'trained' if cfg.trains_vision else 'frozen'}, whole on each GPU of pipeline stage 0; "
+            f"{cfg.image_patches_per_micro_batch} patches per micro-batch"
+        )
     for w in plan.warnings:
         lines.append(f"warning: {w}")
     if plan.errors:
@@ -92,6 +99,9 @@ def format_plan(plan: MemoryPlan) -> str:
         ),
         ("framework (CUDA context, NCCL, fragmentation)", c["train_overhead"]),
     ]
+    if m.vision is not None and plan.worst_stage == 0:
+        vision_total = c["vision_weights"] + c["vision_state"] + c["vision_activations"]
+        rows.append(("  of which the vision tower (weights, grads + Adam, act.)", vision_total))
     if not plan.disaggregated:  # a disaggregated training rank holds no engine
         engine_row = f"vLLM asleep (level {ro.sleep_level}, residual)" if vllm else f"transformers engine weights {dt}"
         rows.append((engine_row if vllm else engine_row + " (resident)", c["engine_in_training"]))

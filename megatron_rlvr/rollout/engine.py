@@ -16,6 +16,12 @@ temperature AND top-k/top-p filtering (vllm 0.33.0, ``vllm/v1/sample/ops/topk_to
 convention when top-k and top-p are off, which is the usual RL setting (a top-p rollout is off-policy w.r.t. the
 full distribution the trainer optimises). The vLLM engine therefore refuses top-k/top-p unless explicitly allowed.
 
+Images (vision-language policies): ``generate(..., images=...)`` takes one list of PIL RGB images per prompt, and
+each prompt holds ONE ``<|image_pad|>`` per image (between ``<|vision_start|>`` and ``<|vision_end|>``), as the chat
+template writes it. The engine expands each pad to the image's number of merged patches and returns that expanded
+prompt in ``RolloutOutput.prompt_token_ids``: what the model saw, and what the trainer trains on. Engines without
+image support raise a clear error when images are given.
+
 Token-id convention (same as vLLM): ``token_ids`` hold every generated token, including the EOS / stop token id
 that ended the sample and the token that completed a stop string; ``text`` (when a tokenizer is available) is
 truncated before a matched stop string unless ``include_stop_str_in_output``.
@@ -122,6 +128,7 @@ class RolloutOutput:
     """All samples of one prompt."""
 
     prompt_token_ids: list[int]
+    """The prompt as the model saw it: with images, each ``<|image_pad|>`` expanded to the image's merged patches."""
     completions: list[Completion] = field(default_factory=list)
 
 
@@ -139,6 +146,36 @@ def validate_prompts(prompts: Sequence[Sequence[int]], vocab_size: int | None = 
             raise ValueError(f"prompt {i} has token ids outside [0, {vocab_size}): min {lo}, max {hi}")
         out.append(ids)
     return out
+
+
+def validate_images(images, prompts: Sequence[Sequence[int]], image_token_id: int | None) -> list[list] | None:
+    """Check ``images`` (None, or one list of PIL images per prompt) against the prompts: each prompt must hold
+    exactly one ``image_token_id`` per image (unexpanded, as the chat template writes it), so a prompt with an image
+    token but no image is refused too (the model would embed a placeholder). Returns the lists, or None when no
+    prompt has an image."""
+    if images is None:
+        images = [[] for _ in prompts]
+    else:
+        images = [list(ims) for ims in images]
+        if len(images) != len(prompts):
+            raise ValueError(f"images has {len(images)} entries for {len(prompts)} prompts (one list per prompt)")
+    if image_token_id is None:
+        if any(images):
+            raise ValueError("images were given, but this model has no image token (image_token_id): not a VL model")
+        return None
+    for i, (ids, ims) in enumerate(zip(prompts, images)):
+        for j, im in enumerate(ims):
+            if not (hasattr(im, "mode") and hasattr(im, "size")):
+                raise ValueError(f"images[{i}][{j}] is a {type(im).__name__}, not a PIL image")
+        pads = sum(1 for t in ids if t == image_token_id)
+        if pads != len(ims):
+            hint = ""
+            if not ims:
+                hint = " (an image placeholder without its image: pass the prompt's images)"
+            elif pads > len(ims):
+                hint = " (already expanded? pass one pad per image, as the chat template writes it)"
+            raise ValueError(f"prompt {i} holds {pads} image tokens (id {image_token_id}) for {len(ims)} images{hint}")
+    return images if any(images) else None
 
 
 def prompt_keys_or_default(prompt_keys, n_prompts: int) -> list[int]:
@@ -177,13 +214,19 @@ class RolloutEngine(abc.ABC):
 
     @abc.abstractmethod
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, prompt_keys: Sequence[int] | None = None
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        prompt_keys: Sequence[int] | None = None,
+        images: Sequence[Sequence] | None = None,
     ) -> list[RolloutOutput]:
         """Sample ``params.n`` completions for each prompt (token ids); one RolloutOutput per prompt, in order.
 
         ``prompt_keys``: one integer per prompt (default: its position) from which, with ``params.seed``, the
         prompt's sampling seed is derived; passing global prompt indices makes samples independent of how prompts
-        are split across engines (``rollout.groups`` does)."""
+        are split across engines (``rollout.groups`` does). ``images``: None, or one list of PIL images per prompt
+        (see the module docstring: one ``<|image_pad|>`` per image in the prompt; the output's prompt is
+        expanded)."""
 
     @abc.abstractmethod
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:

@@ -69,8 +69,21 @@ def engine_info(rank: int, world_size: int, rollout_tp: int) -> EngineInfo:
     return EngineInfo(index=rank // rollout_tp, count=world_size // rollout_tp, leader=rank % rollout_tp == 0)
 
 
-def tokenize_prompts(examples: list[Example], tokenizer, data_cfg, max_prompt_len: int):
-    """(kept examples, their prompt ids, number skipped as too long)."""
+IMAGE_PAD_TOKEN = "<|image_pad|>"
+"""Qwen-VL's image placeholder token: one per image in a prompt before expansion."""
+
+
+def image_tokens(image, image_processor) -> int:
+    """Language tokens one image becomes (its pad's expansion): the processor's patch count after its resize, over
+    ``merge_size``^2 (the count vLLM and the processor use)."""
+    patches = image_processor.get_number_of_image_patches(image.height, image.width)
+    return patches // image_processor.merge_size**2
+
+
+def tokenize_prompts(examples: list[Example], tokenizer, data_cfg, max_prompt_len: int, image_processor=None):
+    """(kept examples, their prompt ids, number skipped as too long). An example with images must tokenize to one
+    ``<|image_pad|>`` per image; with ``image_processor`` ``max_prompt_len`` counts the EXPANDED prompt (each pad as
+    its image's tokens: what the engine must hold), else the ids as tokenized."""
     from megatron_rlvr.data import render
 
     kept, ids, too_long = [], [], 0
@@ -79,7 +92,20 @@ def tokenize_prompts(examples: list[Example], tokenizer, data_cfg, max_prompt_le
         toks = tokenizer(text, add_special_tokens=False)["input_ids"]
         if not toks:
             toks = [tokenizer.eos_token_id]
-        if len(toks) > max_prompt_len:
+        if ex.images:
+            # one pad per image, unexpanded (the engine expands it); a template without image parts writes none
+            pad = tokenizer.convert_tokens_to_ids(IMAGE_PAD_TOKEN)
+            n_pads = sum(1 for t in toks if t == pad)
+            if n_pads != len(ex.images):
+                raise ValueError(
+                    f"example {ex.id}: its rendered prompt holds {n_pads} {IMAGE_PAD_TOKEN} tokens for "
+                    f"{len(ex.images)} images (data.template={data_cfg.template!r}: the chat template must write one "
+                    "per image part, as Qwen-VL's does; is model.name a vision-language model?)"
+                )
+        length = len(toks)
+        if ex.images and image_processor is not None:
+            length += sum(image_tokens(im, image_processor) - 1 for im in ex.images)
+        if length > max_prompt_len:
             too_long += 1
             continue
         kept.append(ex)
@@ -125,12 +151,17 @@ def generate_groups(
         # (its ranks run the same steps together); only the group's leader keeps and scores the outputs.
         t0 = time.perf_counter()
         p = SamplingParams(**{**params.__dict__, "seed": round_seed(seed, step, round_idx)})
-        outputs = engine.generate([prompt_ids[i] for i in share], p, prompt_keys=share)
+        # vision-language prompts: the examples' images (the engine returns the prompts expanded, one token per
+        # merged patch, which the trainer trains on)
+        images = [getattr(examples[i], "images", None) or [] for i in share]
+        images = images if any(images) else None
+        kw = {} if images is None else {"images": images}
+        outputs = engine.generate([prompt_ids[i] for i in share], p, prompt_keys=share, **kw)
         stats["time/generate_s"] = time.perf_counter() - t0
     if info.leader and len(share) > 0:
         texts, gts, metas, item_ids = [], [], [], []
         for i, out in zip(share, outputs):
-            g = Group(example=examples[i], prompt_ids=prompt_ids[i])
+            g = Group(example=examples[i], prompt_ids=list(out.prompt_token_ids) if images else prompt_ids[i])
             for c in out.completions:
                 text = c.text if c.text is not None else tokenizer.decode(c.token_ids, skip_special_tokens=True)
                 g.response_ids.append(list(c.token_ids))

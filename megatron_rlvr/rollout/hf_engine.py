@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_rlvr.families.table import vl_family_of, vl_saved_name
 from megatron_rlvr.megatron.cpu_shims import native_torch
 from megatron_rlvr.models.mapping import unfuse_experts
 from megatron_rlvr.rollout.engine import (
@@ -29,6 +30,7 @@ from megatron_rlvr.rollout.engine import (
     SamplingParams,
     prompt_keys_or_default,
     sample_seed,
+    validate_images,
     validate_prompts,
 )
 
@@ -90,8 +92,21 @@ class HFRolloutEngine(RolloutEngine):
     strings and fills ``Completion.text``. EOS ids default to the model's generation config / config.
     """
 
-    def __init__(self, model, tokenizer=None, *, config: HFEngineConfig | None = None, eos_token_ids=None):
+    def __init__(
+        self,
+        model,
+        tokenizer=None,
+        *,
+        config: HFEngineConfig | None = None,
+        eos_token_ids=None,
+        image_processor=None,
+    ):
         self.config = config or HFEngineConfig()
+        # vision-language models: the processor that expands each image placeholder and gives the tower its input
+        self.image_processor = image_processor
+        self._vl = vl_family_of(model.config.to_dict())
+        self.image_token_id = getattr(model.config, "image_token_id", None) if self._vl else None
+        self._merge = int(model.config.vision_config.spatial_merge_size) if self._vl else 1
         self.device = torch.device(self.config.device)
         self.model = model.to(self.device).eval()
         self.tokenizer = tokenizer
@@ -119,9 +134,10 @@ class HFRolloutEngine(RolloutEngine):
     @classmethod
     def from_config(cls, hf_config, tokenizer=None, *, dtype=torch.float32, config: HFEngineConfig | None = None, **kw):
         """Build a randomly initialised model from an HF config (weights then arrive through ``update_weights``)."""
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        auto = AutoModelForImageTextToText if hasattr(hf_config, "vision_config") else AutoModelForCausalLM
+        model = auto.from_config(hf_config, dtype=dtype)
         return cls(model, tokenizer, config=config, **kw)
 
     def _hook_routers(self) -> int:
@@ -151,8 +167,12 @@ class HFRolloutEngine(RolloutEngine):
 
     # -- weights ---------------------------------------------------------------------------------------------------
     def named_parameters(self):
-        """(HF name, parameter) for every parameter, tied aliases included (e.g. lm_head.weight)."""
-        return self.model.named_parameters(remove_duplicate=False)
+        """(HF name, parameter) for every parameter, tied aliases included (e.g. lm_head.weight). Vision-language
+        models: the names their checkpoint holds (transformers nests them differently in memory)."""
+        pairs = self.model.named_parameters(remove_duplicate=False)
+        if self._vl is None:
+            return pairs
+        return ((vl_saved_name(self._vl[1], n), p) for n, p in pairs)
 
     @torch.no_grad()
     def update_weights(self, weights: Iterable, strict: bool = True) -> int:
@@ -247,7 +267,11 @@ class HFRolloutEngine(RolloutEngine):
 
     # -- generation ------------------------------------------------------------------------------------------------
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, prompt_keys: Sequence[int] | None = None
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        prompt_keys: Sequence[int] | None = None,
+        images: Sequence[Sequence] | None = None,
     ) -> list[RolloutOutput]:
         self._check_open()
         if self._sleep_level:
@@ -257,6 +281,14 @@ class HFRolloutEngine(RolloutEngine):
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop (stop strings) needs an engine tokenizer")
         prompts = validate_prompts(prompts, self.vocab_size)
+        images = validate_images(images, prompts, self.image_token_id)
+        vision: list[tuple | None] = [None] * len(prompts)
+        if images is not None:
+            if self.image_processor is None:
+                raise ValueError("images were given but the transformers engine has no image processor")
+            for i, ims in enumerate(images):
+                if ims:
+                    prompts[i], vision[i] = self._expand(prompts[i], ims)
         keys = prompt_keys_or_default(prompt_keys, len(prompts))
         base_seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
         rows = [(i, j) for i in range(len(prompts)) for j in range(params.n)]
@@ -266,13 +298,29 @@ class HFRolloutEngine(RolloutEngine):
             for start in range(0, len(rows), step):
                 chunk = rows[start : start + step]
                 seeds = [sample_seed(base_seed, keys[i], j) for i, j in chunk]
-                for (i, j), comp in zip(chunk, self._generate_rows([prompts[i] for i, _ in chunk], seeds, params)):
+                rows_vision = [None if vision[i] is None else (i, *vision[i]) for i, _ in chunk]
+                comps = self._generate_rows([prompts[i] for i, _ in chunk], seeds, params, rows_vision)
+                for (i, j), comp in zip(chunk, comps):
                     outputs[i].completions[j] = comp
         return outputs
 
+    def _expand(self, prompt: list[int], images: list) -> tuple[list[int], tuple[torch.Tensor, torch.Tensor]]:
+        """(the prompt with each image's one placeholder expanded to its merged patches, (pixel_values [n_patches,
+        D], image_grid_thw [n_images, 3]))."""
+        from megatron_rlvr.models.mrope import image_token_counts
+
+        out = self.image_processor(images=list(images), return_tensors="pt")
+        pixels, grid = out["pixel_values"], out["image_grid_thw"]
+        counts = iter(image_token_counts(grid, self._merge))
+        ids: list[int] = []
+        for tok in prompt:
+            ids.extend([tok] * next(counts) if tok == self.image_token_id else [tok])
+        return ids, (pixels.to(self.model.dtype), grid)
+
     @torch.no_grad()
-    def _forward(self, input_ids, attention_mask, position_ids, cache):
-        """Last-position logits [B, V] fp32 and, when recording, the routes [MoE layers, B, S, k]."""
+    def _forward(self, input_ids, attention_mask, position_ids, cache, **vision):
+        """Last-position logits [B, V] fp32 and, when recording, the routes [MoE layers, B, S, k]. ``vision``: the
+        prompt forward's pixel_values and image_grid_thw (vision-language models)."""
         self._routes.clear()
         out = self.model(
             input_ids=input_ids,
@@ -281,19 +329,32 @@ class HFRolloutEngine(RolloutEngine):
             use_cache=True,
             logits_to_keep=1,
             **{self._cache_kw: cache},
+            **vision,
         )
         return out.logits[:, -1, :].float(), self._take_routes(*input_ids.shape)
 
     @torch.no_grad()
-    def _generate_rows(self, prompts: list[list[int]], seeds: list[int], params: SamplingParams) -> list[Completion]:
+    def _generate_rows(
+        self, prompts: list[list[int]], seeds: list[int], params: SamplingParams, vision: list | None = None
+    ) -> list[Completion]:
+        """``vision``: per row None or (prompt index, pixel_values, image_grid_thw) of its images."""
         from transformers import DynamicCache
 
+        from megatron_rlvr.models.mrope import rope_index
+
         B, dev = len(prompts), self.device
+        vision = vision or [None] * B
         # The n samples of a prompt share its prefill: one forward per distinct prompt, whose cache rows, logits and
-        # mask are then repeated for each of its rows (a row's values do not depend on its batch neighbours).
-        distinct: dict[tuple[int, ...], int] = {}
-        row_of = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
-        uniq = list(distinct)
+        # mask are then repeated for each of its rows (a row's values do not depend on its batch neighbours). Prompts
+        # with images are distinct per prompt index (equal tokens may carry other images).
+        distinct: dict[tuple, int] = {}
+        row_of = [
+            distinct.setdefault((tuple(p), None if v is None else v[0]), len(distinct)) for p, v in zip(prompts, vision)
+        ]
+        uniq = [p for p, _ in distinct]
+        uniq_vision = [None] * len(uniq)
+        for r, v in zip(row_of, vision):
+            uniq_vision[r] = v
         L = max(len(p) for p in uniq)
         input_ids = torch.zeros(len(uniq), L, dtype=torch.long, device=dev)
         mask = torch.zeros(len(uniq), L, dtype=torch.long, device=dev)
@@ -301,16 +362,30 @@ class HFRolloutEngine(RolloutEngine):
             input_ids[r, L - len(p) :] = torch.tensor(p, dtype=torch.long)
             mask[r, L - len(p) :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        extra = {}
+        if self._vl is not None:  # M-RoPE: 3-D positions of the prompts, images in their rows' order
+            positions = positions[None].repeat(3, 1, 1)
+            for r, (p, v) in enumerate(zip(uniq, uniq_vision)):
+                if v is not None:
+                    ids = torch.tensor(p, dtype=torch.long)
+                    positions[:, r, L - len(p) :] = rope_index(ids == self.image_token_id, v[2], self._merge).to(dev)
+            with_images = [v for v in uniq_vision if v is not None]
+            if with_images:
+                extra = dict(
+                    pixel_values=torch.cat([v[1] for v in with_images]).to(dev),
+                    image_grid_thw=torch.cat([v[2] for v in with_images]).to(dev),
+                )
         cache = DynamicCache(config=self.model.config)
-        logits, routes = self._forward(input_ids, mask, positions, cache)
+        logits, routes = self._forward(input_ids, mask, positions, cache, **extra)
+        # the next token's position: one past the largest of the prompt (text after an image continues from there)
+        next_pos = (positions.amax(dim=(0, 2)) + 1)[:, None] if positions.dim() == 3 else positions[:, -1:] + 1
         # R3: each row's routes, the prompt's real (unpadded) positions, then one position per token fed back
         prompt_routes = [None if routes is None else routes[:, row_of[b], L - len(prompts[b]) :] for b in range(B)]
         step_routes: list[list[torch.Tensor]] = [[] for _ in range(B)]
         if len(uniq) < B:  # DynamicCache.batch_select_indices (transformers >= 4.51) also repeats rows
             expand = torch.tensor(row_of, dtype=torch.long, device=dev)
             cache.batch_select_indices(expand)
-            logits, mask, positions = logits[expand], mask[expand], positions[expand]
-        next_pos = positions[:, -1:] + 1
+            logits, mask, next_pos = logits[expand], mask[expand], next_pos[expand]
 
         gens = [torch.Generator(device=dev).manual_seed(s) for s in seeds]
         stop_ids = set(params.stop_token_ids)

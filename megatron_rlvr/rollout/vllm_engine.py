@@ -34,6 +34,16 @@ The vLLM APIs used, all read from both releases' sources:
 - ``enable_sleep_mode=True`` (CUDA only): ``sleep(level)`` frees GPU memory while the trainer runs (level 1 offloads
   weights to host memory, level 2 discards them); ``wake_up(tags=["weights"])`` then ``update_weights`` then
   ``wake_up(tags=["kv_cache"])`` keeps the weight-sync peak low. On CPU sleep/wake are no-ops.
+- Vision-language models (Qwen2.5-VL, Qwen3-VL; ``hf_config`` must then be the HF folder, whose image processor vLLM
+  uses): ``TokensPrompt(prompt_token_ids, multi_modal_data={"image": [...]})`` with ONE ``<|image_pad|>`` per image;
+  vLLM expands it and reports the expanded ids (``RequestOutput.prompt_token_ids``), which ``generate`` returns. An
+  already-expanded prompt would be expanded again (wrong), so it is refused. After every weight update
+  ``LLMEngine.reset_encoder_cache()``: vLLM caches the vision tower's outputs per image hash ACROSS requests and
+  ``reset_prefix_cache`` does not clear them, so an image seen before the update would keep the old tower's
+  embeddings with no error (RL shows the same images every step). After every update the image-normalisation
+  buffers are also rebuilt (:func:`~megatron_rlvr.rollout.vllm_platform.restore_mm_input_norm`): the dummy start
+  randomised them and no checkpoint tensor holds them. CPU without torchvision:
+  :func:`~megatron_rlvr.rollout.vllm_platform.install_vl_shims`.
 - ``logprobs_mode="processed_logprobs"`` with ``SamplingParams(logprobs=0)``: the sampled token's log-prob after
   temperature scaling (``vllm/v1/sample/sampler.py``), which is the project's convention (see ``engine.py``) as long
   as top-k / top-p are off; with them on, vLLM renormalises over the kept tokens, so such requests are refused
@@ -62,6 +72,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megatron_rlvr.families.vl_processor import VL_ARCHITECTURES
 from megatron_rlvr.rollout import vllm_platform
 from megatron_rlvr.rollout.engine import (
     Completion,
@@ -70,6 +81,7 @@ from megatron_rlvr.rollout.engine import (
     SamplingParams,
     prompt_keys_or_default,
     sample_seed,
+    validate_images,
     validate_prompts,
 )
 
@@ -109,6 +121,9 @@ class VLLMEngineConfig:
     """Loose (name, tensor) pairs are grouped into buckets of at most this many bytes per ``load_weights`` call."""
     allow_filtered_logprobs: bool = False
     """Allow top-k / top-p requests although vLLM then reports log-probs renormalised over the kept tokens."""
+    max_images_per_prompt: int = 1
+    """Vision-language models: the most images one prompt may carry (vLLM's ``limit_mm_per_prompt``; it profiles
+    the vision tower's memory for that many images of the largest size)."""
     extra_llm_kwargs: dict = field(default_factory=dict)
     """Passed verbatim to ``vllm.LLM`` (e.g. ``attention_config``)."""
 
@@ -133,6 +148,10 @@ class VLLMEngineConfig:
             raise ValueError(f"VLLMEngineConfig.bucket_bytes must be positive, got {self.bucket_bytes!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"VLLMEngineConfig.max_num_seqs must be positive, got {self.max_num_seqs!r}")
+        if not isinstance(self.max_images_per_prompt, int) or self.max_images_per_prompt < 1:
+            raise ValueError(
+                f"VLLMEngineConfig.max_images_per_prompt must be an int >= 1, got {self.max_images_per_prompt!r}"
+            )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"VLLMEngineConfig.max_model_len must be positive or None, got {self.max_model_len!r}")
 
@@ -170,11 +189,13 @@ def _config_dict(hf_config) -> dict:
 
 
 def _write_model_dir(
-    hf_config, eos_token_ids: Sequence[int] | None = None
+    hf_config, eos_token_ids: Sequence[int] | None = None, processor=None
 ) -> tuple[str, tempfile.TemporaryDirectory | None]:
     """vLLM needs a model folder with config.json; weights are not read (load_format='dummy').
 
-    ``generation_config.json`` carries the EOS ids vLLM stops at (``eos_token_ids``, else the config's)."""
+    ``generation_config.json`` carries the EOS ids vLLM stops at (``eos_token_ids``, else the config's). A
+    vision-language model's ``processor`` (tokenizer, image processor, chat template) is saved beside them: vLLM
+    builds its multimodal processing from the folder."""
     if isinstance(hf_config, (str, os.PathLike)) and os.path.isdir(hf_config):
         return os.fspath(hf_config), None
     cfg = _config_dict(hf_config)
@@ -188,6 +209,8 @@ def _write_model_dir(
         gen["eos_token_id"] = [int(t) for t in eos_token_ids]
     with open(os.path.join(tmp.name, "generation_config.json"), "w") as f:
         json.dump(gen, f)
+    if processor is not None:
+        processor.save_pretrained(tmp.name)
     return tmp.name, tmp
 
 
@@ -278,7 +301,10 @@ class VLLMRolloutEngine(RolloutEngine):
 
     ``hf_config``: HF config (PretrainedConfig, dict, or a model folder). ``tokenizer``: a tokenizer folder/name for
     stop strings and text (None: token ids only, stop strings refused). ``eos_token_ids``: the ids that end a sample
-    (None: the config's ``eos_token_id``).
+    (None: the config's ``eos_token_id``). A vision-language model needs its processor: the model folder's (its
+    ``preprocessor_config.json`` and tokenizer), or ``processor`` (a Qwen-VL processor object, saved into the
+    engine's model folder) with a config; its tokenizer is then the folder's, which vLLM's multimodal processing
+    needs.
     """
 
     def __init__(
@@ -288,6 +314,7 @@ class VLLMRolloutEngine(RolloutEngine):
         *,
         config: VLLMEngineConfig | None = None,
         eos_token_ids: Sequence[int] | None = None,
+        processor=None,
     ):
 
         self.config = cfg = config or VLLMEngineConfig()
@@ -307,24 +334,41 @@ class VLLMRolloutEngine(RolloutEngine):
         self._closed = True  # until LLM() succeeded: close() has nothing to free
         self._tmp = None
         cfg_dict = _config_dict(hf_config)
-        max_len = cfg.max_model_len or int(cfg_dict.get("max_position_embeddings") or 0) or None
+        arch = (cfg_dict.get("architectures") or [None])[0]
+        self.vl_kind = VL_ARCHITECTURES.get(arch)
+        """``qwen2_5_vl`` / ``qwen3_vl`` for a vision-language model, else None."""
+        self.image_token_id = cfg_dict.get("image_token_id") if self.vl_kind else None
+        kwargs = dict(cfg.extra_llm_kwargs)
+        if self.vl_kind is not None:
+            folder = isinstance(hf_config, (str, os.PathLike)) and os.path.isdir(hf_config)
+            if not folder and processor is None:
+                raise ValueError(
+                    f"{arch} is a vision-language model: VLLMRolloutEngine needs its HF folder as hf_config or its "
+                    "processor (processor=...): vLLM builds the multimodal processing from them"
+                )
+            vllm_platform.install_vl_shims(self.vl_kind)
+            kwargs.setdefault("limit_mm_per_prompt", {"image": cfg.max_images_per_prompt})
+        # a VL config keeps the language model's sizes in text_config
+        text_cfg = {**cfg_dict, **cfg_dict.get("text_config", {})}
+        max_len = cfg.max_model_len or int(text_cfg.get("max_position_embeddings") or 0) or None
         kv_bytes = cfg.kv_cache_bytes
         if kv_bytes is None and self.platform.kv_cache_from_config:
             if max_len is None:
                 raise ValueError("VLLMEngineConfig.max_model_len is needed to size the CPU KV cache")
             kv_bytes = vllm_platform.kv_cache_bytes_for(
-                cfg_dict, cfg.dtype, max_len, cfg.max_num_seqs, cfg.cpu_kv_cache_cap_bytes
+                text_cfg, cfg.dtype, max_len, cfg.max_num_seqs, cfg.cpu_kv_cache_cap_bytes
             )
         self.kv_cache_bytes = kv_bytes
-        kwargs = dict(cfg.extra_llm_kwargs)
         if kv_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = kv_bytes
         if self.platform.whole_prefill_budget and max_len:  # vllm_platform: no split prefill of seeded requests
             kwargs.setdefault("max_num_batched_tokens", max(4096, cfg.max_num_seqs * max_len))
         self._shm_before = _cpu_shm_files()
-        self._model_dir, self._tmp = _write_model_dir(hf_config, eos_token_ids)
+        self._model_dir, self._tmp = _write_model_dir(hf_config, eos_token_ids, processor if self.vl_kind else None)
+        if self.vl_kind is not None:
+            tokenizer = self._model_dir  # the processor's tokenizer, saved with it
         self.tokenizer = tokenizer
-        eos = cfg_dict.get("eos_token_id") if eos_token_ids is None else eos_token_ids
+        eos = text_cfg.get("eos_token_id") if eos_token_ids is None else eos_token_ids
         self.eos_token_ids = tuple(
             int(t) for t in ([] if eos is None else eos if isinstance(eos, (list, tuple)) else [eos])
         )
@@ -351,7 +395,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self._owns_no_world = not distributed  # the uni executor made its own world: close() lets vLLM end it
         self._shm_mine = _cpu_shm_files() - self._shm_before
         hf = self.llm.llm_engine.model_config.hf_config
-        self.vocab_size = int(hf.vocab_size)
+        self.vocab_size = int(hf.get_text_config().vocab_size)
         # with enable_lora, vLLM wraps each adaptable linear: its weight is "<linear>.base_layer.weight", which
         # load_weights reports under the plain name
         names = self.llm.apply_model(lambda m: [n for n, _ in m.named_parameters()])[0]
@@ -389,7 +433,11 @@ class VLLMRolloutEngine(RolloutEngine):
         )
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, prompt_keys: Sequence[int] | None = None
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        prompt_keys: Sequence[int] | None = None,
+        images: Sequence[Sequence] | None = None,
     ) -> list[RolloutOutput]:
         self._check_open()
         if self._asleep:
@@ -403,6 +451,9 @@ class VLLMRolloutEngine(RolloutEngine):
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop (stop strings) needs a tokenizer: VLLMRolloutEngine(tokenizer=...)")
         prompts = validate_prompts(prompts, self.vocab_size)
+        if images is not None and self.vl_kind is None:
+            raise ValueError("images were given, but this vLLM engine serves a text-only model")
+        images = validate_images(images, prompts, self.image_token_id)
         keys = prompt_keys_or_default(prompt_keys, len(prompts))
         # A seed for every request keeps the ranks of one rollout TP group sampling identically; without one, the
         # per-call counter (the same on every rank) stands in.
@@ -412,15 +463,21 @@ class VLLMRolloutEngine(RolloutEngine):
 
         # one seed per prompt (vLLM gives child sample j the seed + j); random 61-bit seeds do not collide in practice
         vparams = [self._vllm_params(params, sample_seed(base, k, 0) >> 2) for k in keys]
+        requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        for req, ims in zip(requests, images or ()):
+            if ims:
+                req["multi_modal_data"] = {"image": ims}
         with self.platform.engine_call():
             outs = self.llm.generate(
-                [TokensPrompt(prompt_token_ids=p) for p in prompts],
+                requests,
                 vparams,
                 use_tqdm=False,
                 lora_request=self.lora_request,
             )
         eos_only = set(self.eos_token_ids) - set(params.stop_token_ids)
-        return [self._convert(p, o, self.tokenizer is not None, eos_only) for p, o in zip(prompts, outs)]
+        # with images the prompt the model saw is vLLM's expanded one (one pad per merged patch)
+        seen = [list(o.prompt_token_ids) if images else p for p, o in zip(prompts, outs)]
+        return [self._convert(p, o, self.tokenizer is not None, eos_only) for p, o in zip(seen, outs)]
 
     @staticmethod
     def _convert(prompt: list[int], out, has_text: bool, eos_ids: set[int] = frozenset()) -> RolloutOutput:
@@ -467,8 +524,13 @@ class VLLMRolloutEngine(RolloutEngine):
             finally:
                 self.llm.apply_model(lambda model: finalize_layerwise_reload(model, model_config))
             self.llm.apply_model(lambda model: _refresh_tied(model, tied))
+            if self.vl_kind is not None:
+                self.llm.apply_model(lambda model: vllm_platform.restore_mm_input_norm(model, model_config))
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight update (requests running?)")
+        if self.vl_kind is not None:
+            # cached vision-tower outputs were computed with the old weights (module docstring)
+            engine.reset_encoder_cache()
         if strict:
             missing = sorted(self._param_names - loaded)
             if missing:

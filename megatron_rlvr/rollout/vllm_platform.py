@@ -33,6 +33,19 @@ read from the vLLM source of both releases:
   passes. On CPU the engine forgets every MoE layer's kernel after ``initialize_layerwise_reload``, so the reload
   takes the first-load path (kernel rebuilt, weights prepacked). CUDA keeps vLLM's path (its default backends do
   nothing in that step; unverified on a GPU here).
+- **vision-language models without torchvision** — the CPU venv has no torchvision (no CPU build for our torch; the
+  PyPI wheel links the CUDA libtorch). vLLM's ``qwen2_vl.py`` / ``qwen3_vl.py`` import ``smart_resize`` (and Qwen3-VL
+  its video processor) from transformers modules that import torchvision at their top, and vLLM builds the HF
+  processor with transformers' own classes, which need a video processor. :func:`install_vl_shims` (only where
+  torchvision is missing, so GPU wheels run vLLM untouched) puts stub modules with transformers' identical PIL
+  ``smart_resize`` in their place, serves the image-only processor of
+  :mod:`megatron_rlvr.families.vl_processor`, declares images the only modality, and registers the model class in
+  this process (vLLM otherwise inspects the architecture in a subprocess, which has no stub). It needs the
+  in-process engine core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), which the engine always uses.
+
+Two more vision-language fixes are not platform differences but apply to both: :func:`restore_mm_input_norm` (the
+dummy start randomises the image-normalisation buffers) and the encoder-cache reset after every weight update
+(in the engine).
 """
 
 from __future__ import annotations
@@ -95,6 +108,119 @@ def forget_moe_kernels(model) -> int:
             method.moe_kernel = None
             n += 1
     return n
+
+
+VL_MODEL_MODULES = {"qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl"}
+"""VL kind -> the vLLM model module (``vllm.model_executor.models.<name>``) that serves it."""
+_PROCESSING_INFO = {"qwen2_5_vl": "Qwen2_5_VLProcessingInfo", "qwen3_vl": "Qwen3VLProcessingInfo"}
+
+_TORCHVISION_MODULES = {
+    # module that imports torchvision at its top -> the names vLLM takes from it
+    "transformers.models.qwen2_vl.image_processing_qwen2_vl": ("smart_resize", "Qwen2VLImageProcessor"),
+    "transformers.models.qwen3_vl.video_processing_qwen3_vl": ("smart_resize", "Qwen3VLVideoProcessor"),
+}
+
+
+def _stub_torchvision_modules() -> None:
+    """Put image-only stand-ins for the transformers modules that import torchvision into ``sys.modules``:
+    ``smart_resize`` is transformers' own PIL copy (the same function, the PIL image processor's module), the image
+    processor is the PIL one, and a video processor exists only as a type that refuses to be built."""
+    import sys
+    import types
+
+    from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as pil
+
+    class _NoVideoProcessor:
+        """Stands in for a video processor: video needs torchvision, which this machine lacks."""
+
+        def __init__(self, *args, **kwargs):
+            raise NotImplementedError("video inputs need torchvision, which is not installed")
+
+    for name, attrs in _TORCHVISION_MODULES.items():
+        if name in sys.modules and not getattr(sys.modules[name], "_megatron_rlvr_stub", False):
+            continue  # the real module imported (torchvision present after all)
+        stub = types.ModuleType(name)
+        stub._megatron_rlvr_stub = True
+        stub.smart_resize = pil.smart_resize
+        stub.Qwen2VLImageProcessor = pil.Qwen2VLImageProcessorPil
+        stub.Qwen3VLVideoProcessor = _NoVideoProcessor
+        stub.__all__ = list(attrs)
+        sys.modules[name] = stub
+
+
+_SHIMMED: set[str] = set()
+
+
+def install_vl_shims(kind: str) -> bool:
+    """Make vLLM serve the VL family ``kind`` (``qwen2_5_vl`` / ``qwen3_vl``) where torchvision is missing (see the
+    module docstring); a no-op with torchvision, and idempotent. Returns whether shims are in place."""
+    from megatron_rlvr.families.vl_processor import VL_ARCHITECTURES, has_torchvision, load_vl_processor
+
+    if kind not in VL_MODEL_MODULES:
+        raise ValueError(f"vLLM VL shims: kind must be one of {tuple(VL_MODEL_MODULES)}, got {kind!r}")
+    if has_torchvision():
+        return False
+    if kind in _SHIMMED:
+        return True
+    _stub_torchvision_modules()
+    import functools
+    import importlib
+
+    from vllm import ModelRegistry
+
+    module = importlib.import_module(f"vllm.model_executor.models.{VL_MODEL_MODULES[kind]}")
+    arch = next(a for a, k in VL_ARCHITECTURES.items() if k == kind)
+    model_cls = getattr(module, arch)
+    info_cls = getattr(module, _PROCESSING_INFO[kind])
+
+    @functools.lru_cache(maxsize=8)
+    def processor_of(folder: str):
+        return load_vl_processor(folder, kind)
+
+    def get_hf_processor(self, **kwargs):
+        return processor_of(self.ctx.model_config.model)
+
+    info_cls.get_hf_processor = get_hf_processor
+    info_cls.get_supported_mm_limits = lambda self: {"image": None}
+    info_cls.get_mm_max_tokens_per_item = lambda self, seq_len, mm_counts: {"image": self.get_max_image_tokens()}
+    if kind == "qwen3_vl":
+        # Qwen3-VL's override adds video keys to a dict that has none without a video processor
+        parent = info_cls.__mro__[1]
+        info_cls.get_supported_mm_processor_kwargs = lambda self: parent.get_supported_mm_processor_kwargs(self)
+        # its dummy inputs (the start-up warm-up of the multimodal processing) always size a dummy video through
+        # the video processor: images only here
+        module.Qwen3VLDummyInputsBuilder.get_dummy_mm_data = _image_only_dummy_data
+    ModelRegistry.register_model(arch, model_cls)
+    _SHIMMED.add(kind)
+    return True
+
+
+def _image_only_dummy_data(self, seq_len, mm_counts, mm_options):
+    """Dummy multimodal data of the largest image, ``mm_counts["image"]`` times, and no video."""
+    width, height = self.info.get_image_size_with_most_features()
+    images = self._get_dummy_images(
+        width=width, height=height, num_images=mm_counts.get("image", 0), overrides=mm_options.get("image")
+    )
+    return {"image": images}
+
+
+@torch.no_grad()
+def restore_mm_input_norm(model, model_config) -> int:
+    """Give every ``FusedMMInputNorm`` of a vLLM model (image normalisation on the device: ``x * rescale / std -
+    mean / std`` on uint8 pixels) the buffers vLLM builds from the model's image processor. ``load_format="dummy"``
+    fills every tensor of the model with random values, these persistent buffers included, and no checkpoint tensor
+    brings them back: the first streamed load would leave the vision input garbage (log-prob error ~2.6 on the tiny
+    Qwen2.5-VL against transformers). Run inside ``set_current_vllm_config``; returns the number of modules set."""
+    from vllm.model_executor.layers.fusion.mm_input_norm import FusedMMInputNorm, build_mm_input_norm
+
+    mods = [m for m in model.modules() if isinstance(m, FusedMMInputNorm)]
+    if not mods:
+        return 0
+    fresh = build_mm_input_norm(model_config)
+    for m in mods:
+        m.weight.copy_(fresh.weight.to(m.weight))
+        m.bias.copy_(fresh.bias.to(m.bias))
+    return len(mods)
 
 
 def current_platform() -> VLLMPlatform:

@@ -10,7 +10,7 @@ with advantages, and, once the log-prob stage has run, behaviour and reference l
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -24,7 +24,7 @@ from megatron_rlvr.algorithms import (
 )
 from megatron_rlvr.megatron.cpu_shims import native_torch
 from megatron_rlvr.rollout.groups import Group
-from megatron_rlvr.trainer.microbatch import Sequence
+from megatron_rlvr.trainer.microbatch import Sequence, VisionInputs
 
 
 @dataclass(frozen=True)
@@ -106,12 +106,33 @@ class TrainBatch:
         return any(s.train for s in self.sequences)
 
 
+def group_vision(group: Group, image_processor, image_token_id: int, spatial_merge_size: int) -> VisionInputs | None:
+    """The trainer's image inputs of a group's prompt (None without images): ``image_processor`` on the example's
+    images (deterministic: the same pixels and grids the engine's processor gave), the image mask from the prompt
+    ids the engine returned (expanded: one token per merged patch). ValueError when they disagree."""
+    from megatron_rlvr.models.mrope import image_token_counts
+
+    if not group.example.images:
+        return None
+    out = image_processor(images=list(group.example.images), return_tensors="pt")
+    grid = out["image_grid_thw"].long()
+    mask = torch.tensor(group.prompt_ids, dtype=torch.long) == image_token_id
+    want = sum(image_token_counts(grid, spatial_merge_size))
+    if int(mask.sum()) != want:
+        raise ValueError(
+            f"example {group.example.id!r}: its prompt holds {int(mask.sum())} image tokens, its "
+            f"{len(group.example.images)} images need {want}: the engine must return the expanded prompt"
+        )
+    return VisionInputs(out["pixel_values"], grid, mask, spatial_merge_size)
+
+
 def advantages_and_sequences(
-    rollout: RolloutBatch, algo: AlgorithmConfig
+    rollout: RolloutBatch, algo: AlgorithmConfig, vision: Callable[[Group], VisionInputs | None] | None = None
 ) -> tuple[tuple[Sequence, ...], dict[str, float]]:
     """Training sequences (group-major) of the kept groups and the batch's metrics: the algorithm's advantages,
     mastered prompts and truncation masking, computed once; reward / accuracy / group / length curves of everything
-    generated (``batch_metrics``)."""
+    generated (``batch_metrics``). ``vision``: a group's image inputs (:func:`group_vision`), for vision-language
+    policies."""
     if not rollout.groups:
         return (), {"batch/groups_generated": 0.0}
     kept_groups = [rollout.groups[i] for i in rollout.kept]
@@ -126,7 +147,7 @@ def advantages_and_sequences(
             mastered = mastered_rollouts(algo, kept.shaped_G_n, correct_G_n=kept.correct_G_n)
             adv_rows, mastered_rows = adv.tolist(), mastered.tolist()  # one conversion, not two per sequence
             m.update({k: float(v) for k, v in adv_metrics.items() if k.split("/")[0] in ("adv", "focal", "mcpo")})
-            seqs = _sequences(kept_groups, adv_rows, mastered_rows, algo)
+            seqs = _sequences(kept_groups, adv_rows, mastered_rows, algo, vision)
             m["batch/sequences"] = float(len(seqs))
             m["batch/trained_frac"] = sum(s.train for s in seqs) / len(seqs)
         if all_kept and kept_groups:
@@ -137,9 +158,10 @@ def advantages_and_sequences(
     return tuple(seqs), _finite(m)
 
 
-def _sequences(groups: list[Group], adv_rows, mastered_rows, algo: AlgorithmConfig) -> list[Sequence]:
+def _sequences(groups: list[Group], adv_rows, mastered_rows, algo: AlgorithmConfig, vision=None) -> list[Sequence]:
     seqs: list[Sequence] = []
     for gi, g in enumerate(groups):
+        images = None if vision is None else vision(g)
         for j, resp in enumerate(g.response_ids):
             truncated = g.finish_reasons[j] == "length"
             seqs.append(
@@ -151,6 +173,7 @@ def _sequences(groups: list[Group], adv_rows, mastered_rows, algo: AlgorithmConf
                     train=len(resp) > 0 and not (algo.dapo.mask_truncated and truncated),
                     rollout_logprobs=list(g.logprobs[j]),
                     engine_routes=g.routes[j] if g.routes else None,
+                    vision=images,
                 )
             )
     return seqs

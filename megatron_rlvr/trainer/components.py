@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,6 +25,7 @@ from megatron_rlvr.megatron.policy import (
     ModelSource,
     build_model,
     build_optimizer,
+    load_image_processor,
     load_tokenizer,
     model_args_for,
     resolve_model_source,
@@ -97,6 +98,8 @@ class Trainer:
     """Saves and resumes this run's checkpoints."""
     evaluator: PeriodicEval
     """The run's evaluation benchmarks."""
+    image_processor: Any = None
+    """The image processor of a vision-language policy (images -> the tower's pixel values); None: text only."""
     ref_model: GPTModel | None = None
     """Frozen reference policy (reference-KL algorithms)."""
     lock: RunLock | None = None
@@ -147,8 +150,10 @@ def setup(cfg: RunConfig, run_dir: str | None, lock: RunLock | None = None, with
     if d.local_rank != 0:
         source = resolve_model_source(cfg.model)
     tokenizer = load_tokenizer(source)
+    image_processor = load_image_processor(source)
     args = model_args_for(source, cfg.model, par, cfg.train)
-    model = wrap_ddp(build_model(args, source, cfg.train.seed, d.pg, lora=cfg.model.lora), par.distributed_optimizer)
+    model = build_model(args, source, cfg.train.seed, d.pg, lora=cfg.model.lora, freeze_vision=cfg.model.freeze_vision)
+    model = wrap_ddp(model, par.distributed_optimizer)
     optimizer, scheduler = build_optimizer(model, cfg.optimizer, cfg.schedule, par, cfg.model.dtype)
     ref_model = None
     if cfg.keeps_ref_model and cfg.model.lora is not None:  # the base model is the policy with adapters off
@@ -193,6 +198,7 @@ def setup(cfg: RunConfig, run_dir: str | None, lock: RunLock | None = None, with
         dist=d,
         source=source,
         tokenizer=tokenizer,
+        image_processor=image_processor,
         args=args,
         model=model,
         optimizer=optimizer,

@@ -8,6 +8,7 @@ import os
 
 import torch
 
+from megatron_rlvr.megatron.policy import load_image_processor
 from megatron_rlvr.models.hf_config import hf_config_object
 from megatron_rlvr.rollout.lora_sync import adapter_engine_kwargs
 
@@ -66,6 +67,7 @@ def _hf_engine(cfg, source, tokenizer, dist_info):
             return_routes=cfg.train.routing_replay == "r3",  # R3 replays the engine's routes
         ),
         eos_token_ids=_eos_ids(source, tokenizer),
+        image_processor=load_image_processor(source),
     )
 
 
@@ -73,11 +75,19 @@ def _vllm_engine(cfg, source, tokenizer, dist_info):
     from megatron_rlvr.rollout.vllm_engine import VLLMEngineConfig, VLLMRolloutEngine
 
     r = cfg.rollout
+    image_processor = load_image_processor(source)
+    processor = None
+    if image_processor is not None:  # a vision-language policy: vLLM needs the whole processor in its model folder
+        from megatron_rlvr.families.vl_processor import vl_processor
+        from megatron_rlvr.megatron.policy import vl_kind
+
+        processor = vl_processor(vl_kind(source), image_processor, tokenizer)
     try:
         return VLLMRolloutEngine(
             source.hf_config,
             tokenizer=source.tokenizer_dir,
             eos_token_ids=_eos_ids(source, tokenizer),
+            processor=processor,
             config=VLLMEngineConfig(
                 tensor_parallel_size=cfg.parallel.rollout_tp,
                 gpu_memory_utilization=r.gpu_memory_utilization,

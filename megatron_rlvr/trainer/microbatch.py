@@ -35,6 +35,20 @@ import torch
 from megatron_rlvr.rollout.mismatch import MismatchCorrectionConfig, correction_weights
 
 
+@dataclass(frozen=True)
+class VisionInputs:
+    """The images of one prompt (vision-language policies), shared by the sequences of its group."""
+
+    pixel_values: torch.Tensor
+    """[n_patches, D]: the image processor's output for the prompt's images, in prompt order."""
+    image_grid_thw: torch.Tensor
+    """[n_images, 3] long: each image's (temporal, height, width) patch grid."""
+    prompt_image_mask: torch.Tensor
+    """[P] bool: the prompt's image tokens (one per merged patch; a sampled image token is text)."""
+    spatial_merge_size: int
+    """Patches merged per side into one token (M-RoPE positions count merged patches)."""
+
+
 @dataclass
 class Sequence:
     """One training sequence (a prompt and one sampled response) with its per-sequence training inputs."""
@@ -54,6 +68,8 @@ class Sequence:
     """Engine log-probs of the response tokens (length R)."""
     engine_routes: torch.Tensor | None = None
     """The engine's MoE routes [MoE layers, length - 1, k] int16 (routing replay R3); None when not returned."""
+    vision: VisionInputs | None = None
+    """The prompt's images (vision-language policies); None: text only."""
 
     @property
     def length(self) -> int:
@@ -72,7 +88,8 @@ class MicroBatch:
     tokens: torch.Tensor
     """[b, s] long: input token ids (right-padded; packed rows hold several sequences)."""
     position_ids: torch.Tensor
-    """[b, s] long: positions (restart at 0 for each sequence of a packed row)."""
+    """[b, s] long: positions (restart at 0 for each sequence of a packed row); [3, b, s] (temporal, height, width:
+    M-RoPE, models/mrope.py) when the micro-batch holds images."""
     labels: torch.Tensor
     """[b, s] long: the next token of every model position."""
     mask: torch.Tensor
@@ -96,6 +113,23 @@ class MicroBatch:
     """[b, 1, s, s] bool, True = not attended: block-diagonal causal mask of packed rows (None: causal)."""
     unpack: torch.Tensor | None = None
     """[n, s] long: flat position in the packed [b * s] model output of each (sequence, position) (None: unpacked)."""
+    pixel_values: torch.Tensor | None = None
+    """[n_patches, D]: the images of the micro-batch's model rows, in the order their tokens appear in [b, s]
+    (None: no images)."""
+    image_grid_thw: torch.Tensor | None = None
+    """[n_images, 3] long: their patch grids, same order."""
+    image_mask: torch.Tensor | None = None
+    """[b, s] bool: the image tokens of the model rows (prompt positions only)."""
+
+    def vision_kwargs(self, device) -> dict[str, torch.Tensor]:
+        """The model's image inputs on ``device`` (empty without images)."""
+        if self.pixel_values is None:
+            return {}
+        return dict(
+            pixel_values=self.pixel_values.to(device),
+            image_grid_thw=self.image_grid_thw.to(device),
+            image_mask=self.image_mask.to(device),
+        )
 
 
 def pack(lengths: list[int], budget: int | None, uniform: bool, multiple: int = 1) -> list[tuple[list[int], int, int]]:
@@ -221,6 +255,7 @@ def build_microbatch(
         ref.append(_response_row(None if ref_logp is None else ref_logp[r], P - 1, s, "reference log-probs"))
     dummy = b - len(seqs)
     zeros = [0.0] * s
+    vision = _vision_fields([[q] for q in seqs] + [[]] * dummy, [[0] for _ in seqs] + [[]] * dummy, b, s)
     mask_t = torch.tensor(mask + [[False] * s] * dummy, dtype=torch.bool).reshape(b, s)
     rollout_t = torch.tensor(rollout + [zeros] * dummy, dtype=torch.float32).reshape(b, s)
     old_t = torch.tensor(old + [zeros] * dummy, dtype=torch.float32).reshape(b, s)
@@ -229,7 +264,9 @@ def build_microbatch(
         weight = importance_weights(old_t, rollout_t, mask_t, correction)
     return MicroBatch(
         tokens=torch.tensor(tokens + [[pad_id] * s] * dummy, dtype=torch.long).reshape(b, s),
-        position_ids=torch.arange(s, dtype=torch.long).unsqueeze(0).expand(b, s).contiguous(),
+        position_ids=vision.pop(
+            "position_ids", torch.arange(s, dtype=torch.long).unsqueeze(0).expand(b, s).contiguous()
+        ),
         labels=torch.tensor(labels + [[pad_id] * s] * dummy, dtype=torch.long).reshape(b, s),
         mask=mask_t,
         adv=torch.tensor([float(q.adv) for q in seqs] + [0.0] * dummy, dtype=torch.float32),
@@ -241,6 +278,38 @@ def build_microbatch(
             ([-1] * len(seqs) if ids is None else [int(i) for i in ids[: len(seqs)]]) + [-1] * dummy, dtype=torch.long
         ),
         is_weight=weight,
+        **vision,
+    )
+
+
+def _vision_fields(rows: list[list[Sequence]], offsets: list[list[int]], b: int, s: int) -> dict:
+    """M-RoPE positions [3, b, s], image mask [b, s], pixel values and grids of model rows holding the sequences
+    ``rows[r]`` at ``offsets[r]``; {} when no sequence has images (text-only rows keep 1-D positions)."""
+    from megatron_rlvr.models.mrope import rope_index
+
+    if not any(q.vision is not None for row in rows for q in row):
+        return {}
+    positions = torch.arange(s, dtype=torch.long).expand(3, b, s).clone()
+    mask = torch.zeros(b, s, dtype=torch.bool)
+    pixels, grids = [], []
+    for r, (row, offs) in enumerate(zip(rows, offsets)):
+        for q, o in zip(row, offs):
+            L = q.length
+            positions[:, r, o : o + L] = torch.arange(L)
+            v = q.vision
+            if v is None:
+                continue
+            m = torch.zeros(L, dtype=torch.bool)
+            m[: q.prompt_len] = v.prompt_image_mask
+            positions[:, r, o : o + L] = rope_index(m, v.image_grid_thw, v.spatial_merge_size)
+            mask[r, o : o + L] = m
+            pixels.append(v.pixel_values)
+            grids.append(v.image_grid_thw)
+    return dict(
+        position_ids=positions,
+        image_mask=mask,
+        pixel_values=torch.cat(pixels),
+        image_grid_thw=torch.cat(grids).long(),
     )
 
 
@@ -272,11 +341,16 @@ def _packed_microbatch(seqs, rows, b, s, pad_id, *, old_logp, ref_logp, ids, cor
             o += L
     seg = torch.tensor(segment, dtype=torch.long)
     causal = torch.ones(s, s, dtype=torch.bool).tril()
+    offsets = [[sum(seqs[k].length for k in row[:i]) for i in range(len(row))] for row in rows]
+    vision = _vision_fields(
+        [[seqs[j] for j in row] for row in rows] + [[]] * (b - len(rows)), offsets + [[]] * (b - len(rows)), b, s
+    )
     return dataclasses.replace(
         flat,
+        **{k: v for k, v in vision.items() if k != "position_ids"},
         tokens=torch.tensor(tokens, dtype=torch.long).reshape(b, s),
         labels=torch.tensor(labels, dtype=torch.long).reshape(b, s),
-        position_ids=torch.tensor(positions, dtype=torch.long).reshape(b, s),
+        position_ids=vision.get("position_ids", torch.tensor(positions, dtype=torch.long).reshape(b, s)),
         attention_mask=~((seg[:, :, None] == seg[:, None, :]) & causal)[:, None],
         unpack=torch.tensor(unpack, dtype=torch.long).reshape(len(seqs), s),
     )

@@ -26,6 +26,7 @@ from megatron_rlvr.trainer.batch import (
     TrainBatch,
     advantages_and_sequences,
     group_rewards,
+    group_vision,
     informative,
 )
 from megatron_rlvr.trainer.components import Trainer
@@ -48,7 +49,9 @@ def rollout(t: Trainer, step: int) -> RolloutBatch:
     rewards = None
     for round_idx in range(cfg.train.dynamic_sampling_max_rounds if dynamic else 1):
         examples = t.loader.next_batch(need)
-        examples, ids, too_long = tokenize_prompts(examples, t.tokenizer, cfg.data, cfg.rollout.max_prompt_len)
+        examples, ids, too_long = tokenize_prompts(
+            examples, t.tokenizer, cfg.data, cfg.rollout.max_prompt_len, t.image_processor
+        )
         m["data/prompts_too_long"] += too_long
         new, stats = generate_groups(
             t.engine,
@@ -88,7 +91,7 @@ def rollout(t: Trainer, step: int) -> RolloutBatch:
 def train_batch(t: Trainer, rolled: RolloutBatch) -> tuple[TrainBatch, dict[str, float]]:
     """Advantages (once), then this rank's behaviour log-probs (recomputed with the current weights, or the
     engine's) and reference log-probs (when a KL term needs them); returns the batch and the metrics so far."""
-    seqs, m = advantages_and_sequences(rolled, t.algo)
+    seqs, m = advantages_and_sequences(rolled, t.algo, vision_of(t))
     m = {**rolled.metrics, **m}
     if not any(s.train for s in seqs):
         return TrainBatch(sequences=seqs, policy_version=rolled.policy_version), m
@@ -190,6 +193,15 @@ def mismatch_metrics(t: Trainer, seqs, old) -> dict[str, float]:
     return out
 
 
+def vision_of(t: Trainer):
+    """A group -> its image inputs (vision-language policies: trainer/batch.py group_vision); None for text-only
+    policies."""
+    spec = t.args.vision
+    if spec is None or t.image_processor is None:
+        return None
+    return lambda g: group_vision(g, t.image_processor, spec.image_token_id, spec.spatial_merge_size)
+
+
 def ref_logits_fn(t: Trainer):
     """For the exact reference KL: the reference model's logits shard of a micro-batch (PP = 1)."""
     if t.ref_model is None or t.algo.ref_kl.estimator != "exact":
@@ -199,6 +211,6 @@ def ref_logits_fn(t: Trainer):
         with torch.no_grad():
             dev = t.dist.device
             mask = None if mb.attention_mask is None else mb.attention_mask.to(dev)  # packed rows
-            return t.ref_model(mb.tokens.to(dev), mb.position_ids.to(dev), mask)
+            return t.ref_model(mb.tokens.to(dev), mb.position_ids.to(dev), mask, **mb.vision_kwargs(dev))
 
     return fn
