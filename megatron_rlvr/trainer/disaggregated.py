@@ -243,6 +243,8 @@ class RolloutWorker:
     engine_info: EngineInfo
     reward_manager: object
     loader: object
+    image_processor: object = None
+    """Vision-language policies: the model's image processor (prompt lengths count the expanded image tokens)."""
     policy_version: int = -1
     in_flight: dict[str, float] = dataclasses.field(default_factory=dict)
     """Partial rollouts: metrics of the weight updates applied during the current rollout."""
@@ -254,7 +256,7 @@ class RolloutWorker:
 
 def build_worker(cfg: RunConfig, roles: Roles) -> RolloutWorker:
     from megatron_rlvr.data import build_train_dataset, build_train_loader
-    from megatron_rlvr.megatron.policy import load_tokenizer, resolve_model_source
+    from megatron_rlvr.megatron.policy import load_image_processor, load_tokenizer, resolve_model_source
     from megatron_rlvr.rewards import RewardManager
     from megatron_rlvr.trainer.components import cpu_threads
     from megatron_rlvr.trainer.engine_setup import build_engine
@@ -270,7 +272,7 @@ def build_worker(cfg: RunConfig, roles: Roles) -> RolloutWorker:
     loader = build_train_loader(
         cfg.data, cfg.train.prompts_per_step, dp_rank=0, dp_world=1, dataset=build_train_dataset(cfg.data)
     )
-    return RolloutWorker(cfg, tokenizer, engine, info, reward_manager, loader)
+    return RolloutWorker(cfg, tokenizer, engine, info, reward_manager, loader, load_image_processor(source))
 
 
 def agreed_version(newest: int, roles: Roles) -> int:
