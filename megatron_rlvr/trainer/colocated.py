@@ -146,7 +146,8 @@ def summary(t: Trainer, ckpt_path, hf_dir, plot_path) -> str:
     if ckpt_path:
         lines.append(f"  checkpoint:  {ckpt_path}")
     if hf_dir:
-        lines.append(f"  HF model:    {hf_dir}  (transformers.AutoModelForCausalLM.from_pretrained)")
+        auto = "AutoModelForImageTextToText" if t.image_processor is not None else "AutoModelForCausalLM"
+        lines.append(f"  HF model:    {hf_dir}  (transformers.{auto}.from_pretrained)")
     if plot_path:
         lines.append(f"  curves:      {plot_path}")
     return "\n".join(lines)
