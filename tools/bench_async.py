@@ -3,9 +3,12 @@
 colocated synchronous schedule on the same total cores (2 ranks x 1 thread, data parallel: both generate, then
 both train) for reference.
 
-The workload is the tiny preset with longer responses, so that generation (the transformers engine, token by
-token) and training take comparable time per step; each run's own metrics say how comparable (``async/rollout_s``
-against the training rank's busy time). The three runs of a round go in a rotating order (k0, k1, colocated, then
+The workload is the tiny preset with 40-token responses and 16 prompts x 8 samples a step, chosen so that
+generation (the transformers engine, token by token: its cost follows the response length) and training (its cost
+follows the token count) take comparable time per step: about 0.06 s and 0.05 s on one thread each, so the ceiling
+(G + T) / max(G, T) is about 1.8 (64 prompts with 24-token responses made training twice as long as generation, a
+ceiling of 1.5). Each run's own metrics say how comparable (``async/rollout_s`` against the training rank's busy
+time). The three runs of a round go in a rotating order (k0, k1, colocated, then
 k1, colocated, k0, ...) so that neither a slow phase of a shared machine nor the position in a round favours one.
 The rate of a run is measured from its metrics' wall times between the first and the last steady step (the first
 ``--skip`` steps pay start-up and, at k = 1, are served by the rollout rank's head start, which would inflate the
@@ -13,7 +16,7 @@ rate). Prints one line per run, the medians, the load average, and last ``async_
 medians). On a machine whose cores are busy with other work the overlap has no free core to run on: the speedup
 then says nothing about the schedule (compare the load average with the core count).
 
-    PYTHONPATH=. python tools/bench_async.py [--rounds 3] [--steps 14] [extra overrides ...]
+    PYTHONPATH=. python tools/bench_async.py [--rounds 3] [--steps 20] [extra overrides ...]
 """
 
 from __future__ import annotations
@@ -34,9 +37,9 @@ WORKLOAD = [
     "parallel.tp=1",
     "launch.threads_per_rank=1",
     "reward.num_workers=0",
-    "rollout.max_response_len=24",
+    "rollout.max_response_len=40",
     "rollout.max_prompt_len=8",
-    "train.prompts_per_step=64",
+    "train.prompts_per_step=16",
     "rollout.n=8",
     "data.procedural.num_examples=100000",
     "checkpoint.save_every=0",
@@ -89,8 +92,8 @@ def run(mode: str, steps: int, skip: int, extra: list[str], root: str, i: int) -
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=14)
-    ap.add_argument("--skip", type=int, default=3, help="steps left out of the rate (start-up, k = 1 head start)")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--skip", type=int, default=4, help="steps left out of the rate (start-up, k = 1 head start)")
     ap.add_argument("extra", nargs="*", help="more config overrides")
     a = ap.parse_args()
     if a.steps - a.skip < 3:
