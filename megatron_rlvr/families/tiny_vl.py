@@ -91,64 +91,12 @@ def _check_kind(kind: str) -> None:
         raise ValueError(f"tiny VL kind must be one of {VL_KINDS}, got {kind!r}")
 
 
-def _token_ids(tok) -> dict[str, int]:
-    g = tok.convert_tokens_to_ids
-    return dict(
-        image_token_id=g("<|image_pad|>"),
-        video_token_id=g("<|video_pad|>"),
-        vision_start_token_id=g("<|vision_start|>"),
-        vision_end_token_id=g("<|vision_end|>"),
-    )
+def tiny_vl_hf_config(kind: str = "qwen2_5_vl"):
+    """The transformers config object of a tiny VL model of family ``kind`` (from :func:`tiny_vl_config_dict`)."""
+    from transformers import AutoConfig
 
-
-def tiny_vl_hf_config(kind: str = "qwen2_5_vl", tokenizer=None, tie_word_embeddings: bool = False):
-    """The transformers config object of a tiny VL model of family ``kind``."""
-    from transformers import Qwen2_5_VLConfig, Qwen3VLConfig
-
-    _check_kind(kind)
-    tok = tokenizer or tiny_vl_tokenizer()
-    ids = _token_ids(tok)
-    hidden, heads = 128, 4
-    head_dim = hidden // heads
-    pad, eos = tok.pad_token_id, tok.eos_token_id
-    text = dict(
-        vocab_size=len(tok),
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=2,
-        num_attention_heads=heads,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        bos_token_id=pad,
-        eos_token_id=eos,
-        pad_token_id=pad,
-        tie_word_embeddings=tie_word_embeddings,
-    )
-    vision = dict(
-        depth=2,
-        hidden_size=64,
-        intermediate_size=128,
-        num_heads=2,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
-        out_hidden_size=hidden,
-        in_channels=3,
-    )
-    section = [4, 6, 6]  # sums to head_dim / 2 = 16
-    if kind == "qwen2_5_vl":
-        text.update(
-            use_sliding_window=False,
-            rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=section),
-        )
-        vision.update(patch_size=14, window_size=56, fullatt_block_indexes=[1])
-        return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=tie_word_embeddings, **ids)
-    text.update(
-        head_dim=head_dim,
-        rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=section, mrope_interleaved=True),
-    )
-    vision.update(patch_size=16, num_position_embeddings=64, deepstack_visual_indexes=[0])
-    return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=tie_word_embeddings, **ids)
+    config = tiny_vl_config_dict(kind)
+    return AutoConfig.for_model(config.pop("model_type"), **config)
 
 
 TINY_VL_MODELS = {"tiny_vl": "qwen2_5_vl", "tiny_vl3": "qwen3_vl"}
@@ -157,8 +105,7 @@ TINY_VL_MODELS = {"tiny_vl": "qwen2_5_vl", "tiny_vl3": "qwen3_vl"}
 
 def tiny_vl_config_dict(kind: str = "qwen2_5_vl") -> dict:
     """The HF config of a tiny VL model of family ``kind`` as a plain dict, without transformers (the run config is
-    checked torch-free); ``transformers.AutoConfig.for_model(**it)`` gives the same model as :func:`tiny_vl_hf_config`
-    (tests/test_trainer_vl.py)."""
+    checked torch-free); :func:`tiny_vl_hf_config` makes the transformers config object of it."""
     _check_kind(kind)
     vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + CHARS)}
     hidden, heads = 128, 4
@@ -233,7 +180,7 @@ def save_tiny_vl(path: str | os.PathLike, kind: str = "qwen2_5_vl", seed: int = 
     cls = Qwen2_5_VLForConditionalGeneration if kind == "qwen2_5_vl" else Qwen3VLForConditionalGeneration
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = cls(tiny_vl_hf_config(kind, tok)).eval()
+        model = cls(tiny_vl_hf_config(kind)).eval()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
