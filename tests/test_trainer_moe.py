@@ -2,7 +2,6 @@
 top-2) in-process on the shared 4-rank gloo pool: it learns the copy task at EP = 2; MCPO, CPGD and F-GRPO run two
 steps at TP = 2 x EP = 2 (sequence parallel, vocab-parallel statistics over TP), F-GRPO with routing replay R2."""
 
-import json
 import math
 import os
 
@@ -13,28 +12,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "configs", "tiny_moe.yaml")
 
 
-def _records(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-def _train(run_root, runs, overrides):
-    """``runs``: {run name: extra overrides}; each trains from configs/tiny_moe.yaml."""
-    from megatron_rlvr.config import load_run_config
-    from megatron_rlvr.trainer.colocated import train
-
-    return {name: train(load_run_config(CONFIG, [*overrides, *extra]), os.path.join(run_root, name))
-            for name, extra in runs.items()}  # fmt: skip
-
-
 @pytest.mark.slow
 def test_tiny_moe_learns_at_ep2(dist_pool, tmp_path):
     """TP = 1, EP = 2, DP = 4: a random policy is right ~1/19 of the time; 50 steps of MCPO reach a mean reward
     >= 0.8 over the last 5 (80 steps of the preset reach 0.99)."""
     overrides = [*trainer_helpers.QUIET, "schedule.steps=50", "launch.nproc=4"]
-    codes = dist_pool.run(_train, tp=1, ep=2, args=(str(tmp_path), {"learn": []}, overrides), timeout=900)[0]
+    codes = dist_pool.run(
+        trainer_helpers.train_runs, tp=1, ep=2, args=(CONFIG, str(tmp_path), {"learn": []}, overrides), timeout=900
+    )[0]
     assert codes == {"learn": 0}
-    rewards = [r["reward/mean"] for r in _records(tmp_path / "learn")]
+    rewards = [r["reward/mean"] for r in trainer_helpers.records(tmp_path / "learn")]
     assert len(rewards) == 50
     assert sum(rewards[:5]) / 5 <= 0.2, rewards[:5]
     assert sum(rewards[-5:]) / 5 >= 0.8, rewards
@@ -72,10 +59,12 @@ def test_moe_presets_run_two_steps_at_tp2_ep2(dist_pool, tmp_path):
         "launch.nproc=4",
         "reward.fn=trainer_helpers:even_digit_reward",
     ]
-    codes = dist_pool.run(_train, tp=2, ep=2, args=(str(tmp_path), runs, overrides), timeout=600)[0]
+    codes = dist_pool.run(
+        trainer_helpers.train_runs, tp=2, ep=2, args=(CONFIG, str(tmp_path), runs, overrides), timeout=600
+    )[0]
     assert codes == {n: 0 for n in runs}
     for name in ("mcpo", "cpgd", "f_grpo"):
-        recs = _records(tmp_path / name)
+        recs = trainer_helpers.records(tmp_path / name)
         assert [r["step"] for r in recs] == [1, 2], name
         trained = [r for r in recs if r.get("train/updates", 0) >= 1]
         assert trained, f"{name}: no update in two steps"
@@ -83,19 +72,19 @@ def test_moe_presets_run_two_steps_at_tp2_ep2(dist_pool, tmp_path):
             assert math.isfinite(r["loss/total"]) and r["train/skipped_nonfinite"] == 0, name
             if r["adv/abs_mean"] > 0:
                 assert r["optim/grad_norm"] > 0, name
-    assert any("mcpo/hinge_kl" in r for r in _records(tmp_path / "mcpo"))
-    assert any("drift/kl" in r for r in _records(tmp_path / "cpgd"))
+    assert any("mcpo/hinge_kl" in r for r in trainer_helpers.records(tmp_path / "mcpo"))
+    assert any("drift/kl" in r for r in trainer_helpers.records(tmp_path / "cpgd"))
     # the router terms' values are logged per step when switched on (tests/test_moe_router_loss.py checks them)
-    for r in _records(tmp_path / "cpgd"):
+    for r in trainer_helpers.records(tmp_path / "cpgd"):
         if r.get("train/updates", 0) >= 1:
             assert 0.5 < r["moe/aux_loss"] < 4 and r["moe/z_loss"] > 0, r
-    assert not any("moe/aux_loss" in r or "moe/z_loss" in r for r in _records(tmp_path / "mcpo"))
-    replayed = [r for r in _records(tmp_path / "f_grpo") if r.get("routing/replayed_tokens", 0) > 0]
+    assert not any("moe/aux_loss" in r or "moe/z_loss" in r for r in trainer_helpers.records(tmp_path / "mcpo"))
+    replayed = [r for r in trainer_helpers.records(tmp_path / "f_grpo") if r.get("routing/replayed_tokens", 0) > 0]
     assert replayed and all(0 <= r["routing/disagree_tokens"] <= 1 for r in replayed)
-    for r in _records(tmp_path / "r3"):
+    for r in trainer_helpers.records(tmp_path / "r3"):
         # same weights in engine and trainer (fp32): the engine's routes are the trainer's own choice, and the
         # log-probs agree with and without replay
         assert r["routing/replayed_tokens"] > 0 and r["routing/engine_disagree_tokens"] <= 0.01, r
         assert r["mismatch/abs_prob_diff_max"] < 1e-4 and r["mismatch_noreplay/abs_prob_diff_max"] < 1e-4, r
-    frozen = _records(tmp_path / "r2_frozen")
+    frozen = trainer_helpers.records(tmp_path / "r2_frozen")
     assert all(r["routing/replayed_tokens"] > 0 and r["routing/disagree_tokens"] == 0 for r in frozen), frozen

@@ -3,7 +3,6 @@ the visual_count task) in-process on the shared 4-rank gloo pool: it learns to c
 transformers engine at TP = 2; CPGD, MCPO and GRPO run two steps each on both VL families; micro-batches carry the
 images, their image mask and M-RoPE positions, with and without row packing."""
 
-import json
 import math
 import os
 
@@ -15,32 +14,20 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "configs", "tiny_vl.yaml")
 
 
-def _records(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-def _train(run_root, runs, overrides):
-    """``runs``: {run name: extra overrides}; each trains from configs/tiny_vl.yaml."""
-    from megatron_rlvr.config import load_run_config
-    from megatron_rlvr.trainer.colocated import train
-
-    return {name: train(load_run_config(CONFIG, [*overrides, *extra]), os.path.join(run_root, name))
-            for name, extra in runs.items()}  # fmt: skip
-
-
 @pytest.mark.slow
 def test_tiny_vl_learns_to_count(dist_pool, tmp_path):
     """TP = 2, DP = 2: answering one digit always is right half of the time; reading the image is needed for a mean
     reward >= 0.8 over the last 5 of 25 steps, and for both counts to be answered right most of the time."""
     overrides = [*trainer_helpers.QUIET, "launch.nproc=4", "schedule.steps=25"]
-    codes = dist_pool.run(_train, tp=2, args=(str(tmp_path), {"learn": []}, overrides), timeout=900)[0]
+    codes = dist_pool.run(
+        trainer_helpers.train_runs, tp=2, args=(CONFIG, str(tmp_path), {"learn": []}, overrides), timeout=900
+    )[0]
     assert codes == {"learn": 0}
-    rewards = [r["reward/mean"] for r in _records(tmp_path / "learn")]
+    rewards = [r["reward/mean"] for r in trainer_helpers.records(tmp_path / "learn")]
     print("tiny_vl rewards:", [round(r, 2) for r in rewards])
     assert sum(rewards[:5]) / 5 <= 0.3, rewards[:5]
     assert sum(rewards[-5:]) / 5 >= 0.8, rewards
-    last = _records(tmp_path / "learn")[-5:]
+    last = trainer_helpers.records(tmp_path / "learn")[-5:]
     for level in ("1", "2"):  # not one digit for every image
         assert sum(r[f"accuracy/level_{level}"] for r in last) / 5 >= 0.7, (level, last)
 
@@ -57,9 +44,11 @@ def test_tiny_vl_with_the_vllm_engine_agrees_with_the_trainer(dist_pool, tmp_pat
             pytest.fail("MEGATRON_RLVR_REQUIRE_VLLM=1 but vllm is not importable")
         pytest.skip("vllm is not installed")
     overrides = [*trainer_helpers.QUIET, "launch.nproc=4", "schedule.steps=4", "rollout.engine=vllm"]
-    codes = dist_pool.run(_train, tp=2, args=(str(tmp_path), {"vllm": []}, overrides), timeout=600)[0]
+    codes = dist_pool.run(
+        trainer_helpers.train_runs, tp=2, args=(CONFIG, str(tmp_path), {"vllm": []}, overrides), timeout=600
+    )[0]
     assert codes == {"vllm": 0}
-    recs = _records(tmp_path / "vllm")
+    recs = trainer_helpers.records(tmp_path / "vllm")
     assert [r["step"] for r in recs] == [1, 2, 3, 4]
     worst = max(r["mismatch/abs_prob_diff_max"] for r in recs)
     print(f"tiny_vl with vLLM: max |p_vllm - p_trainer| over 4 steps {worst:.1e}")
@@ -88,10 +77,12 @@ def test_vl_presets_run_two_steps(dist_pool, tmp_path):
         "launch.nproc=4",
     ]
     runs = {k: [*v, "checkpoint.export_hf=true"] if k in ("grpo", "frozen") else v for k, v in runs.items()}
-    codes = dist_pool.run(_train, tp=2, args=(str(tmp_path), runs, overrides), timeout=600)[0]
+    codes = dist_pool.run(trainer_helpers.train_runs, tp=2, args=(CONFIG, str(tmp_path), runs, overrides), timeout=600)[
+        0
+    ]
     assert codes == {n: 0 for n in runs}
     for name in runs:
-        recs = _records(tmp_path / name)
+        recs = trainer_helpers.records(tmp_path / name)
         assert [r["step"] for r in recs] == [1, 2], name
         trained = [r for r in recs if r.get("train/updates", 0) >= 1]
         assert trained, f"{name}: no update in two steps"
@@ -99,8 +90,8 @@ def test_vl_presets_run_two_steps(dist_pool, tmp_path):
             assert math.isfinite(r["loss/total"]) and r["train/skipped_nonfinite"] == 0, name
             if r["adv/abs_mean"] > 0:
                 assert r["optim/grad_norm"] > 0, name
-    assert any("drift/kl" in r for r in _records(tmp_path / "cpgd"))
-    assert any("mcpo/hinge_kl" in r for r in _records(tmp_path / "mcpo"))
+    assert any("drift/kl" in r for r in trainer_helpers.records(tmp_path / "cpgd"))
+    assert any("mcpo/hinge_kl" in r for r in trainer_helpers.records(tmp_path / "mcpo"))
     # the exported policies against the start weights: the tower trains, and stays put with model.freeze_vision
     from safetensors.torch import load_file
 

@@ -2,6 +2,8 @@
 
 Responses of the tiny model are 1-2 characters over digits, operators and '='."""
 
+import json
+import os
 import time
 
 QUIET = [
@@ -111,3 +113,19 @@ def step_once_per_setting(t, settings, apply, spy):
     finally:
         teardown(t)
     return out
+
+
+def records(run_dir):
+    """Every line of a run's metrics.jsonl, in order."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def train_runs(config, run_root, runs, overrides):
+    """In-process training runs from the YAML file ``config``: ``runs`` is {run name: extra overrides}; each run goes
+    to ``run_root/<name>``. Returns {run name: train's exit code}."""
+    from megatron_rlvr.config import load_run_config
+    from megatron_rlvr.trainer.colocated import train
+
+    return {name: train(load_run_config(config, [*overrides, *extra]), os.path.join(run_root, name))
+            for name, extra in runs.items()}  # fmt: skip
