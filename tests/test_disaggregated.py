@@ -269,19 +269,13 @@ def test_a_hung_rollout_rank_ends_the_job_after_the_collective_timeout(tmp_path)
 
 
 def test_k1_defaults_to_decoupled_ppo_with_truncated_is_and_k0_keeps_the_colocated_loss():
-    from dataclasses import make_dataclass
-
     from megatron_rlvr.config import load_run_config
-    from megatron_rlvr.rollout.mismatch import MismatchCorrectionConfig
-    from megatron_rlvr.trainer.disaggregated import ASYNC_TIS_CAP, off_policy_correction
-
-    settings = make_dataclass("S", [("correction", MismatchCorrectionConfig)])(MismatchCorrectionConfig())
+    from megatron_rlvr.trainer.policy_side import ASYNC_TIS_CAP, tis_cap
 
     def cap(*overrides):
-        cfg = load_run_config("configs/tiny.yaml", ["parallel.tp=1", *DISAGG, *overrides])
-        return off_policy_correction(cfg, settings).correction.tis_cap
+        return tis_cap(load_run_config("configs/tiny.yaml", ["parallel.tp=1", *DISAGG, *overrides]).rollout)
 
     assert cap("rollout.max_staleness=0") is None
     assert cap("rollout.max_staleness=1") == ASYNC_TIS_CAP
-    assert cap("rollout.max_staleness=2", "rollout.tis_cap=5.0") is None  # settings carry the configured cap
+    assert cap("rollout.max_staleness=2", "rollout.tis_cap=5.0") == 5.0  # a configured cap wins
     assert cap("rollout.max_staleness=1", "rollout.old_logprobs=rollout") is None

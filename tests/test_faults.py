@@ -513,7 +513,7 @@ def test_a_hanging_reward_fails_the_step_once_the_limit_is_passed_not_after_ever
     from megatron_rlvr.rewards import RewardConfig, RewardManager
     from megatron_rlvr.rewards.manager import RewardFailure
     from megatron_rlvr.rollout.engine import Completion, RolloutOutput, SamplingParams
-    from megatron_rlvr.rollout.groups import engine_info, generate_groups
+    from megatron_rlvr.rollout.groups import Generator, Round, engine_info, generate_groups
 
     class HangingTexts:
         def generate(self, prompts, params, prompt_keys=None):
@@ -525,9 +525,9 @@ def test_a_hanging_reward_fails_the_step_once_the_limit_is_passed_not_after_ever
         assert rm.score(["ok"], ["1"])[0] == [1.0]  # the worker is up (its start-up is not part of the timing)
         with pytest.raises(RewardFailure) as e:
             generate_groups(
-                HangingTexts(), rm, None, examples, [[1]] * 4, SamplingParams(n=4, max_tokens=2),
-                engine_info(0, 1, 1), seed=0, step=1, round_idx=0, gather=lambda obj: [obj],
-                reward_max_error_frac=0.25, reward_fn=cfg.fn,
+                Generator(HangingTexts(), rm, None, engine_info(0, 1, 1), lambda obj: [obj]),
+                Round(examples, [[1]] * 4, SamplingParams(n=4, max_tokens=2), seed=0, step=1, round_idx=0,
+                      reward_max_error_frac=0.25, reward_fn=cfg.fn),
             )  # fmt: skip
         assert rm.score(["ok"], ["1"])[0] == [1.0]  # the pool is usable afterwards
     # 5 timeouts pass 0.25 of 16 items: the other 11 are never sent to a worker (no timeout each; counts, not wall
@@ -831,7 +831,6 @@ def test_a_vllm_kv_cache_error_names_the_runs_keys(monkeypatch):
     """vLLM's start-up error for a too-small KV cache says "Try increasing `gpu_memory_utilization` ... decreasing
     `max_model_len`", flags of vLLM's own API; it now names rollout.kv_cache_gb and the run's lengths."""
     from megatron_rlvr.config import load_run_config
-    from megatron_rlvr.rollout import vllm_engine
     from megatron_rlvr.trainer import engine_setup
 
     said = (
@@ -844,7 +843,7 @@ def test_a_vllm_kv_cache_error_names_the_runs_keys(monkeypatch):
         def __init__(self, *a, **k):
             raise ValueError(said)
 
-    monkeypatch.setattr(vllm_engine, "VLLMRolloutEngine", TooSmall)
+    monkeypatch.setattr(engine_setup, "VLLMRolloutEngine", TooSmall)
     cfg = load_run_config(None, ["rollout.kv_cache_gb=0.01"])
     source = SimpleNamespace(hf_config={}, tokenizer_dir=None, weights_dir=None)
     with pytest.raises(ValueError) as e:
@@ -858,7 +857,7 @@ def test_a_vllm_kv_cache_error_names_the_runs_keys(monkeypatch):
         def __init__(self, *a, **k):
             raise ValueError("hf_config needs 'architectures'")
 
-    monkeypatch.setattr(vllm_engine, "VLLMRolloutEngine", Other)
+    monkeypatch.setattr(engine_setup, "VLLMRolloutEngine", Other)
     with pytest.raises(ValueError, match=r"^hf_config needs 'architectures'$"):  # other errors pass unchanged
         engine_setup.ENGINE_BUILDERS["vllm"](cfg, source, None, None)
 

@@ -58,8 +58,9 @@ def _gpu_child() -> dict:
     torch.backends.cudnn.allow_tf32 = False
     from megatron_rlvr.families.tiny import tiny_hf_config
     from megatron_rlvr.megatron.parallel import init_distributed
-    from megatron_rlvr.megatron.policy import ModelSource, build_model, wrap_ddp
+    from megatron_rlvr.megatron.policy import build_model, wrap_ddp
     from megatron_rlvr.models.build import unwrap
+    from megatron_rlvr.models.source import ModelSource
     from megatron_rlvr.ops import vocab_parallel_token_stats
 
     d = init_distributed(1, 1, 0)

@@ -190,10 +190,11 @@ def _rank_step_and_export(folder: str, peft: dict | None, ids: torch.Tensor, out
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     from megatron_rlvr.config import OptimizerConfig, ParallelConfig, ScheduleConfig
-    from megatron_rlvr.megatron.policy import ModelSource, _torch_optimizers, build_model, build_optimizer, wrap_ddp
+    from megatron_rlvr.megatron.policy import _torch_optimizers, build_model, build_optimizer, wrap_ddp
     from megatron_rlvr.models.export import export_hf
     from megatron_rlvr.models.hf_config import load_hf_config, megatron_model_args
     from megatron_rlvr.models.lora import adapter_params, export_peft, load_peft_tensors
+    from megatron_rlvr.models.source import ModelSource
 
     tp = ps.get_tensor_model_parallel_world_size()
     pg = ProcessGroupCollection.use_mpu_process_groups()
@@ -336,8 +337,9 @@ def _lora_policy(folder: str, tp: int, distributed_optimizer: bool):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from megatron_rlvr.config import OptimizerConfig, ParallelConfig, ScheduleConfig
-    from megatron_rlvr.megatron.policy import ModelSource, build_model, build_optimizer, wrap_ddp
+    from megatron_rlvr.megatron.policy import build_model, build_optimizer, wrap_ddp
     from megatron_rlvr.models.hf_config import load_hf_config, megatron_model_args
+    from megatron_rlvr.models.source import ModelSource
 
     pg = ProcessGroupCollection.use_mpu_process_groups()
     args = megatron_model_args(folder, tp_size=tp, padded_vocab_size=512)

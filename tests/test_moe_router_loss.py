@@ -49,10 +49,11 @@ def _rank_router_loss():
     from megatron.core.transformer.moe.router import TopKRouter
 
     from megatron_rlvr.config import ModelConfig, ParallelConfig, TrainConfig
-    from megatron_rlvr.megatron.policy import build_model, model_args_for, resolve_model_source
+    from megatron_rlvr.megatron.policy import build_model, model_args_for
     from megatron_rlvr.megatron.router_loss import reset_router_loss_tracker, router_loss_metrics
     from megatron_rlvr.megatron.schedule import run_microbatches
     from megatron_rlvr.models.build import unwrap
+    from megatron_rlvr.models.source import resolve_model_source
     from megatron_rlvr.trainer.microbatch import Sequence, build_microbatch
 
     pg = ProcessGroupCollection.use_mpu_process_groups()

@@ -177,7 +177,7 @@ def test_tiny_preset_reward_requires_eos():
     from megatron_rlvr.data import Example
     from megatron_rlvr.families.tiny import tiny_tokenizer
     from megatron_rlvr.rollout.engine import Completion, RolloutOutput, SamplingParams
-    from megatron_rlvr.rollout.groups import engine_info, generate_groups
+    from megatron_rlvr.rollout.groups import Generator, Round, engine_info, generate_groups
 
     cfg = load_run_config(None, [], check_files=False)
     assert (cfg.reward.fn, cfg.reward.extraction, cfg.rollout.max_response_len) == ("exact_stop", "full", 4)
@@ -200,19 +200,16 @@ def test_tiny_preset_reward_requires_eos():
     texts = [tok.decode(ids, skip_special_tokens=True) for ids, _ in samples]
     assert texts == ["7", "7", "7777", "8", ""]  # the text alone cannot tell the first two apart
     with RewardManager(dataclasses.replace(cfg.reward, num_workers=0)) as rm:
-        groups, _ = generate_groups(
-            ScriptedEngine(),
-            rm,
-            tok,
+        rnd = Round(
             [Example("7=", "7", "procedural:copy", "copy-0-0", {"level": 1})],
             [tok("7=", add_special_tokens=False)["input_ids"]],
             SamplingParams(n=len(samples), max_tokens=cfg.rollout.max_response_len),
-            engine_info(rank=0, world_size=1, rollout_tp=1),
             seed=0,
             step=1,
             round_idx=0,
-            gather=lambda obj: [obj],
         )
+        gen = Generator(ScriptedEngine(), rm, tok, engine_info(rank=0, world_size=1, rollout_tp=1), lambda obj: [obj])
+        groups, _ = generate_groups(gen, rnd)
     assert groups[0].rewards == expected
 
 

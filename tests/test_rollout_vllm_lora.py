@@ -101,11 +101,12 @@ def _hf_err(state: dict, outs) -> float:
 def _rank_adapter_vs_merged(folder: str, pefts: list) -> dict:
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from megatron_rlvr.megatron.policy import ModelSource, build_model
+    from megatron_rlvr.megatron.policy import build_model
     from megatron_rlvr.models.hf_config import load_hf_config, megatron_model_args
     from megatron_rlvr.models.lora import load_peft_tensors, lora_container
+    from megatron_rlvr.models.source import ModelSource
     from megatron_rlvr.rollout.engine import SamplingParams
-    from megatron_rlvr.rollout.lora_sync import adapter_engine_kwargs
+    from megatron_rlvr.rollout.lora_sync import AdapterSync, adapter_engine_kwargs
     from megatron_rlvr.rollout.vllm_engine import VLLMEngineConfig, VLLMRolloutEngine
     from megatron_rlvr.trainer.weights import sync_weights
 
@@ -123,16 +124,17 @@ def _rank_adapter_vs_merged(folder: str, pefts: list) -> dict:
     prompts = [torch.randint(3, VOCAB, (140,), generator=g).tolist() for _ in range(3)]
     sp = SamplingParams(n=2, max_tokens=8, seed=17, ignore_eos=True)
     res = {}
+    adapters = AdapterSync(engine)
     try:
         container = lora_container(model)
         t = time.perf_counter()
-        res["adapter_first_sync"] = sync_weights(engine, model, args, pg)
+        res["adapter_first_sync"] = sync_weights(engine, model, args, pg, adapters)
         res["adapter_first_sync_s"] = time.perf_counter() - t
         t = time.perf_counter()
         res["adapter"] = engine.generate(prompts, sp)
         res["adapter_generate_s"] = time.perf_counter() - t
         load_peft_tensors(model, pefts[1])  # an update: the same adapter id reloaded in place
-        res["adapter_sync"] = sync_weights(engine, model, args, pg)
+        res["adapter_sync"] = sync_weights(engine, model, args, pg, adapters)
         res["adapter_new"] = engine.generate(prompts, sp)
         container.cfg = LoRAConfig(rank=RANK, alpha=16.0, sync="merged")
         engine.lora_request = None
@@ -143,7 +145,8 @@ def _rank_adapter_vs_merged(folder: str, pefts: list) -> dict:
         res["merged"] = engine.generate(prompts, sp)
         res["merged_generate_s"] = time.perf_counter() - t
     finally:
-        lora_dir = getattr(engine, "lora_dir", None)
+        lora_dir = adapters.folder
+        adapters.close()
         engine.close()
     res["adapter_dir_removed"] = lora_dir is not None and not os.path.exists(lora_dir)
     return res

@@ -37,10 +37,11 @@ def _rank_replay():
     from megatron.core.transformer.moe.router import TopKRouter
 
     from megatron_rlvr.config import ModelConfig, ParallelConfig, TrainConfig
-    from megatron_rlvr.megatron.policy import build_model, model_args_for, resolve_model_source
+    from megatron_rlvr.megatron.policy import build_model, model_args_for
     from megatron_rlvr.megatron.routing import RoutingReplay
     from megatron_rlvr.megatron.schedule import run_microbatches
     from megatron_rlvr.models.build import unwrap
+    from megatron_rlvr.models.source import resolve_model_source
     from megatron_rlvr.trainer.microbatch import Sequence, build_microbatch
 
     pg = ProcessGroupCollection.use_mpu_process_groups()
@@ -185,11 +186,12 @@ def _rank_r3():
 
     from megatron_rlvr.algorithms import AlgorithmConfig
     from megatron_rlvr.config import ModelConfig, ParallelConfig, TrainConfig
-    from megatron_rlvr.megatron.policy import build_model, model_args_for, random_hf_state_dict, resolve_model_source
+    from megatron_rlvr.megatron.policy import build_model, model_args_for, random_hf_state_dict
     from megatron_rlvr.megatron.routing import RoutingReplay
     from megatron_rlvr.megatron.schedule import run_microbatches
     from megatron_rlvr.models.build import unwrap
     from megatron_rlvr.models.hf_config import hf_config_object
+    from megatron_rlvr.models.source import resolve_model_source
     from megatron_rlvr.rollout.engine import SamplingParams
     from megatron_rlvr.rollout.hf_engine import HFEngineConfig, HFRolloutEngine
     from megatron_rlvr.rollout.mismatch import MismatchCorrectionConfig

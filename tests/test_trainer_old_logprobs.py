@@ -70,7 +70,7 @@ def _per_preset(run_root, presets, overrides):
         t = setup(load_run_config(None, [*overrides, f"algorithm.preset={name}"]), os.path.join(run_root, name))
 
         def apply(t, fused):
-            t.cfg.train.old_logprobs_from_update = fused
+            t.policy.cfg.train.old_logprobs_from_update = fused
 
         out[name] = trainer_helpers.step_once_per_setting(t, (False, True), apply, _spy_recompute)
     return out
@@ -96,7 +96,7 @@ def _real_updates(run_root, runs, overrides):
                 out[(name, fused)] = (
                     {k: v for k, v in m.items() if not k.startswith(NOT_COMPARED)},
                     asked,
-                    params_checksum(t.model),
+                    params_checksum(t.policy.model),
                 )
             finally:
                 undo()

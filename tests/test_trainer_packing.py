@@ -112,11 +112,11 @@ def _packed_vs_rows(run_root, runs, overrides):
     for name, (preset, extra) in runs.items():
         over = [*overrides, f"algorithm.preset={preset}", *extra]
         t = setup(load_run_config(None, over), os.path.join(run_root, name))
-        assert t.update_settings.pack_rows  # the CPU model takes the block mask
-        layout = (t.dist.tp_size, t.dist.pp_size)
+        assert t.policy.settings.pack_rows  # the CPU model takes the block mask
+        layout = (t.policy.dist.tp_size, t.policy.dist.pp_size)
 
         def apply(t, packed):
-            t.update_settings = dataclasses.replace(t.update_settings, pack_rows=packed)
+            t.policy.settings = dataclasses.replace(t.policy.settings, pack_rows=packed)
 
         out[name] = trainer_helpers.step_once_per_setting(t, (False, True), apply, _spy_packing)
         out[name]["layout"] = layout

@@ -42,7 +42,7 @@ def _train_presets(run_root, runs, overrides):
 
 
 def _engine_checksum(t):
-    return sum(float(p.detach().double().abs().sum()) for _, p in t.engine.named_parameters())
+    return sum(float(p.detach().double().abs().sum()) for _, p in t.rollout.engine.named_parameters())
 
 
 def _one_step(run_dir, overrides):
@@ -73,28 +73,28 @@ def _bad_inputs(run_root, overrides):
     real = loss_mod.token_stats
     try:
         out["step1"] = rl_step(t, 1)
-        w1 = (params_checksum(t.model), _engine_checksum(t))
+        w1 = (params_checksum(t.policy.model), _engine_checksum(t))
 
         def nan_logits(logits, labels, spec, want, other=None):
             poisoned = logits.clone()
-            if t.dist.tp_rank == 1:  # NaN in ONE vocabulary shard only: the TP ranks must still agree to skip
+            if t.policy.dist.tp_rank == 1:  # NaN in ONE vocabulary shard only: the TP ranks must still agree to skip
                 poisoned[0, 0, 0] = float("nan")
             return real(poisoned, labels, spec, want, other)
 
         loss_mod.token_stats = nan_logits
         out["nan"] = rl_step(t, 2)
         loss_mod.token_stats = real
-        w2 = (params_checksum(t.model), _engine_checksum(t))
+        w2 = (params_checksum(t.policy.model), _engine_checksum(t))
         out["nan_weights_unchanged"] = w1 == w2
         out["after"] = rl_step(t, 3)
-        out["after_weights_changed"] = (params_checksum(t.model), _engine_checksum(t)) != w2
+        out["after_weights_changed"] = (params_checksum(t.policy.model), _engine_checksum(t)) != w2
 
         # all truncated: no EOS can end a response, and DAPO overlong filtering masks truncated responses
-        t.engine.eos_token_ids = ()
-        t.cfg.algorithm.dapo.mask_truncated = True  # the update context shares this AlgorithmConfig
-        w3 = params_checksum(t.model)
+        t.rollout.engine.eos_token_ids = ()
+        t.policy.cfg.algorithm.dapo.mask_truncated = True  # the update context shares this AlgorithmConfig
+        w3 = params_checksum(t.policy.model)
         out["truncated"] = rl_step(t, 4)
-        out["truncated_weights_unchanged"] = params_checksum(t.model) == w3
+        out["truncated_weights_unchanged"] = params_checksum(t.policy.model) == w3
     finally:
         loss_mod.token_stats = real
         teardown(t)
@@ -104,9 +104,9 @@ def _bad_inputs(run_root, overrides):
     cfg = load_run_config(None, [*overrides, "algorithm.preset=dapo", "reward.fn=trainer_helpers:zero_reward"])
     t = setup(cfg, os.path.join(run_root, "empty"))
     try:
-        w = params_checksum(t.model)
+        w = params_checksum(t.policy.model)
         out["empty"] = rl_step(t, 1)
-        out["empty_weights_unchanged"] = params_checksum(t.model) == w
+        out["empty_weights_unchanged"] = params_checksum(t.policy.model) == w
     finally:
         teardown(t)
     return out

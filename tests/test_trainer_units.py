@@ -411,8 +411,9 @@ def test_env_references_expand_with_defaults(monkeypatch):
 def test_every_rank_of_a_rollout_tp_group_calls_generate():
     """vLLM with rollout TP > 1 is SPMD: a non-leader rank must enter generate with its leader (or the leader hangs),
     but it neither scores nor contributes the outputs (the leader does, once)."""
+    from megatron_rlvr.data import Example
     from megatron_rlvr.rollout.engine import SamplingParams
-    from megatron_rlvr.rollout.groups import engine_info, generate_groups
+    from megatron_rlvr.rollout.groups import Generator, Round, engine_info, generate_groups
 
     calls = []
 
@@ -427,19 +428,9 @@ def test_every_rank_of_a_rollout_tp_group_calls_generate():
 
     info = engine_info(rank=1, world_size=2, rollout_tp=2)
     assert (info.index, info.count, info.leader) == (0, 1, False)
-    groups, _ = generate_groups(
-        RecordingEngine(),
-        NoRewards(),
-        None,
-        [None, None],
-        [[1], [2]],
-        SamplingParams(max_tokens=2),
-        info,
-        seed=0,
-        step=1,
-        round_idx=0,
-        gather=lambda obj: [obj],
-    )
+    examples = [Example(prompt=str(i), answer="1", source="t", id=f"p{i}") for i in range(2)]
+    rnd = Round(examples, [[1], [2]], SamplingParams(max_tokens=2), seed=0, step=1, round_idx=0)
+    groups, _ = generate_groups(Generator(RecordingEngine(), NoRewards(), None, info, lambda obj: [obj]), rnd)
     assert calls == [[0, 1]] and groups == []
 
 

@@ -92,16 +92,16 @@ def step_once_per_setting(t, settings, apply, spy):
     grads = []
 
     def record():
-        grads.append(grads_vector(t.model))
+        grads.append(grads_vector(t.policy.model))
         return True, None, None
 
-    t.optimizer.step = record
-    data_state = t.loader.state_dict()
+    t.policy.optimizer.step = record
+    data_state = t.rollout.loader.state_dict()
     out = {}
     try:
         for setting in settings:
             apply(t, setting)
-            t.loader.load_state_dict(data_state)
+            t.rollout.loader.load_state_dict(data_state)
             grads.clear()
             seen: list = []
             undo = spy(seen)

@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def _source(model: str):
     """(ModelSource, display name) of ``tiny``, ``smollm2`` or an HF folder."""
-    from megatron_rlvr.megatron.policy import ModelSource
+    from megatron_rlvr.models.source import ModelSource
 
     if model == "tiny":
         from megatron_rlvr.families.tiny import tiny_hf_config
@@ -66,7 +66,7 @@ def _rank(model_name: str, lora_kw: dict, rounds: int, prompts: int, prompt_len:
     from megatron_rlvr.models.hf_config import megatron_model_args
     from megatron_rlvr.models.lora import base_weights_only, gather_peft_tensors, load_peft_tensors, lora_container
     from megatron_rlvr.rollout.engine import SamplingParams
-    from megatron_rlvr.rollout.lora_sync import adapter_engine_kwargs
+    from megatron_rlvr.rollout.lora_sync import AdapterSync, adapter_engine_kwargs
     from megatron_rlvr.rollout.vllm_engine import VLLMEngineConfig, VLLMRolloutEngine
     from megatron_rlvr.trainer.weights import sync_weights, sync_weights_merged
 
@@ -117,8 +117,9 @@ def _rank(model_name: str, lora_kw: dict, rounds: int, prompts: int, prompt_len:
             with base_weights_only(model):
                 sync_weights_merged(engine, model, args, pg)
         container.cfg = adapter_cfg
+        adapters.base_loaded = True  # the engine holds the base (streamed above, untimed)
         t0 = time.perf_counter()
-        m = sync_weights(engine, model, args, pg)
+        m = sync_weights(engine, model, args, pg, adapters)
         dt = time.perf_counter() - t0
         t1 = time.perf_counter()
         out = engine.generate(batch, sp)
@@ -135,6 +136,7 @@ def _rank(model_name: str, lora_kw: dict, rounds: int, prompts: int, prompt_len:
         return diff, same
 
     rows = []
+    adapters = AdapterSync(engine)
     try:
         # warm-up (untimed): the first adapter sync streams the base and builds the adapter slot; one merged sync
         engine_holds = ["merged"]
@@ -172,6 +174,7 @@ def _rank(model_name: str, lora_kw: dict, rounds: int, prompts: int, prompt_len:
             )
             rows.append(row)
     finally:
+        adapters.close()
         engine.close()
     return dict(model=display, params=n_params - n_adapter, adapter_params=n_adapter, rows=rows)
 

@@ -107,7 +107,7 @@ def train_main(args: list[str], dry_run: bool = False) -> int:
         return train(cfg, run_dir, lock=lock)
     from megatron_rlvr.rundir.local_ranks import launch_local
 
-    threads = cfg.launch.threads_per_rank or max(1, (os.cpu_count() or 1) // world)
+    threads = cfg.launch.cpu_threads(world)
     print(f"megatron-rlvr: launching {world} ranks ({cfg.launch.backend} backend), run dir {run_dir}", flush=True)
     return launch_local(
         ["train", path, *one_off_overrides(cfg)],

@@ -564,6 +564,16 @@ class LaunchConfig:
         if self.threads_per_rank is not None:
             _positive_int("launch.threads_per_rank", self.threads_per_rank)
 
+    def cpu_threads(self, ranks_on_node: int, environ=None) -> int:
+        """torch intra-op threads of one CPU rank: ``threads_per_rank``, else $OMP_NUM_THREADS, else the node's cores
+        split between its ranks (more threads than cores only thrash)."""
+        env = os.environ if environ is None else environ
+        if self.threads_per_rank:
+            return self.threads_per_rank
+        if env.get("OMP_NUM_THREADS", "").isdigit():
+            return max(1, int(env["OMP_NUM_THREADS"]))
+        return max(1, (os.cpu_count() or 1) // max(1, ranks_on_node))
+
 
 @dataclass
 class ClusterConfig:

@@ -1,89 +1,17 @@
-"""Megatron glue for the policy: resolve the configured model to an HF folder/config, build the GPTModel of this
-rank (megatron_rlvr.models), wrap it in megatron's DistributedDataParallel, and build megatron's optimizer and
-learning-rate scheduler."""
+"""Megatron glue for the policy: build the GPTModel of this rank from its model source (megatron_rlvr.models.source),
+wrap it in megatron's DistributedDataParallel, and build megatron's optimizer and learning-rate scheduler."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from megatron_rlvr.config import ModelConfig, OptimizerConfig, ParallelConfig, ScheduleConfig, TrainConfig
+from megatron_rlvr.models.source import ModelSource
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-@dataclass
-class ModelSource:
-    """Where the model comes from, resolved once per run."""
-
-    hf_config: dict
-    """HF config of the policy."""
-    weights_dir: str | None
-    """HF folder with the start weights; None: random init (tiny, or model.hf_config)."""
-    tokenizer_dir: str | None
-    """Tokenizer folder; None for the built-in tiny tokenizer."""
-    is_tiny: bool
-
-
-def resolve_model_source(cfg: ModelConfig) -> ModelSource:
-    """HF config, weights folder and tokenizer folder of the configured model (converts a GGUF file once, cached)."""
-    from megatron_rlvr.models.hf_config import load_hf_config
-
-    if cfg.is_tiny:
-        from megatron_rlvr.families.tiny import tiny_hf_config
-
-        return ModelSource(tiny_hf_config(name=cfg.name), None, cfg.tokenizer, True)
-    if cfg.gguf:
-        from megatron_rlvr.families import gguf
-
-        path = gguf.smollm2_gguf_path() if cfg.gguf == "smollm2" else cfg.gguf
-        folder = gguf.cached_hf_folder(path)
-        return ModelSource(load_hf_config(folder), folder, cfg.tokenizer or folder, False)
-    if cfg.hf_path:
-        return ModelSource(load_hf_config(cfg.hf_path), cfg.hf_path, cfg.tokenizer or cfg.hf_path, False)
-    return ModelSource(load_hf_config(cfg.hf_config), None, cfg.tokenizer, False)
-
-
-def vl_kind(source: ModelSource) -> str | None:
-    """``qwen2_5_vl`` / ``qwen3_vl`` for a vision-language policy, None for a text-only one."""
-    from megatron_rlvr.families.table import vl_family_of
-
-    found = vl_family_of(source.hf_config)
-    return None if found is None else found[1].kind
-
-
-def load_tokenizer(source: ModelSource):
-    if source.tokenizer_dir is None:
-        if vl_kind(source) is not None:
-            from megatron_rlvr.families.tiny_vl import tiny_vl_tokenizer
-
-            return tiny_vl_tokenizer()
-        from megatron_rlvr.families.tiny import tiny_tokenizer
-
-        return tiny_tokenizer()
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(source.tokenizer_dir)
-
-
-def load_image_processor(source: ModelSource):
-    """The image processor of a vision-language policy (the model folder's, else the tiny models' built-in one);
-    None for a text-only policy. It turns an example's images into the tower's ``pixel_values`` and patch grids, for
-    the trainer and the transformers engine alike."""
-    kind = vl_kind(source)
-    if kind is None:
-        return None
-    folder = source.weights_dir or source.tokenizer_dir
-    if folder is None:
-        from megatron_rlvr.families.tiny_vl import tiny_image_processor
-
-        return tiny_image_processor(kind)
-    from megatron_rlvr.families.vl_processor import load_vl_processor
-
-    return load_vl_processor(folder, kind).image_processor
 
 
 def model_args_for(source: ModelSource, model_cfg: ModelConfig, par: ParallelConfig, train: TrainConfig):

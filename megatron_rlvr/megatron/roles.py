@@ -43,6 +43,16 @@ class Roles:
     """ProcessGroup {training rank 0 (group rank 0), rollout ranks 1..R}; None on the other training ranks."""
     store: Any = None
     """The job's rendezvous store (served by global rank 0)."""
+    local_rank: int = 0
+    """This rank's index on its node (both roles counted)."""
+    timeout_s: float = 600.0
+    """Longest wait at a barrier of the whole job (launch.collective_timeout_s)."""
+
+    def barrier(self, name: str) -> None:
+        """Wait until every rank of the job (both roles) has reached the barrier ``name`` (a store barrier: the
+        roles share no process group)."""
+        self.store.set(f"barrier/{name}/{self.rank}", "1")
+        self.store.wait([f"barrier/{name}/{r}" for r in range(self.world_size)], timedelta(seconds=self.timeout_s))
 
     def close(self, timeout_s: float) -> None:
         """Destroy the groups between the roles and wait until every rank of the job has (a store barrier). A gloo
@@ -113,7 +123,14 @@ def init_roles(rollout_ranks: int, backend: str = "auto", timeout_s: float = 600
     store = dist.TCPStore(
         info["master_addr"], info["master_port"], world, is_master=rank == 0, timeout=timeout, wait_for_workers=False
     )
-    roles = Roles(rank=rank, world_size=world, rollout_ranks=rollout_ranks, store=store)
+    roles = Roles(
+        rank=rank,
+        world_size=world,
+        rollout_ranks=rollout_ranks,
+        store=store,
+        local_rank=info["local_rank"],
+        timeout_s=timeout_s,
+    )
     backend = resolve_backend(backend)
     if torch.cuda.is_available():
         torch.cuda.set_device(info["local_rank"] % max(torch.cuda.device_count(), 1))

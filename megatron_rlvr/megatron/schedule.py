@@ -21,21 +21,22 @@ from megatron_rlvr.megatron.cpu_shims import native_torch
 def run_microbatches(
     model,
     microbatches: list,
-    loss_fn: Callable[[object, torch.Tensor], tuple[torch.Tensor, dict]],
+    loss_fn: Callable[[object, torch.Tensor], tuple[torch.Tensor, object]],
     *,
     pg,
     forward_only: bool,
     device: torch.device,
     routing=None,
-) -> list[dict]:
+) -> list:
     """Forward (and backward unless ``forward_only``) over ``microbatches``; returns, on the last pipeline stage,
-    the info dict of each micro-batch (in order), and [] on other stages. A micro-batch has ``tokens`` and
+    the result object of each micro-batch (in order), and [] on other stages. A micro-batch has ``tokens`` and
     ``position_ids`` [b, s] ([3, b, s] with images, whose inputs ``vision_kwargs(device)`` gives) and
     ``attention_mask`` ([b, 1, s, s] bool, True = not attended; packed rows) or None (causal), as the trainer's
     MicroBatch does.
 
     ``loss_fn(mb, logits_bsv)`` gets the micro-batch and this TP rank's logits shard [b, s, V/tp] and returns (this
-    micro-batch's sum-reduced loss, info). Every micro-batch must have the same [b, s] when PP > 1.
+    micro-batch's sum-reduced loss, a result object handed back as it is). Every micro-batch must have the same
+    [b, s] when PP > 1.
 
     ``routing``: a routing-replay session (megatron_rlvr.megatron.routing) told before and after every micro-batch's
     forward, so it can set the routes to replay or collect the recorded ones.

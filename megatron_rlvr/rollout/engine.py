@@ -210,7 +210,20 @@ class RolloutEngine(abc.ABC):
 
     Life cycle in colocated RL: ``wake_up()`` -> ``update_weights(stream)`` -> ``generate(...)`` -> ``sleep()`` while
     the trainer runs -> ... -> ``close()``.
+
+    What the trainer may ask of an engine beyond that is declared here, and each implementation states its own value:
+    the trainer reads these attributes, it never probes for methods.
     """
+
+    supports_sleep: bool = False
+    """``sleep`` frees accelerator memory, so the trainer puts the engine to sleep while it trains (and a level-2
+    sleep drops the weights: the next sync must bring all of them). False: sleep/wake are never called by the
+    trainer."""
+    generate_on_every_rank: bool = False
+    """``generate`` runs collectives (e.g. weight agreement between the chunks of partial rollouts): every rank
+    calls it, even one whose share of the prompts is empty."""
+    supports_adapters: bool = False
+    """``load_adapter`` serves a PEFT adapter folder on top of the loaded base weights (LoRA adapter sync)."""
 
     @abc.abstractmethod
     def generate(
@@ -239,8 +252,14 @@ class RolloutEngine(abc.ABC):
         them (the next ``update_weights`` must bring all of them). ``generate`` raises while asleep."""
 
     @abc.abstractmethod
-    def wake_up(self) -> None:
-        """Retake the memory released by ``sleep``."""
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Retake the memory released by ``sleep``: all of it, or only ``tags`` (``weights``, ``kv_cache``) where the
+        engine holds them apart (wake the weights, update them, then the KV cache)."""
+
+    def load_adapter(self, folder: str) -> float:
+        """Serve the PEFT adapter in ``folder`` from now on (reloaded in place when one is served already); returns
+        the seconds it took. Only engines with ``supports_adapters``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot serve LoRA adapters (supports_adapters is False)")
 
     @abc.abstractmethod
     def close(self) -> None:

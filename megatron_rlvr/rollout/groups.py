@@ -12,12 +12,17 @@ are the same for any number of engines.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-from megatron_rlvr.data import Example, shard_range
-from megatron_rlvr.rollout.engine import SamplingParams, sample_seed
+from megatron_rlvr.data import Example, render, shard_range
+from megatron_rlvr.rewards import RewardManager
+from megatron_rlvr.rewards.manager import check_failure_fraction
+from megatron_rlvr.rollout.engine import RolloutEngine, SamplingParams, sample_seed
 
 
 @dataclass
@@ -33,9 +38,9 @@ class Group:
     rewards: list[float] = field(default_factory=list)
     """Verifier rewards (before any shaping)."""
     versions: list[int] = field(default_factory=list)
-    """The policy version (last step whose update the engine held) that generated each sample; filled by the
-    disaggregated schedule (empty: the colocated schedule's, all of RolloutBatch.policy_version). With partial
-    rollouts a sample's tokens may come from several versions: this is its OLDEST token's version."""
+    """The policy version (last step whose update the engine held) that generated each sample, stamped when the
+    group is made (``Round.version``). With partial rollouts a sample's tokens may come from several versions: this
+    is its OLDEST token's version."""
     token_versions: list[list[int]] = field(default_factory=list)
     """Partial rollouts only (else empty): per sample, per response token, the version that generated it."""
     routes: list = field(default_factory=list)
@@ -84,8 +89,6 @@ def tokenize_prompts(examples: list[Example], tokenizer, data_cfg, max_prompt_le
     """(kept examples, their prompt ids, number skipped as too long). An example with images must tokenize to one
     ``<|image_pad|>`` per image; with ``image_processor`` ``max_prompt_len`` counts the EXPANDED prompt (each pad as
     its image's tokens: what the engine must hold), else the ids as tokenized."""
-    from megatron_rlvr.data import render
-
     kept, ids, too_long = [], [], 0
     for ex in examples:
         text = render(ex, data_cfg, tokenizer)
@@ -119,99 +122,147 @@ def round_seed(seed: int, step: int, round_idx: int) -> int:
     return sample_seed(seed, step, round_idx)
 
 
-def generate_groups(
-    engine,
-    reward_manager,
-    tokenizer,
-    examples: list[Example],
-    prompt_ids: list[list[int]],
-    params: SamplingParams,
-    info: EngineInfo,
-    *,
-    seed: int,
-    step: int,
-    round_idx: int,
-    gather,
-    reward_max_error_frac: float | None = None,
-    reward_fn: str = "",
-) -> tuple[list[Group], dict[str, float]]:
-    """Generate and score this engine's share, all-gather: every rank returns all groups in prompt order.
+@dataclass(frozen=True)
+class Generator:
+    """Who generates and scores on this rank, and how the engines' results meet."""
 
-    ``gather(obj) -> list`` is an all-gather over the world (rank order); ``params.seed`` is replaced by the
-    round's derived seed. ``reward_max_error_frac``: raise RewardFailure (on every rank) when more of the round's
-    rewards failed, or when an engine's scoring stopped early because more of its share had failed."""
-    share = shard_range(len(examples), info.index, info.count)
-    mine: list[Group] = []
+    engine: RolloutEngine
+    """This rank's engine (every rank of an engine's tensor-parallel group calls generate)."""
+    reward_manager: RewardManager | None
+    """Reward workers: engine leaders only (they keep and score their engine's outputs)."""
+    tokenizer: Any
+    """Decodes a completion that came back without text."""
+    info: EngineInfo
+    """Which engine this rank belongs to and whether it leads it."""
+    gather: Callable[[object], list]
+    """All-gather over the ranks that roll out (rank order)."""
+
+
+@dataclass(frozen=True)
+class Round:
+    """One generation round: which prompts, how to sample them, and what the samples are stamped with."""
+
+    examples: list[Example]
+    prompt_ids: list[list[int]]
+    """Token ids of each example's rendered prompt (``tokenize_prompts``)."""
+    params: SamplingParams
+    """How to sample; its ``seed`` is replaced by the round's derived seed."""
+    seed: int
+    step: int
+    round_idx: int
+    version: int = 0
+    """The weight version the engine holds as the round starts: ``Group.versions`` of samples whose tokens carry
+    no version of their own."""
+    reward_max_error_frac: float | None = None
+    """Raise RewardFailure (on every rank) when more of the round's rewards failed, or when an engine's scoring
+    stopped early because more of its share had failed."""
+    reward_fn: str = ""
+    """The reward's name, for that error."""
+
+
+def generate_groups(gen: Generator, rnd: Round) -> tuple[list[Group], dict[str, float]]:
+    """Generate and score this engine's share, all-gather: every rank returns all groups in prompt order, with the
+    merged reward counts and the slowest engine's times."""
+    share = shard_range(len(rnd.examples), gen.info.index, gen.info.count)
     stats = {"time/generate_s": 0.0, "time/reward_s": 0.0}
+    mine: list[Group] = []
     reward_stats: dict[str, float] = {}
+    outputs, images = _generate_share(gen, rnd, share, stats)
+    if gen.info.leader and len(share) > 0:
+        mine = [_group(rnd, i, out, images is not None, gen.tokenizer) for i, out in zip(share, outputs)]
+        t0 = time.perf_counter()
+        reward_stats = _score(gen.reward_manager, mine, rnd.reward_max_error_frac)
+        stats["time/reward_s"] = time.perf_counter() - t0
+    scoring = gen.info.leader and gen.reward_manager is not None
+    pending = gen.reward_manager.take_pending() if scoring else []
+    everything = gen.gather((mine, reward_stats, stats, pending) if gen.info.leader else ([], {}, {}, []))
+    if scoring and gen.reward_manager.report_now:  # rank 0: each failure kind once per job
+        gen.reward_manager.report_gathered([item for *_, p in everything for item in p])
+    groups = [g for part, *_ in everything for g in part]
+    merged = _merge_stats(everything)
+    if rnd.reward_max_error_frac is not None:  # every rank sees the same merged counts: all raise together
+        check_failure_fraction(merged, rnd.reward_max_error_frac, rnd.reward_fn)
+    return groups, merged
+
+
+def _generate_share(gen: Generator, rnd: Round, share: range, stats: dict) -> tuple[list, list | None]:
+    """This engine's outputs for its share of the prompts, and their images (None: no prompt has one)."""
+    images = [rnd.examples[i].images or [] for i in share]
+    images = images if any(images) else None
     # an engine that runs collectives inside generate (partial rollouts: weight agreement between chunks) is called
     # on every rank, with no prompts where the share is empty
-    if len(share) > 0 or getattr(engine, "generate_on_every_rank", False):
-        # Every rank of an engine's tensor-parallel group calls generate: a vLLM engine with rollout TP > 1 is SPMD
-        # (its ranks run the same steps together); only the group's leader keeps and scores the outputs.
-        t0 = time.perf_counter()
-        p = SamplingParams(**{**params.__dict__, "seed": round_seed(seed, step, round_idx)})
-        # vision-language prompts: the examples' images (the engine returns the prompts expanded, one token per
-        # merged patch, which the trainer trains on)
-        images = [getattr(examples[i], "images", None) or [] for i in share]
-        images = images if any(images) else None
-        kw = {} if images is None else {"images": images}
-        outputs = engine.generate([prompt_ids[i] for i in share], p, prompt_keys=share, **kw)
-        stats["time/generate_s"] = time.perf_counter() - t0
-    if info.leader and len(share) > 0:
-        texts, gts, metas, item_ids = [], [], [], []
-        for i, out in zip(share, outputs):
-            g = Group(example=examples[i], prompt_ids=list(out.prompt_token_ids) if images else prompt_ids[i])
-            for c in out.completions:
-                text = c.text if c.text is not None else tokenizer.decode(c.token_ids, skip_special_tokens=True)
-                g.response_ids.append(list(c.token_ids))
-                g.logprobs.append([float(x) for x in c.logprobs])
-                g.finish_reasons.append(c.finish_reason)
-                if c.routes is not None:
-                    g.routes.append(c.routes)
-                if c.versions is not None:
-                    g.token_versions.append(list(c.versions))
-                g.texts.append(text)
-                texts.append(text)
-                gts.append(examples[i].answer)
-                metas.append({**examples[i].metadata, "finish_reason": c.finish_reason})
-                item_ids.append(examples[i].id)
-            mine.append(g)
-        t0 = time.perf_counter()
-        # stops early once more than the allowed fraction of this share failed (the step fails below on every rank)
-        rewards, reward_stats = reward_manager.score(texts, gts, metas, item_ids, reward_max_error_frac)
-        stats["time/reward_s"] = time.perf_counter() - t0
-        bad = {i for i, r in enumerate(rewards) if not (isinstance(r, (int, float)) and math.isfinite(r))}
-        # the manager scores NaN/inf as 0 and counts it; anything else non-finite here is counted too
-        reward_stats["reward/n_nonfinite"] = reward_stats.get("reward/n_nonfinite", 0.0) + float(len(bad))
-        rewards = [0.0 if i in bad else float(r) for i, r in enumerate(rewards)]
-        k = 0
-        for g in mine:
-            g.rewards = rewards[k : k + len(g.texts)]
-            k += len(g.texts)
-    scoring = info.leader and reward_manager is not None
-    pending = reward_manager.take_pending() if scoring else []
-    everything = gather((mine, reward_stats, stats, pending) if info.leader else ([], {}, {}, []))
-    if scoring and reward_manager.report_now:  # rank 0: each failure kind once per job
-        reward_manager.report_gathered([item for *_, p in everything for item in p])
-    groups: list[Group] = []
-    merged: dict[str, float] = {}
-    for part, rstats, tstats, _ in everything:
-        groups.extend(part)
-        for key in (
-            "reward/n_items",
-            "reward/n_timeout",
-            "reward/n_error",
-            "reward/n_no_answer",
-            "reward/n_nonfinite",
-            "reward/n_unscored",
-            "reward/workers_restarted",
-        ):
-            merged[key] = merged.get(key, 0.0) + float(rstats.get(key, 0.0))
-        for key, v in tstats.items():  # engines run in parallel: the slowest one is the step's cost
-            merged[key] = max(merged.get(key, 0.0), v)
-    if reward_max_error_frac is not None:  # every rank sees the same merged counts: all raise together
-        from megatron_rlvr.rewards.manager import check_failure_fraction
+    if len(share) == 0 and not gen.engine.generate_on_every_rank:
+        return [], images
+    # Every rank of an engine's tensor-parallel group calls generate: a vLLM engine with rollout TP > 1 is SPMD (its
+    # ranks run the same steps together); only the group's leader keeps and scores the outputs.
+    t0 = time.perf_counter()
+    p = dataclasses.replace(rnd.params, seed=round_seed(rnd.seed, rnd.step, rnd.round_idx))
+    # vision-language prompts: the engine returns them expanded (one token per merged patch): what the trainer trains
+    kw = {} if images is None else {"images": images}
+    outputs = gen.engine.generate([rnd.prompt_ids[i] for i in share], p, prompt_keys=share, **kw)
+    stats["time/generate_s"] = time.perf_counter() - t0
+    return outputs, images
 
-        check_failure_fraction(merged, reward_max_error_frac, reward_fn)
-    return groups, merged
+
+def _group(rnd: Round, i: int, out, expanded: bool, tokenizer) -> Group:
+    """The group of prompt ``i`` from its engine output, each sample stamped with its version (its oldest token's
+    under partial rollouts, else the round's)."""
+    ex = rnd.examples[i]
+    g = Group(example=ex, prompt_ids=list(out.prompt_token_ids) if expanded else rnd.prompt_ids[i])
+    for c in out.completions:
+        g.response_ids.append(list(c.token_ids))
+        g.logprobs.append([float(x) for x in c.logprobs])
+        g.finish_reasons.append(c.finish_reason)
+        if c.routes is not None:
+            g.routes.append(c.routes)
+        if c.versions is not None:
+            g.token_versions.append(list(c.versions))
+        g.versions.append(min(c.versions) if c.versions else rnd.version)
+        g.texts.append(c.text if c.text is not None else tokenizer.decode(c.token_ids, skip_special_tokens=True))
+    return g
+
+
+def _score(reward_manager, groups: list[Group], max_error_frac: float | None) -> dict[str, float]:
+    """Score every sample of ``groups`` (each exactly once) into ``Group.rewards``; the manager's counts."""
+    texts, gts, metas, item_ids = [], [], [], []
+    for g in groups:
+        ex = g.example
+        for text, reason in zip(g.texts, g.finish_reasons):
+            texts.append(text)
+            gts.append(ex.answer)
+            metas.append({**ex.metadata, "finish_reason": reason})
+            item_ids.append(ex.id)
+    # stops early once more than the allowed fraction of this share failed (the step fails on every rank)
+    rewards, reward_stats = reward_manager.score(texts, gts, metas, item_ids, max_error_frac)
+    bad = {i for i, r in enumerate(rewards) if not (isinstance(r, (int, float)) and math.isfinite(r))}
+    # the manager scores NaN/inf as 0 and counts it; anything else non-finite here is counted too
+    reward_stats["reward/n_nonfinite"] = reward_stats.get("reward/n_nonfinite", 0.0) + float(len(bad))
+    rewards = [0.0 if i in bad else float(r) for i, r in enumerate(rewards)]
+    k = 0
+    for g in groups:
+        g.rewards = rewards[k : k + len(g.texts)]
+        k += len(g.texts)
+    return reward_stats
+
+
+REWARD_COUNTS = (
+    "reward/n_items",
+    "reward/n_timeout",
+    "reward/n_error",
+    "reward/n_no_answer",
+    "reward/n_nonfinite",
+    "reward/n_unscored",
+    "reward/workers_restarted",
+)
+"""Reward counters summed over the engines."""
+
+
+def _merge_stats(everything: list) -> dict[str, float]:
+    """Reward counts summed over the engines; times are the slowest engine's (engines run in parallel)."""
+    merged: dict[str, float] = {}
+    for _, rstats, tstats, _ in everything:
+        for key in REWARD_COUNTS:
+            merged[key] = merged.get(key, 0.0) + float(rstats.get(key, 0.0))
+        for key, v in tstats.items():
+            merged[key] = max(merged.get(key, 0.0), v)
+    return merged

@@ -241,7 +241,8 @@ class HFRolloutEngine(RolloutEngine):
             self._weights_valid = False
         self._sleep_level = level
 
-    def wake_up(self) -> None:
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Retake the weights' memory (this engine has no KV cache to hold apart: ``tags`` wake everything)."""
         self._check_open()
         if self._sleep_level == 1 and self.device.type != "cpu":
             self.model.to(self.device)

@@ -11,15 +11,19 @@ RL steps are dominated by decoding: ``merged`` is the default (docs/lora.md has 
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import shutil
 import tempfile
 import time
 
+from safetensors.torch import save_file
+
+from megatron_rlvr.models.lora import PEFT_CONFIG, PEFT_WEIGHTS, gather_peft_tensors, peft_config_dict
+from megatron_rlvr.rollout.engine import RolloutEngine
+
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
 """The ``max_lora_rank`` values vLLM accepts."""
-
-ADAPTER_NAME, ADAPTER_ID = "policy", 1
 
 
 def adapter_engine_kwargs(lora) -> dict:
@@ -32,58 +36,41 @@ def adapter_engine_kwargs(lora) -> dict:
     return {"enable_lora": True, "max_lora_rank": fitting[0], "max_loras": 1}
 
 
-def load_adapter(engine, folder: str) -> float:
-    """Serve the PEFT adapter in ``folder`` from now on (vLLM ``add_lora``; reloaded in place when the engine has
-    it already), with a prefix-cache reset. Returns the seconds it took."""
-    from vllm.lora.request import LoRARequest
+class AdapterSync:
+    """Adapter sync into one engine (``model.lora.sync: adapter``): owns the PEFT folder the engine reloads (in
+    /dev/shm where there is one) and whether the engine holds the base weights yet. Removed by :meth:`close`; an
+    atexit hook alone would leave it behind in terminated ranks, and /dev/shm is RAM."""
 
-    t0 = time.perf_counter()
-    with engine.platform.engine_call():
-        engine.llm.llm_engine.add_lora(LoRARequest(ADAPTER_NAME, ADAPTER_ID, folder, load_inplace=True))
-    if not engine.llm.reset_prefix_cache():
-        raise RuntimeError("vLLM refused to reset its prefix cache after an adapter reload (requests running?)")
-    engine.lora_request = LoRARequest(ADAPTER_NAME, ADAPTER_ID, folder)
-    return time.perf_counter() - t0
-
-
-def _adapter_dir(engine) -> str:
-    folder = getattr(engine, "lora_dir", None)
-    if folder is None:
+    def __init__(self, engine: RolloutEngine):
+        if not engine.supports_adapters:
+            raise ValueError(
+                f"model.lora.sync=adapter needs an engine that serves adapters (vLLM); {type(engine).__name__} does "
+                "not: use model.lora.sync=merged"
+            )
+        self.engine = engine
         root = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        folder = tempfile.mkdtemp(prefix="rlvr-lora-", dir=root)
-        atexit.register(shutil.rmtree, folder, True)
-        engine.lora_dir = folder
-    return folder
+        self.folder = tempfile.mkdtemp(prefix="rlvr-lora-", dir=root)
+        atexit.register(shutil.rmtree, self.folder, True)
+        self.base_loaded = False
+        """The engine holds the frozen base weights (streamed once, with the adapters left out)."""
 
-
-def sync_adapter(engine, model, args, pg, stream_base) -> dict[str, float]:
-    """Adapter sync of ``model`` (a LoRA policy) into a vLLM ``engine``; collective over the world (every rank
-    gathers the adapters, each writes its own folder and loads it into its engine). ``stream_base()`` pushes the
-    base weights (called once per engine, with the adapters kept out of the stream)."""
-    from safetensors.torch import save_file
-
-    from megatron_rlvr.models.lora import (
-        PEFT_CONFIG,
-        PEFT_WEIGHTS,
-        base_weights_only,
-        gather_peft_tensors,
-        peft_config_dict,
-    )
-
-    t0 = time.perf_counter()
-    metrics: dict[str, float] = {}
-    if not getattr(engine, "lora_base_loaded", False):
-        with base_weights_only(model):
+    def sync(self, model, pg, stream_base) -> dict[str, float]:
+        """Adapter sync of ``model`` (a LoRA policy); collective over the world (every rank gathers the adapters,
+        each writes its own folder and loads it into its engine). ``stream_base()`` pushes the base weights (called
+        once, before the first adapter)."""
+        t0 = time.perf_counter()
+        metrics: dict[str, float] = {}
+        if not self.base_loaded:
             metrics.update(stream_base())
-        engine.lora_base_loaded = True
-    tensors = gather_peft_tensors(model, pg_collection=pg)
-    folder = _adapter_dir(engine)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(folder, PEFT_WEIGHTS))
-    import json
+            self.base_loaded = True
+        tensors = gather_peft_tensors(model, pg_collection=pg)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(self.folder, PEFT_WEIGHTS))
+        with open(os.path.join(self.folder, PEFT_CONFIG), "w") as f:
+            json.dump(peft_config_dict(model, None), f)
+        metrics["sync/adapter_load_s"] = self.engine.load_adapter(self.folder)
+        metrics["sync/adapter_bytes"] = float(sum(v.numel() * v.element_size() for v in tensors.values()))
+        metrics["sync/time_s"] = time.perf_counter() - t0
+        return metrics
 
-    with open(os.path.join(folder, PEFT_CONFIG), "w") as f:
-        json.dump(peft_config_dict(model, None), f)
-    metrics["sync/adapter_load_s"] = load_adapter(engine, folder)
-    metrics["sync/adapter_bytes"] = float(sum(v.numel() * v.element_size() for v in tensors.values()))
-    metrics["sync/time_s"] = time.perf_counter() - t0
-    return metrics
+    def close(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)

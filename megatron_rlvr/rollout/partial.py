@@ -51,9 +51,9 @@ class _Sample:
     done: Completion | None = None
 
 
-class PartialRolloutEngine:
+class PartialRolloutEngine(RolloutEngine):
     """Wraps a rollout engine: ``generate`` in chunks of ``chunk_tokens`` tokens with ``between_chunks()`` called
-    between them; every other method is the wrapped engine's.
+    between them; weights, memory and closing are the wrapped engine's.
 
     ``version()`` is the weight version the engine holds now; ``between_chunks()`` may load a newer one. It is called
     exactly ``ceil(max_tokens / chunk_tokens) - 1`` times per ``generate`` call, whether samples are still running
@@ -75,15 +75,42 @@ class PartialRolloutEngine:
         self.engine, self.chunk_tokens, self.tokenizer = engine, chunk_tokens, tokenizer
         self.version, self.between_chunks = version, between_chunks
 
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
+    @property
+    def supports_sleep(self) -> bool:
+        return self.engine.supports_sleep
 
-    def update_weights(self, weights: Iterable, *args, **kwargs) -> int:
-        return self.engine.update_weights(weights, *args, **kwargs)
+    @property
+    def supports_adapters(self) -> bool:
+        return self.engine.supports_adapters
+
+    def load_adapter(self, folder: str) -> float:
+        return self.engine.load_adapter(folder)
+
+    def update_weights(self, weights: Iterable) -> int:
+        return self.engine.update_weights(weights)
+
+    def sleep(self, level: int = 1) -> None:
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        self.engine.wake_up(tags)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping
+
+    def close(self) -> None:
+        self.engine.close()
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, prompt_keys: Sequence[int] | None = None
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        prompt_keys: Sequence[int] | None = None,
+        images: Sequence[Sequence] | None = None,
     ) -> list[RolloutOutput]:
+        if images is not None and any(images):
+            raise ValueError("partial rollouts (rollout.partial_rollout_tokens) do not take images")
         if params.stop and self.tokenizer is None:
             raise ValueError("PartialRolloutEngine: SamplingParams.stop (stop strings) needs a tokenizer")
         prompts = validate_prompts(prompts) if len(prompts) else []

@@ -64,8 +64,8 @@ import glob
 import json
 import os
 import random
-import shutil
 import tempfile
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -296,6 +296,10 @@ def _cpu_shm_files() -> set[str]:
     return set(glob.glob("/dev/shm/*cpushm*"))
 
 
+ADAPTER_NAME, ADAPTER_ID = "policy", 1
+"""The one LoRARequest the policy's adapter is served under (reloaded in place after every update)."""
+
+
 class VLLMRolloutEngine(RolloutEngine):
     """The RolloutEngine interface on vLLM (see the module docstring for the vLLM APIs used).
 
@@ -402,12 +406,28 @@ class VLLMRolloutEngine(RolloutEngine):
         self._param_names = {n.replace(".base_layer.", ".") for n in names}
         self._calls = 0
         self._asleep: set[str] = set()
-        self.lora_request = None  # the policy's adapter, once load_adapter() gave one (megatron_rlvr.rollout.lora_sync)
+        self.lora_request = None  # the policy's adapter, once load_adapter() gave one
+
+    supports_adapters = True
 
     @property
     def supports_sleep(self) -> bool:
         """Whether ``sleep`` frees memory on this platform (CUDA); on CPU sleep/wake are no-ops."""
         return self.platform.sleep_mode
+
+    def load_adapter(self, folder: str) -> float:
+        """Serve the PEFT adapter in ``folder`` under one ``LoRARequest`` id (vLLM ``add_lora``, reloaded in place),
+        with a prefix-cache reset so that no cached state of the previous adapter is served."""
+        from vllm.lora.request import LoRARequest
+
+        self._check_open()
+        t0 = time.perf_counter()
+        with self.platform.engine_call():
+            self.llm.llm_engine.add_lora(LoRARequest(ADAPTER_NAME, ADAPTER_ID, folder, load_inplace=True))
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache after an adapter reload (requests running?)")
+        self.lora_request = LoRARequest(ADAPTER_NAME, ADAPTER_ID, folder)
+        return time.perf_counter() - t0
 
     # -- generation ------------------------------------------------------------------------------------------------
     def _vllm_params(self, params: SamplingParams, seed: int):
@@ -569,7 +589,7 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def close(self) -> None:
         """Free the engine. The trainer's torch.distributed default group stays alive; this engine's CPU
-        shared-memory files and its adapter folder (``rollout.lora_sync``, in /dev/shm) are removed."""
+        shared-memory files are removed (the adapter folder belongs to ``rollout.lora_sync.AdapterSync``)."""
         if self._closed:
             return
         self._closed = True
@@ -584,11 +604,6 @@ class VLLMRolloutEngine(RolloutEngine):
             for path in self._shm_mine:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
-            # an atexit hook alone leaves it behind in processes that end without running exit handlers (spawned
-            # ranks that are terminated), and /dev/shm is RAM
-            lora_dir = getattr(self, "lora_dir", None)
-            if lora_dir is not None:
-                shutil.rmtree(lora_dir, ignore_errors=True)
             import gc
 
             gc.collect()

@@ -25,6 +25,7 @@ glue.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from torch import Tensor
 
 from megatron_rlvr.algorithms import mastered_rollouts
 from megatron_rlvr.megatron.parallel import all_gather_objects
-from megatron_rlvr.rollout.groups import generate_groups, sampling_params
+from megatron_rlvr.rollout.groups import Generator, Round, generate_groups, sampling_params
 
 RATIO_QUANTILES = (0.001, 0.01, 0.5, 0.99, 0.999)
 """Quantiles of the token ratio reported as ``ratio/q{100 q}`` (e.g. ``ratio/q99``, ``ratio/q99.9``)."""
@@ -108,63 +109,60 @@ class ProbeControl:
     seconds: float
 
 
-def probe_prompts(t, rolled, step: int) -> list[int] | None:
+def probe_prompts(side, rolled, step: int) -> list[int] | None:
     """Indices into ``rolled.groups`` of the prompts probed at ``step`` (its mastered groups, at most
-    ``forgetting_prompts``); None when the probe is not due."""
-    cfg = t.cfg.diagnostics
+    ``forgetting_prompts``); None when the probe is not due. ``side``: the rank's rollout side."""
+    cfg = side.cfg.diagnostics
     if not cfg.probe_due(step) or not rolled.groups:
         return None
     r = rolled.rewards
-    mastered_G = mastered_rollouts(t.algo, r.shaped_G_n, correct_G_n=r.correct_G_n).any(1)
+    mastered_G = mastered_rollouts(side.cfg.algorithm, r.shaped_G_n, correct_G_n=r.correct_G_n).any(1)
     return probe_selection(mastered_G, cfg.forgetting_prompts)
 
 
-def _resample(t, rolled, chosen: list[int], step: int, gather) -> Tensor:
+def _resample(side, rolled, chosen: list[int], step: int, gather) -> Tensor:
     """bool [P, m]: the chosen prompts sampled ``forgetting_rollouts`` times by the engine's current weights, with
     the probe's seeds (the same for the control and the probe), and scored."""
-    params = sampling_params(t.cfg.rollout)
-    params = type(params)(**{**params.__dict__, "n": t.cfg.diagnostics.forgetting_rollouts})
+    cfg = side.cfg
+    params = dataclasses.replace(sampling_params(cfg.rollout), n=cfg.diagnostics.forgetting_rollouts)
     groups = rolled.groups
-    probed, _ = generate_groups(
-        t.engine,
-        t.reward_manager,
-        t.tokenizer,
+    gen = Generator(side.engine, side.reward_manager, side.tokenizer, side.engine_info, gather)
+    rnd = Round(
         [groups[i].example for i in chosen],
         [list(groups[i].prompt_ids) for i in chosen],
         params,
-        t.engine_info,
-        seed=t.cfg.train.seed,
+        seed=cfg.train.seed,
         step=step,
         round_idx=PROBE_ROUND,
-        gather=gather,
     )
-    a = t.algo.advantage
+    probed, _ = generate_groups(gen, rnd)
+    a = cfg.algorithm.advantage
     thr = 0.5 * (a.reward_correct + a.reward_wrong)
     return torch.tensor([[r >= thr for r in g.rewards] for g in probed], dtype=torch.bool)
 
 
-def forgetting_control(t, rolled, step: int, gather=all_gather_objects) -> ProbeControl | None:
+def forgetting_control(side, rolled, step: int, gather=all_gather_objects) -> ProbeControl | None:
     """Trainer glue, after the rollout and before the update and the weight sync: the probe's prompts re-sampled by
     the policy that generated them (every rank calls it with the same batch). None when the probe is not due."""
     t0 = time.perf_counter()
-    chosen = probe_prompts(t, rolled, step)
+    chosen = probe_prompts(side, rolled, step)
     if not chosen:
         return None
-    return ProbeControl(_resample(t, rolled, chosen, step, gather), time.perf_counter() - t0)
+    return ProbeControl(_resample(side, rolled, chosen, step, gather), time.perf_counter() - t0)
 
 
-def forgetting_probe(t, rolled, step: int, control: ProbeControl | None = None, gather=all_gather_objects):
+def forgetting_probe(side, rolled, step: int, control: ProbeControl | None = None, gather=all_gather_objects):
     """Trainer glue: re-sample this step's mastered prompts (of ``rolled``, the step's RolloutBatch) with the updated
     engine weights (every rank calls it with the same batch; generation is split over the engines like the
     rollout); ``control`` (from :func:`forgetting_control`) adds the same-policy control's metrics. Returns {} when
     not due."""
     t0 = time.perf_counter()
-    chosen = probe_prompts(t, rolled, step)
+    chosen = probe_prompts(side, rolled, step)
     if chosen is None:
         return {}
     if not chosen:
         return {"forget/probe_prompts": 0.0}
-    c = _resample(t, rolled, chosen, step, gather)
+    c = _resample(side, rolled, chosen, step, gather)
     out = forgetting_metrics(c, control.correct_P_m if control is not None else None)
     out["time/forget_probe_s"] = time.perf_counter() - t0 + (control.seconds if control is not None else 0.0)
     return {k: (v if math.isfinite(v) else 0.0) for k, v in out.items()}

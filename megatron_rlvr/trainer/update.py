@@ -144,14 +144,12 @@ def compute_logprobs(ctx: UpdateSettings, model, seqs, ids: list[int], with_entr
     logp: dict[int, torch.Tensor] = {}
     ent: dict[int, torch.Tensor] = {}
     nonfinite = 0.0
-    for info, chosen in zip(infos, members):
-        nonfinite = max(nonfinite, info["nonfinite"])
+    for out, chosen in zip(infos, members):
+        nonfinite = max(nonfinite, float(out.nonfinite))
         sel = [seqs[i] for i in chosen]
-        for i, v in zip(chosen, response_values(info["logp"], sel)):
-            logp[i] = v
+        logp.update(zip(chosen, response_values(out.logp_BT, sel)))
         if with_entropy:
-            for i, v in zip(chosen, response_values(info["entropy"], sel)):
-                ent[i] = v
+            ent.update(zip(chosen, response_values(out.entropy_BT, sel)))
     return logp, ent, nonfinite
 
 
@@ -228,15 +226,14 @@ def policy_update(ctx: UpdateSettings, ddp_model, optimizer, batch: TrainBatch, 
                     ddp_model, mbs, loss_fn, pg=ctx.pg, forward_only=False, device=ctx.device, routing=routing
                 )
             forwards += len(mbs)
-            for info, chosen in zip(infos, members):
+            for out, chosen in zip(infos, members):
                 if fused:
-                    logp = info.pop("logp")
-                    first.update(zip(chosen, response_values(logp, [seqs[i] for i in chosen])))
-                    first_bad = max(first_bad, info.get("train/nonfinite", 0.0))
-                acc.add(info)
+                    first.update(zip(chosen, response_values(out.first_forward_logp_BT, [seqs[i] for i in chosen])))
+                    first_bad = max(first_bad, out.metrics.get("train/nonfinite", 0.0))
+                acc.add(out.metrics)
             if fused:
                 old.update(first)
-            local_bad = max([info.get("train/nonfinite", 0.0) for info in infos] + [0.0]) > 0
+            local_bad = max([out.metrics.get("train/nonfinite", 0.0) for out in infos] + [0.0]) > 0
             outcome = apply_gradients(ddp_model, optimizer, local_nonfinite=local_bad, all_reduce_max=all_reduce_max)
             if outcome.nonfinite and not ctx.skip_nonfinite:
                 raise FloatingPointError("non-finite logits, loss or gradients (train.skip_nonfinite=false)")

@@ -1,41 +1,73 @@
-"""Weight sync from the trainer's Megatron shards to this rank's rollout engine, after every optimizer step.
+"""Weight sync from the trainer's Megatron shards to the rollout engines, after every optimizer step.
 
 The tensors come from the rollout package's weight stream (``megatron_rlvr.rollout.weight_stream``): TP all-gather
 and the inverse layouts of the single weight mapping, broadcast from the pipeline stage that owns each tensor, in
-byte-bounded buckets. Every rank's engine receives every HF tensor exactly once.
+byte-bounded buckets, set up in one place (:func:`stream_weights`). Where they go is a sink: this rank's own engine
+(:class:`EngineSink`, colocated) or the bridge to the rollout ranks (:class:`BridgeSink`, disaggregated).
 """
 
 from __future__ import annotations
 
+import abc
 import time
+from collections.abc import Iterator
+
+import torch
 
 from megatron_rlvr.megatron.cpu_shims import native_torch
+from megatron_rlvr.models.build import unwrap
+from megatron_rlvr.models.lora import base_weights_only, lora_container
+from megatron_rlvr.rollout import bridge
+from megatron_rlvr.rollout.engine import RolloutEngine
+from megatron_rlvr.rollout.lora_sync import AdapterSync
+from megatron_rlvr.rollout.weight_stream import StreamStats, WeightStreamConfig, megatron_weight_stream
+from megatron_rlvr.trainer.policy_side import PolicySide
+
+ENGINE_BUCKET_BYTES = 1 << 30
+"""Bytes per bucket streamed into a local engine."""
+BRIDGE_BUCKET_BYTES = 256 << 20
+"""Bytes per weight bucket sent to the rollout ranks (host staging on both sides is about this much)."""
 
 
-def sync_weights(engine, model, args, pg, bucket_bytes: int = 1 << 30) -> dict[str, float]:
-    """Push the current policy weights into ``engine`` (collective over TP and PP); returns metrics. A LoRA policy
-    with ``model.lora.sync: adapter`` sends the base once and then only its adapters (rollout.lora_sync)."""
-    from megatron_rlvr.models.lora import lora_container
+def stream_weights(model, args, pg, bucket_bytes: int, stats: StreamStats) -> Iterator:
+    """Every weight of ``model`` as full HF-named tensors in buckets (collective over TP and PP: every training rank
+    iterates it to the end). LoRA adapters are merged into their weights, except inside ``base_weights_only``.
 
-    lora = lora_container(model)
-    if lora is not None and lora.cfg.sync == "adapter":
-        from megatron_rlvr.rollout.lora_sync import sync_adapter
-
-        return sync_adapter(engine, model, args, pg, lambda: sync_weights_merged(engine, model, args, pg, bucket_bytes))
-    return sync_weights_merged(engine, model, args, pg, bucket_bytes)
-
-
-def sync_weights_merged(engine, model, args, pg, bucket_bytes: int = 1 << 30) -> dict[str, float]:
-    """Every weight through the stream (LoRA adapters merged into their weights)."""
-    from megatron_rlvr.models.build import unwrap
-    from megatron_rlvr.rollout.weight_stream import StreamStats, WeightStreamConfig, megatron_weight_stream
-
-    t0 = time.perf_counter()
-    stats = StreamStats()
+    The stream's own work (plan, TP gathers, layout copies) makes no CUDA call when the CPU shims are on (CPU
+    tensors, gloo): it runs outside their per-call redirect; the consumer's side runs as before."""
     stream = megatron_weight_stream(
         unwrap(model), args, config=WeightStreamConfig(bucket_bytes=bucket_bytes), stats=stats, pg_collection=pg
     )
-    n = engine.update_weights(_without_shims(stream))
+    while True:
+        with native_torch():
+            bucket = next(stream, None)
+        if bucket is None:
+            return
+        yield bucket
+
+
+def sync_weights(
+    engine: RolloutEngine, model, args, pg, adapter_sync: AdapterSync | None = None, bucket_bytes=ENGINE_BUCKET_BYTES
+) -> dict[str, float]:
+    """Push the current policy weights into ``engine`` (collective over TP and PP); returns metrics. With
+    ``adapter_sync`` (a LoRA policy with ``model.lora.sync: adapter``) the base goes once, then only the adapters."""
+    if adapter_sync is not None:
+        if lora_container(model) is None:
+            raise ValueError("adapter sync of a policy without LoRA adapters")
+
+        def base() -> dict[str, float]:
+            with base_weights_only(model):
+                return sync_weights_merged(engine, model, args, pg, bucket_bytes)
+
+        return adapter_sync.sync(model, pg, base)
+    return sync_weights_merged(engine, model, args, pg, bucket_bytes)
+
+
+def sync_weights_merged(engine: RolloutEngine, model, args, pg, bucket_bytes=ENGINE_BUCKET_BYTES) -> dict[str, float]:
+    """Every weight through the stream (LoRA adapters merged into their weights)."""
+    t0 = time.perf_counter()
+    stats = StreamStats()
+    n = engine.update_weights(stream_weights(model, args, pg, bucket_bytes, stats))
     return {
         "sync/time_s": time.perf_counter() - t0,
         "sync/tensors": float(n),
@@ -44,12 +76,70 @@ def sync_weights_merged(engine, model, args, pg, bucket_bytes: int = 1 << 30) ->
     }
 
 
-def _without_shims(stream):
-    """The stream's own work (plan, TP gathers, layout copies) makes no CUDA call when the shims are on (CPU
-    tensors, gloo): run it outside their per-call redirect. The engine's side runs as before."""
-    while True:
-        with native_torch():
-            bucket = next(stream, None)
-        if bucket is None:
-            return
-        yield bucket
+class WeightSink(abc.ABC):
+    """Where a publish sends the policy's weights."""
+
+    @abc.abstractmethod
+    def publish(self, policy: PolicySide, version: int, changed: bool) -> dict[str, float]:
+        """Send the policy as ``version``; ``changed``: the weights differ from the version published last (a step
+        without an update only announces its version where the sink needs it). Collective over the training ranks;
+        returns the sync metrics."""
+
+
+class EngineSink(WeightSink):
+    """This rank's own engine (colocated): wake its weights, stream the policy in when it changed (or when sleep
+    dropped the engine's copy), then wake the KV cache, so weights and KV cache are never both allocated during the
+    sync."""
+
+    def __init__(self, engine: RolloutEngine, adapter_sync: AdapterSync | None, sleep_level: int):
+        self.engine, self.adapter_sync, self.sleep_level = engine, adapter_sync, sleep_level
+
+    def sleep(self) -> None:
+        """While the trainer runs: the engine frees its memory (where its sleep does)."""
+        if self.engine.supports_sleep:
+            self.engine.sleep(self.sleep_level)
+
+    def publish(self, policy: PolicySide, version: int, changed: bool) -> dict[str, float]:
+        e = self.engine
+        dropped = e.supports_sleep and self.sleep_level == 2
+        if e.supports_sleep and e.is_sleeping:
+            e.wake_up(tags=["weights"])
+        m = {}
+        if changed or dropped:
+            m = sync_weights(e, policy.model, policy.args, policy.dist.pg, self.adapter_sync)
+        if e.supports_sleep and e.is_sleeping:
+            e.wake_up()
+        return m
+
+
+class BridgeSink(WeightSink):
+    """The rollout ranks (disaggregated): training rank 0 broadcasts the buckets over the bridge's weights group as
+    ``version``; a step without an update announces its version with no tensors (admission waits for it)."""
+
+    def __init__(self, weights_group):
+        self.group = weights_group
+        """The bridge's group between training rank 0 and the rollout ranks (None on the other training ranks)."""
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    def publish(self, policy: PolicySide, version: int, changed: bool) -> dict[str, float]:
+        if not changed:
+            if self.group is not None:
+                bridge.publish_weights(self.group, [], version, device=self.device)
+            return {"sync/version": float(version), "sync/gbytes": 0.0}
+        t0 = time.perf_counter()
+        stats = StreamStats()
+        stream = stream_weights(policy.model, policy.args, policy.dist.pg, BRIDGE_BUCKET_BYTES, stats)
+        nbytes = ntensors = 0
+        if self.group is not None:
+            nbytes, ntensors = bridge.publish_weights(self.group, stream, version, device=self.device)
+        else:
+            for _ in stream:  # the stream's collectives: every training rank takes part
+                pass
+        dt = time.perf_counter() - t0
+        return {
+            "sync/time_s": dt,
+            "sync/tensors": float(ntensors),
+            "sync/gbytes": nbytes / 1e9,
+            "sync/gbps": nbytes / 1e9 / max(dt, 1e-9),
+            "sync/version": float(version),
+        }

@@ -1,0 +1,155 @@
+"""The policy side of a rank: the Megatron policy being trained (model, optimizer, learning-rate schedule), the
+frozen reference model, the settings of the update and of the log-prob passes, and the rank's parallel state. A
+colocated rank builds it beside the rollout side; a training rank of the disaggregated layout builds only this (and
+the run life), through the same :func:`build_policy_side`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from megatron_rlvr.config import RunConfig
+from megatron_rlvr.megatron.parallel import DistInfo, all_reduce_max
+from megatron_rlvr.megatron.policy import build_model, build_optimizer, current_lr, model_args_for, wrap_ddp
+from megatron_rlvr.megatron.routing import RoutingReplay
+from megatron_rlvr.models.build import takes_block_attention_mask
+from megatron_rlvr.models.hf_config import MegatronModelArgs
+from megatron_rlvr.models.lora import BaseModelView
+from megatron_rlvr.models.source import ModelSource, load_image_processor, load_tokenizer
+from megatron_rlvr.rollout.mismatch import MismatchCorrectionConfig
+from megatron_rlvr.rundir.checkpointer import PolicyState
+from megatron_rlvr.trainer.token_loss import StatsSpec
+from megatron_rlvr.trainer.update import UpdateSettings
+
+ASYNC_TIS_CAP = 2.0
+"""Truncated-IS cap of the behaviour -> proximal weight at rollout.max_staleness >= 1 when rollout.tis_cap is unset
+(docs/algorithms.md, "Off-policy data")."""
+
+if TYPE_CHECKING:  # heavy packages, for annotations only
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+
+@dataclass
+class PolicySide:
+    """Everything the training half of a step touches on one rank."""
+
+    cfg: RunConfig
+    """The validated run config."""
+    dist: DistInfo
+    """This rank's place in the world and its Megatron process groups."""
+    source: ModelSource
+    """Where the policy's start weights and HF config come from (the export copies its files)."""
+    tokenizer: Any
+    """The policy's tokenizer: its pad id, and the HF export writes it."""
+    image_processor: Any
+    """A vision-language policy's image processor (images -> the tower's pixel values); None: text only."""
+    args: MegatronModelArgs
+    """The Megatron model arguments at this layout (shapes, mapping dims)."""
+    model: DistributedDataParallel
+    """Megatron DDP-wrapped policy."""
+    optimizer: MegatronOptimizer
+    """Megatron optimizer (distributed or not), with gradient clipping."""
+    scheduler: OptimizerParamScheduler
+    """Learning-rate schedule."""
+    settings: UpdateSettings
+    """Everything the mini-batch updates and log-prob passes need besides the models."""
+    ref_model: GPTModel | BaseModelView | None = None
+    """Frozen reference policy (reference-KL algorithms): its own model, or a LoRA policy with its adapters off."""
+
+    @property
+    def state(self) -> PolicyState:
+        """What a checkpoint holds of the policy."""
+        return PolicyState(self.model, self.optimizer, self.scheduler, self.args)
+
+    def current_lr(self) -> float:
+        return current_lr(self.optimizer)
+
+
+def build_policy_side(cfg: RunConfig, dist: DistInfo, source: ModelSource) -> PolicySide:
+    """The policy at this rank's layout with its start weights (the checkpoint's arrive by resume), its optimizer and
+    schedule, the reference model when a KL term needs one, and the update settings."""
+    par = cfg.parallel
+    args = model_args_for(source, cfg.model, par, cfg.train)
+    model = build_model(
+        args, source, cfg.train.seed, dist.pg, lora=cfg.model.lora, freeze_vision=cfg.model.freeze_vision
+    )
+    model = wrap_ddp(model, par.distributed_optimizer)
+    optimizer, scheduler = build_optimizer(model, cfg.optimizer, cfg.schedule, par, cfg.model.dtype)
+    ref_model = None
+    if cfg.keeps_ref_model and cfg.model.lora is not None:  # the base model is the policy with adapters off
+        ref_model = BaseModelView(model)
+    elif cfg.keeps_ref_model:
+        ref_args = model_args_for(source, cfg.model, par, cfg.train)
+        ref_model = build_model(ref_args, source, cfg.train.seed, dist.pg, trainable=False)
+    tokenizer = load_tokenizer(source)
+    settings = update_settings(cfg, dist, args, tokenizer, model, ref_model)
+    return PolicySide(
+        cfg=cfg,
+        dist=dist,
+        source=source,
+        tokenizer=tokenizer,
+        image_processor=load_image_processor(source),
+        args=args,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        settings=settings,
+        ref_model=ref_model,
+    )
+
+
+def update_settings(cfg: RunConfig, d: DistInfo, args: MegatronModelArgs, tokenizer, model, ref_model):
+    """The update's and the log-prob passes' settings from the run config and the layout."""
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    routing = None if cfg.train.routing_replay == "none" else RoutingReplay(model, d.pg.tp, cfg.train.routing_replay)
+    return UpdateSettings(
+        algo=cfg.algorithm,
+        spec=StatsSpec(
+            tp_group=d.pg.tp if d.tp_size > 1 else None,
+            vocab_size=args.dims.vocab_size,
+            temperature=cfg.rollout.temperature,
+            chunk_size=cfg.train.logits_chunk,
+            impl=cfg.train.fused_statistics,
+        ),
+        pg=d.pg,
+        device=d.device,
+        pad_id=int(pad_id),
+        micro_batch_tokens=cfg.train.micro_batch_tokens,
+        seq_multiple=d.tp_size if args.config.sequence_parallel else 1,  # MoE at TP > 1 switches SP on
+        n_per_group=cfg.rollout.n,
+        num_mini_batches=cfg.train.num_mini_batches,
+        ppo_epochs=cfg.train.ppo_epochs,
+        correction=MismatchCorrectionConfig(tis_cap=tis_cap(cfg.rollout)),
+        skip_nonfinite=cfg.train.skip_nonfinite,
+        pack_rows=pack_rows_on(cfg, model, ref_model),
+        routing=routing,
+    )
+
+
+def tis_cap(rollout) -> float | None:
+    """The truncated-IS cap of the train/inference correction: ``rollout.tis_cap``; unset, at max_staleness >= 1 with
+    recomputed (proximal) log-probs, ASYNC_TIS_CAP (decoupled PPO: the behaviour -> proximal weight is truncated);
+    else None (no correction)."""
+    if rollout.tis_cap is not None:
+        return rollout.tis_cap
+    if rollout.max_staleness >= 1 and rollout.old_logprobs == "recompute":
+        return ASYNC_TIS_CAP
+    return None
+
+
+def pack_rows_on(cfg: RunConfig, model, ref_model) -> bool:
+    """``train.pack_sequences`` where every rank's models take a block-diagonal attention mask (ranks agree)."""
+    if not cfg.train.pack_sequences or cfg.train.micro_batch_tokens is None:
+        return False
+    ok = all(takes_block_attention_mask(m) for m in (model, ref_model) if m is not None)
+    return all_reduce_max(0.0 if ok else 1.0) == 0.0
+
+
+def describe(policy: PolicySide) -> str:
+    """The layout line of the start-up message."""
+    d = policy.dist
+    rows = "packed rows" if policy.settings.pack_rows else "one sequence per row"
+    return f"world {d.world_size} (tp {d.tp_size}, pp {d.pp_size}, dp {d.dp_size}) | {d.backend} | {rows}"

@@ -1,0 +1,84 @@
+"""The rollout side of a rank: what generating and scoring a step's samples needs (the prompts, the tokenizer and
+image processor, the engine and which engine this rank belongs to, the reward workers, the weight version the
+engine holds). A colocated rank builds it beside the policy side; a rank of the disaggregated layout that only rolls
+out builds only this, through the same :func:`build_rollout_side`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatron_rlvr.config import RunConfig
+from megatron_rlvr.data import PromptLoader, build_train_dataset, build_train_loader
+from megatron_rlvr.megatron.parallel import all_gather_objects
+from megatron_rlvr.models.source import ModelSource, load_image_processor, load_tokenizer
+from megatron_rlvr.rewards import RewardManager
+from megatron_rlvr.rollout.engine import RolloutEngine
+from megatron_rlvr.rollout.groups import EngineInfo, Generator, engine_info
+from megatron_rlvr.rollout.lora_sync import AdapterSync
+from megatron_rlvr.trainer.engine_setup import build_engine
+
+
+@dataclass
+class RolloutSide:
+    """Everything the rollout stage touches on one rank."""
+
+    cfg: RunConfig
+    """The validated run config."""
+    tokenizer: Any
+    """The policy's tokenizer (prompts in, responses out)."""
+    image_processor: Any
+    """A vision-language policy's image processor (prompt lengths count the expanded image tokens); else None."""
+    engine: RolloutEngine
+    """This rank's rollout engine (transformers or vLLM)."""
+    engine_info: EngineInfo
+    """Which engine this rank belongs to and whether it leads it."""
+    reward_manager: RewardManager | None
+    """Reward workers (engine leaders only)."""
+    loader: PromptLoader
+    """Resumable prompt loader (its position is what a checkpoint records of the data)."""
+    n_malformed: int
+    """Malformed training rows skipped while loading the data (``data.skip_malformed``)."""
+    adapter_sync: AdapterSync | None = None
+    """LoRA with ``model.lora.sync: adapter``: the adapter folder this engine serves; None otherwise."""
+    policy_version: int = 0
+    """The weight version the engine holds: the last step whose update its weights include."""
+
+    def generator(self) -> Generator:
+        """Who generates and scores here, for ``rollout.groups.generate_groups``."""
+        return Generator(self.engine, self.reward_manager, self.tokenizer, self.engine_info, all_gather_objects)
+
+    def close(self) -> None:
+        if self.reward_manager is not None:
+            self.reward_manager.close()
+        if self.adapter_sync is not None:
+            self.adapter_sync.close()
+        self.engine.close()
+
+
+def build_loader(cfg: RunConfig) -> tuple[PromptLoader, int]:
+    """The run's prompt loader (every rank draws the same global batches) and the malformed rows skipped."""
+    dataset = build_train_dataset(cfg.data)
+    loader = build_train_loader(cfg.data, cfg.train.prompts_per_step, dp_rank=0, dp_world=1, dataset=dataset)
+    return loader, dataset.n_malformed
+
+
+def build_rollout_side(cfg: RunConfig, source: ModelSource, rank: int, ranks: int) -> RolloutSide:
+    """The rollout side of ``rank`` among the ``ranks`` that roll out (the world when colocated, the rollout ranks
+    when disaggregated). The engine starts with random weights: the policy's arrive by the first publish."""
+    tokenizer = load_tokenizer(source)
+    info = engine_info(rank, ranks, cfg.parallel.rollout_tp)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    engine = build_engine(cfg, source, tokenizer, device)
+    try:
+        lora = cfg.model.lora
+        adapter_sync = AdapterSync(engine) if lora is not None and lora.sync == "adapter" else None
+        reward_manager = RewardManager(cfg.reward) if info.leader else None
+        loader, n_malformed = build_loader(cfg)
+    except BaseException:
+        engine.close()
+        raise
+    image_processor = load_image_processor(source)
+    return RolloutSide(cfg, tokenizer, image_processor, engine, info, reward_manager, loader, n_malformed, adapter_sync)
