@@ -291,3 +291,29 @@ def test_gspo_exploded_sequence_hand_computed():
     loss, grad, _ = _gspo([1.2, 1.2], -1.0, dual_clip=True)
     torch.testing.assert_close(loss, torch.full((2,), 3.0, dtype=F64))
     assert torch.equal(grad, torch.zeros(2, dtype=F64))
+
+
+def test_gspo_matches_the_clamped_sequence_objective_at_large_drift():
+    """On random rows with token log-ratios up to +-15 (sequence means on both sides of L = 10) the GSPO token
+    form through compute_policy_loss (seq-mean-token-mean) has the value and gradient of the sequence-level
+    objective -1/G sum_i min(s_i A_i, clip(s_i) A_i) with s_i = exp(min(mean_t log r_it, 10)), by direct autograd."""
+    g = torch.Generator().manual_seed(6)
+    B, T = 64, 5
+    old = -3.0 * torch.rand(B, T, generator=g, dtype=F64)
+    shift = 15.0 * (2 * torch.rand(B, 1, generator=g, dtype=F64) - 1)  # per-row drift, so many means pass 10
+    logp = (old + shift + torch.randn(B, T, generator=g, dtype=F64)).requires_grad_()
+    mask = torch.arange(T)[None, :] < torch.randint(1, T + 1, (B, 1), generator=g)
+    adv = torch.randn(B, generator=g, dtype=F64)
+    cfg = preset("gspo", policy_loss={"eps_low": 0.2, "eps_high": 0.2})
+    loss, m = compute_policy_loss(cfg, PolicyLossInputs(logp, old, mask, adv_B=adv), LossNormalizers.from_batch(mask))
+    (g_tok,) = torch.autograd.grad(loss, logp)
+    lr = torch.where(mask, logp - old, torch.zeros_like(logp))
+    log_s = (lr.sum(1) / mask.sum(1)).clamp(max=10.0)
+    s = log_s.exp()
+    ref = -torch.minimum(s * adv, s.clamp(0.8, 1.2) * adv).mean()
+    (g_seq,) = torch.autograd.grad(ref, logp)
+    torch.testing.assert_close(loss, ref, rtol=1e-12, atol=0)
+    torch.testing.assert_close(g_tok, g_seq, rtol=1e-10, atol=1e-12)
+    above = (lr.sum(1) / mask.sum(1)).detach() > 10.0
+    assert 0 < int(above.sum()) < B and bool((g_tok[above] == 0).all())
+    assert 0 < m["loss/seq_ratio_clamped_frac"].item() < 1
