@@ -22,6 +22,8 @@ ADVANTAGE_ESTIMATOR_NAMES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "cpgd")
 AGGREGATION_NAMES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 POLICY_LOSS_NAMES = ("ppo", "dual_clip", "cispo", "gspo", "pg", "cpgd")
 KL_ESTIMATOR_NAMES = ("k1", "k2", "k3")
+DUAL_CLIP_LOSSES = ("ppo", "dual_clip", "gspo")
+"""Policy losses whose negative-advantage branch ``policy_loss.dual_clip`` caps."""
 
 
 def check_registry(registry: dict, names: tuple[str, ...], what: str) -> None:
@@ -122,9 +124,16 @@ class PolicyLossConfig:
     eps_high: float = 0.2
     """Upper clip range (ratio <= 1 + eps_high). DAPO clip-higher: 0.28; GSPO: 4e-4; CISPO: 0.28 (ours)."""
     dual_clip_c: float = 3.0
-    """Dual-clip constant c > 1 for ``dual_clip``: a negative-advantage token's loss is capped at -c A."""
+    """Dual-clip constant c > 1 (``dual_clip``, or ``dual_clip: true``): a negative-advantage token's loss is capped
+    at -c A, so its gradient is at most c |A|."""
+    dual_clip: bool = False
+    """Apply the dual clip to ``ppo`` or ``gspo`` (for GSPO the cap acts on the sequence ratio's token form). The
+    ``dual_clip`` loss is ``ppo`` with this always on; other losses have no ratio to cap and refuse it."""
     log_ratio_clamp: float = 20.0
-    """|logp - logp_old| is clamped to this before exp, for numerical safety only."""
+    """|logp - logp_old| is clamped to this before exp, for numerical safety (and gradient 0 beyond it)."""
+    seq_log_ratio_clamp: float = 10.0
+    """``gspo`` only: the sequence log-ratio log s_i = mean_t log r_it is clamped to <= this (verl's 10), so the
+    loss is at most e^this |A| and its gradient is 0 above the clamp, as for a token past ``log_ratio_clamp``."""
 
     def __post_init__(self) -> None:
         if self.name not in POLICY_LOSS_NAMES:
@@ -142,6 +151,17 @@ class PolicyLossConfig:
             raise ValueError(f"PolicyLossConfig.dual_clip_c must be a finite number > 1, got {self.dual_clip_c}")
         if not self.log_ratio_clamp > 0:
             raise ValueError(f"PolicyLossConfig.log_ratio_clamp must be > 0, got {self.log_ratio_clamp}")
+        if not (self.seq_log_ratio_clamp > 0 and math.isfinite(self.seq_log_ratio_clamp)):
+            raise ValueError(
+                f"PolicyLossConfig.seq_log_ratio_clamp must be a finite number > 0, got {self.seq_log_ratio_clamp}"
+            )
+        if not isinstance(self.dual_clip, bool):
+            raise ValueError(f"PolicyLossConfig.dual_clip must be true or false, got {self.dual_clip!r}")
+        if self.dual_clip and self.name not in DUAL_CLIP_LOSSES:
+            raise ValueError(
+                f"PolicyLossConfig.dual_clip=true applies to {', '.join(DUAL_CLIP_LOSSES)} only, not {self.name!r} "
+                "(it caps the loss of a ratio; this loss has none to cap)"
+            )
 
 
 # regularizers.py

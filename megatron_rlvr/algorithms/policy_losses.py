@@ -14,11 +14,17 @@ Registry :data:`POLICY_LOSSES`:
 - ``dual_clip``: ppo, and for A < 0 additionally l = min(l, -c A), c = 3.0 (Ye et al., arXiv 1912.09729, eq. 5)
 - ``cispo``:     l = -sg(clip(r, 1 - eps_low, 1 + eps_high)) A logp; ``eps_low=None`` = no lower bound
                  (MiniMax-M1, arXiv 2506.13585, eq. 4-5)
-- ``gspo``:      s_i = exp(mean_t log r_it), token form s_it = sg(s_i) pi_t / sg(pi_t) (value s_i, gradient
-                 s_i grad logp_t); l = max(-A s_it, -A clip(s_it, 1 - eps_low, 1 + eps_high)) (GSPO, arXiv
-                 2507.18071, eq. 7 and the GSPO-token eq. 13)
+- ``gspo``:      s_i = exp(min(mean_t log r_it, L)), L = ``seq_log_ratio_clamp`` (10, as verl); token form
+                 s_it = sg(s_i) pi_t / sg(pi_t) (value s_i, gradient s_i grad logp_t, 0 where the clamp acts);
+                 l = max(-A s_it, -A clip(s_it, 1 - eps_low, 1 + eps_high)) (GSPO, arXiv 2507.18071, eq. 7 and
+                 the GSPO-token eq. 13)
 - ``pg``:        l = -A logp (REINFORCE)
 - ``cpgd``:      clipped policy gradient without ratio factor (CPGD, arXiv 2505.12504), see :mod:`.cpgd`
+
+``dual_clip: true`` adds the dual clip to ``ppo`` or ``gspo``. Bounds of the per-token gradient |d l_t / d logp_t|
+(docs/algorithms.md, "Gradient bounds"; tests/test_algorithms_ratio_bounds.py holds every loss to them):
+``ppo`` e^20 |A| (A < 0, r up to the log-ratio clamp), with the dual clip max(c, 1 + eps_high) |A|; ``cispo``
+(1 + eps_high) |A|; ``gspo`` e^L |A|, with the dual clip max(c, 1 + eps_high) |A|; ``pg`` and ``cpgd`` |A|.
 """
 
 from __future__ import annotations
@@ -45,23 +51,34 @@ def _clip_metrics(low_BT: Tensor, high_BT: Tensor, mask_BT: Tensor) -> dict[str,
     }
 
 
-def ppo_clip_loss(cfg, logp_BT, old_logp_BT, adv_BT, mask_BT) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO clipped surrogate (asymmetric: DAPO clip-higher)."""
+def _dual_clip(cfg, loss_BT, adv_BT, mask_BT, metrics: dict[str, Tensor]) -> Tensor:
+    """For A < 0 the loss is also capped at -c A (Ye et al., arXiv 1912.09729, eq. 5): a token whose ratio already
+    exploded is not pushed down harder than c |A|, and past the cap its gradient is 0."""
+    neg = adv_BT < 0
+    cap = -cfg.dual_clip_c * adv_BT
+    metrics["loss/dual_clip_frac"] = masked_mean((neg & (loss_BT.detach() > cap)).double(), mask_BT)
+    return torch.where(neg, torch.minimum(loss_BT, cap), loss_BT)
+
+
+def _ppo(cfg, logp_BT, old_logp_BT, adv_BT, mask_BT, dual: bool) -> tuple[Tensor, dict[str, Tensor]]:
     ratio = log_ratio(cfg, logp_BT, old_logp_BT).exp()
     loss = torch.maximum(-adv_BT * ratio, -adv_BT * ratio.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high))
     r = ratio.detach()
-    return loss, _clip_metrics((adv_BT < 0) & (r < 1.0 - cfg.eps_low), (adv_BT > 0) & (r > 1.0 + cfg.eps_high), mask_BT)
+    low, high = (adv_BT < 0) & (r < 1.0 - cfg.eps_low), (adv_BT > 0) & (r > 1.0 + cfg.eps_high)
+    metrics = _clip_metrics(low, high, mask_BT)
+    if dual:
+        loss = _dual_clip(cfg, loss, adv_BT, mask_BT, metrics)
+    return loss, metrics
+
+
+def ppo_clip_loss(cfg, logp_BT, old_logp_BT, adv_BT, mask_BT) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO clipped surrogate (asymmetric: DAPO clip-higher); dual-clipped when ``cfg.dual_clip``."""
+    return _ppo(cfg, logp_BT, old_logp_BT, adv_BT, mask_BT, dual=cfg.dual_clip)
 
 
 def dual_clip_ppo_loss(cfg, logp_BT, old_logp_BT, adv_BT, mask_BT) -> tuple[Tensor, dict[str, Tensor]]:
-    """Dual-clip PPO: for A < 0 the loss is also capped at -c A (bounds the push-down of a token whose ratio
-    already exploded)."""
-    loss, metrics = ppo_clip_loss(cfg, logp_BT, old_logp_BT, adv_BT, mask_BT)
-    neg = adv_BT < 0
-    cap = -cfg.dual_clip_c * adv_BT
-    dual = torch.where(neg, torch.minimum(loss, cap), loss)
-    metrics["loss/dual_clip_frac"] = masked_mean((neg & (loss.detach() > cap)).double(), mask_BT)
-    return dual, metrics
+    """Dual-clip PPO: ``ppo`` with the dual clip on."""
+    return _ppo(cfg, logp_BT, old_logp_BT, adv_BT, mask_BT, dual=True)
 
 
 def cispo_loss(cfg, logp_BT, old_logp_BT, adv_BT, mask_BT) -> tuple[Tensor, dict[str, Tensor]]:
@@ -75,17 +92,29 @@ def cispo_loss(cfg, logp_BT, old_logp_BT, adv_BT, mask_BT) -> tuple[Tensor, dict
 
 
 def gspo_loss(cfg, logp_BT, old_logp_BT, adv_BT, mask_BT) -> tuple[Tensor, dict[str, Tensor]]:
-    """GSPO-token: sequence-level ratio s_i = exp(mean_t log r_it) with the token-level stop-gradient form."""
+    """GSPO-token: sequence-level ratio s_i = exp(min(mean_t log r_it, L)) with the token-level stop-gradient form;
+    dual-clipped when ``cfg.dual_clip``.
+
+    The clamp at L = ``seq_log_ratio_clamp`` bounds the sequence ratio. Without it a negative-advantage sequence whose
+    tokens all drifted to the per-token clamp would weigh e^20 |A| in loss and gradient (the unclipped branch of the
+    PPO-style max is the pessimistic one for A < 0, so the eps clip never bounds it); clamped, the loss is at most
+    e^L |A| and, the clamp having gradient 0 outside its range, such a sequence gets no gradient, as verl's GSPO
+    (same L = 10). Below, s -> 0 bounds itself (the gradient of a sequence with A > 0 is A s)."""
     lr = torch.where(mask_BT, log_ratio(cfg, logp_BT, old_logp_BT), torch.zeros_like(logp_BT))
     len_B = mask_BT.sum(dim=1).clamp_min(1).to(lr.dtype)
     log_s_B = (lr.sum(dim=1) / len_B).detach()
-    s = torch.exp(log_s_B[:, None] + logp_BT - logp_BT.detach())
+    log_s_BT = (log_s_B[:, None] + logp_BT - logp_BT.detach()).clamp(max=cfg.seq_log_ratio_clamp)
+    s = log_s_BT.exp()
     loss = torch.maximum(-adv_BT * s, -adv_BT * s.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high))
-    s_d = log_s_B.exp()[:, None].expand_as(lr)
+    s_d = s.detach()
     metrics = _clip_metrics(
         (adv_BT < 0) & (s_d < 1.0 - cfg.eps_low), (adv_BT > 0) & (s_d > 1.0 + cfg.eps_high), mask_BT
     )
     metrics["loss/seq_ratio_mean"] = masked_mean(s_d, mask_BT)
+    capped = (log_s_B > cfg.seq_log_ratio_clamp)[:, None].expand_as(lr)
+    metrics["loss/seq_ratio_clamped_frac"] = masked_mean(capped.double(), mask_BT)
+    if cfg.dual_clip:
+        loss = _dual_clip(cfg, loss, adv_BT, mask_BT, metrics)
     return loss, metrics
 
 
