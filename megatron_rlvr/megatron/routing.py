@@ -134,7 +134,7 @@ class RoutingReplay:
     def engine_routes(self, seq) -> torch.Tensor:
         """R3: a sequence's engine routes [all MoE layers, length - 1, k] -> what a replay session takes,
         [MoE layers on this stage, length, k] int16 with the last position unknown (-1)."""
-        routes = getattr(seq, "engine_routes", None)
+        routes = seq.engine_routes  # trainer.microbatch.Sequence (routing sits below the trainer: no import)
         if routes is None:
             raise ValueError(
                 "train.routing_replay=r3: a rollout sample carries no routes (the engine did not return them)"

@@ -23,6 +23,7 @@ import torch
 from megatron_rlvr.families.table import vl_family_of, vl_saved_name
 from megatron_rlvr.megatron.cpu_shims import native_torch
 from megatron_rlvr.models.mapping import unfuse_experts
+from megatron_rlvr.models.mrope import image_token_counts, rope_index
 from megatron_rlvr.rollout.engine import (
     Completion,
     RolloutEngine,
@@ -308,8 +309,6 @@ class HFRolloutEngine(RolloutEngine):
     def _expand(self, prompt: list[int], images: list) -> tuple[list[int], tuple[torch.Tensor, torch.Tensor]]:
         """(the prompt with each image's one placeholder expanded to its merged patches, (pixel_values [n_patches,
         D], image_grid_thw [n_images, 3]))."""
-        from megatron_rlvr.models.mrope import image_token_counts
-
         out = self.image_processor(images=list(images), return_tensors="pt")
         pixels, grid = out["pixel_values"], out["image_grid_thw"]
         counts = iter(image_token_counts(grid, self._merge))
@@ -334,17 +333,12 @@ class HFRolloutEngine(RolloutEngine):
         )
         return out.logits[:, -1, :].float(), self._take_routes(*input_ids.shape)
 
-    @torch.no_grad()
-    def _generate_rows(
-        self, prompts: list[list[int]], seeds: list[int], params: SamplingParams, vision: list | None = None
-    ) -> list[Completion]:
-        """``vision``: per row None or (prompt index, pixel_values, image_grid_thw) of its images."""
-        from transformers import DynamicCache
-
-        from megatron_rlvr.models.mrope import rope_index
+    def _prefill(self, prompts: list[list[int]], vision: list):
+        """The prompts' prefill, each distinct prompt once: the KV cache, the last logits, the attention mask and
+        the next positions of every row, and each row's prompt routes (R3; None without routes)."""
+        from transformers import DynamicCache  # transformers' import costs seconds: only once generating
 
         B, dev = len(prompts), self.device
-        vision = vision or [None] * B
         # The n samples of a prompt share its prefill: one forward per distinct prompt, whose cache rows, logits and
         # mask are then repeated for each of its rows (a row's values do not depend on its batch neighbours). Prompts
         # with images are distinct per prompt index (equal tokens may carry other images).
@@ -382,11 +376,20 @@ class HFRolloutEngine(RolloutEngine):
         next_pos = (positions.amax(dim=(0, 2)) + 1)[:, None] if positions.dim() == 3 else positions[:, -1:] + 1
         # R3: each row's routes, the prompt's real (unpadded) positions, then one position per token fed back
         prompt_routes = [None if routes is None else routes[:, row_of[b], L - len(prompts[b]) :] for b in range(B)]
-        step_routes: list[list[torch.Tensor]] = [[] for _ in range(B)]
         if len(uniq) < B:  # DynamicCache.batch_select_indices (transformers >= 4.51) also repeats rows
             expand = torch.tensor(row_of, dtype=torch.long, device=dev)
             cache.batch_select_indices(expand)
             logits, mask, next_pos = logits[expand], mask[expand], next_pos[expand]
+        return cache, logits, mask, next_pos, prompt_routes
+
+    @torch.no_grad()
+    def _generate_rows(
+        self, prompts: list[list[int]], seeds: list[int], params: SamplingParams, vision: list | None = None
+    ) -> list[Completion]:
+        """``vision``: per row None or (prompt index, pixel_values, image_grid_thw) of its images."""
+        B, dev = len(prompts), self.device
+        cache, logits, mask, next_pos, prompt_routes = self._prefill(prompts, vision or [None] * B)
+        step_routes: list[list[torch.Tensor]] = [[] for _ in range(B)]
 
         gens = [torch.Generator(device=dev).manual_seed(s) for s in seeds]
         stop_ids = set(params.stop_token_ids)

@@ -300,6 +300,20 @@ ADAPTER_NAME, ADAPTER_ID = "policy", 1
 """The one LoRARequest the policy's adapter is served under (reloaded in place after every update)."""
 
 
+def _check_world(cfg: VLLMEngineConfig) -> bool:
+    """Whether the engine joins an initialised torch.distributed world (else it runs alone); the TP size must
+    divide it."""
+    distributed = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size() if distributed else 1
+    if world % cfg.tensor_parallel_size:
+        raise ValueError(
+            f"VLLMEngineConfig.tensor_parallel_size={cfg.tensor_parallel_size} does not divide world size {world}"
+        )
+    if not distributed and cfg.tensor_parallel_size > 1:
+        raise ValueError("rollout tensor_parallel_size > 1 needs an initialised torch.distributed world")
+    return distributed
+
+
 class VLLMRolloutEngine(RolloutEngine):
     """The RolloutEngine interface on vLLM (see the module docstring for the vLLM APIs used).
 
@@ -322,14 +336,7 @@ class VLLMRolloutEngine(RolloutEngine):
     ):
 
         self.config = cfg = config or VLLMEngineConfig()
-        distributed = dist.is_available() and dist.is_initialized()
-        world = dist.get_world_size() if distributed else 1
-        if world % cfg.tensor_parallel_size:
-            raise ValueError(
-                f"VLLMEngineConfig.tensor_parallel_size={cfg.tensor_parallel_size} does not divide world size {world}"
-            )
-        if not distributed and cfg.tensor_parallel_size > 1:
-            raise ValueError("rollout tensor_parallel_size > 1 needs an initialised torch.distributed world")
+        distributed = _check_world(cfg)
         # in-process engine core: apply_model runs our closures directly (external_launcher forces it as well)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
@@ -355,18 +362,7 @@ class VLLMRolloutEngine(RolloutEngine):
         # a VL config keeps the language model's sizes in text_config
         text_cfg = {**cfg_dict, **cfg_dict.get("text_config", {})}
         max_len = cfg.max_model_len or int(text_cfg.get("max_position_embeddings") or 0) or None
-        kv_bytes = cfg.kv_cache_bytes
-        if kv_bytes is None and self.platform.kv_cache_from_config:
-            if max_len is None:
-                raise ValueError("VLLMEngineConfig.max_model_len is needed to size the CPU KV cache")
-            kv_bytes = vllm_platform.kv_cache_bytes_for(
-                text_cfg, cfg.dtype, max_len, cfg.max_num_seqs, cfg.cpu_kv_cache_cap_bytes
-            )
-        self.kv_cache_bytes = kv_bytes
-        if kv_bytes is not None:
-            kwargs["kv_cache_memory_bytes"] = kv_bytes
-        if self.platform.whole_prefill_budget and max_len:  # vllm_platform: no split prefill of seeded requests
-            kwargs.setdefault("max_num_batched_tokens", max(4096, cfg.max_num_seqs * max_len))
+        self.kv_cache_bytes = self._memory_kwargs(cfg, text_cfg, max_len, kwargs)
         self._shm_before = _cpu_shm_files()
         self._model_dir, self._tmp = _write_model_dir(hf_config, eos_token_ids, processor if self.vl_kind else None)
         if self.vl_kind is not None:
@@ -407,6 +403,22 @@ class VLLMRolloutEngine(RolloutEngine):
         self._calls = 0
         self._asleep: set[str] = set()
         self.lora_request = None  # the policy's adapter, once load_adapter() gave one
+
+    def _memory_kwargs(self, cfg: VLLMEngineConfig, text_cfg: dict, max_len: int | None, kwargs: dict) -> int | None:
+        """The KV cache's bytes (given, or sized from the config where the platform needs it: CPU) and the batching
+        budget, into ``kwargs``; returns the KV-cache bytes (None: vLLM sizes it from gpu_memory_utilization)."""
+        kv_bytes = cfg.kv_cache_bytes
+        if kv_bytes is None and self.platform.kv_cache_from_config:
+            if max_len is None:
+                raise ValueError("VLLMEngineConfig.max_model_len is needed to size the CPU KV cache")
+            kv_bytes = vllm_platform.kv_cache_bytes_for(
+                text_cfg, cfg.dtype, max_len, cfg.max_num_seqs, cfg.cpu_kv_cache_cap_bytes
+            )
+        if kv_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = kv_bytes
+        if self.platform.whole_prefill_budget and max_len:  # vllm_platform: no split prefill of seeded requests
+            kwargs.setdefault("max_num_batched_tokens", max(4096, cfg.max_num_seqs * max_len))
+        return kv_bytes
 
     supports_adapters = True
 

@@ -23,6 +23,7 @@ from megatron_rlvr.algorithms import (
     shape_rewards,
 )
 from megatron_rlvr.megatron.cpu_shims import native_torch
+from megatron_rlvr.models.mrope import image_token_counts
 from megatron_rlvr.rollout.groups import Group
 from megatron_rlvr.trainer.microbatch import Sequence, VisionInputs
 
@@ -110,8 +111,6 @@ def group_vision(group: Group, image_processor, image_token_id: int, spatial_mer
     """The trainer's image inputs of a group's prompt (None without images): ``image_processor`` on the example's
     images (deterministic: the same pixels and grids the engine's processor gave), the image mask from the prompt
     ids the engine returned (expanded: one token per merged patch). ValueError when they disagree."""
-    from megatron_rlvr.models.mrope import image_token_counts
-
     if not group.example.images:
         return None
     out = image_processor(images=list(group.example.images), return_tensors="pt")

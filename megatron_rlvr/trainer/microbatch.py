@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_rlvr.models.mrope import rope_index
 from megatron_rlvr.rollout.mismatch import MismatchCorrectionConfig, correction_weights
 
 
@@ -285,8 +286,6 @@ def build_microbatch(
 def _vision_fields(rows: list[list[Sequence]], offsets: list[list[int]], b: int, s: int) -> dict:
     """M-RoPE positions [3, b, s], image mask [b, s], pixel values and grids of model rows holding the sequences
     ``rows[r]`` at ``offsets[r]``; {} when no sequence has images (text-only rows keep 1-D positions)."""
-    from megatron_rlvr.models.mrope import rope_index
-
     if not any(q.vision is not None for row in rows for q in row):
         return {}
     positions = torch.arange(s, dtype=torch.long).expand(3, b, s).clone()

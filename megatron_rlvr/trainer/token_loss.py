@@ -111,6 +111,15 @@ def logprob_fn(spec: StatsSpec, with_entropy: bool):
     return fn
 
 
+def _correction_metrics(is_BT: torch.Tensor, mask_BT: torch.Tensor, correction) -> dict[str, float]:
+    """The mean importance weight of the mismatch correction and the share of tokens at its cap."""
+    if not bool(mask_BT.any()):
+        return {"mismatch/is_weight_mean": 1.0, "mismatch/tis_clip_frac": 0.0}
+    cap = correction.tis_cap if correction is not None else None
+    clipped = (is_BT[mask_BT] >= cap).double().mean() if cap is not None else 0.0
+    return {"mismatch/is_weight_mean": float(is_BT[mask_BT].double().mean()), "mismatch/tis_clip_frac": float(clipped)}
+
+
 def policy_loss_fn(
     algo: AlgorithmConfig,
     norms: LossNormalizers,
@@ -179,10 +188,7 @@ def policy_loss_fn(
         info = {k: float(v) for k, v in metrics.items()}
         info.update(ratio_quantile_metrics(logp, inputs.old_logp_BT, mask))  # diagnostics: ratio dynamics (CPGD)
         if is_BT is not None:  # how much the mismatch correction reweights (token-weighted over the step)
-            info["mismatch/is_weight_mean"] = float(is_BT[mask].double().mean()) if bool(mask.any()) else 1.0
-            cap = correction.tis_cap if correction is not None else None
-            clipped = (is_BT[mask] >= cap).double().mean() if cap is not None and bool(mask.any()) else 0.0
-            info["mismatch/tis_clip_frac"] = float(clipped)
+            info.update(_correction_metrics(is_BT, mask, correction))
         info["train/nonfinite"] = float(bad)
         if bad:
             # keep the backward finite-or-not as it is: the step is skipped after the all-reduce of this flag
