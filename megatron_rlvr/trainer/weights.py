@@ -21,19 +21,28 @@ def sync_weights(engine, model, args, pg, bucket_bytes: int = 1 << 30) -> dict[s
     if lora is not None and lora.cfg.sync == "adapter":
         from megatron_rlvr.rollout.lora_sync import sync_adapter
 
-        return sync_adapter(engine, model, args, pg, lambda: sync_weights_merged(engine, model, args, pg, bucket_bytes))
+        return sync_adapter(
+            engine, model, args, pg, lambda: sync_weights_merged(engine, model, args, pg, bucket_bytes, adapters="base")
+        )
     return sync_weights_merged(engine, model, args, pg, bucket_bytes)
 
 
-def sync_weights_merged(engine, model, args, pg, bucket_bytes: int = 1 << 30) -> dict[str, float]:
-    """Every weight through the stream (LoRA adapters merged into their weights)."""
+def sync_weights_merged(
+    engine, model, args, pg, bucket_bytes: int = 1 << 30, adapters: str = "merged"
+) -> dict[str, float]:
+    """Every weight through the stream; ``adapters`` (``WeightStreamConfig.adapters``): a LoRA policy's adapters
+    merged into their weights (``merged``) or left out, the base weights only (``base``)."""
     from megatron_rlvr.models.build import unwrap
     from megatron_rlvr.rollout.weight_stream import StreamStats, WeightStreamConfig, megatron_weight_stream
 
     t0 = time.perf_counter()
     stats = StreamStats()
     stream = megatron_weight_stream(
-        unwrap(model), args, config=WeightStreamConfig(bucket_bytes=bucket_bytes), stats=stats, pg_collection=pg
+        unwrap(model),
+        args,
+        config=WeightStreamConfig(bucket_bytes=bucket_bytes, adapters=adapters),
+        stats=stats,
+        pg_collection=pg,
     )
     n = engine.update_weights(_without_shims(stream))
     return {
