@@ -90,14 +90,7 @@ def _rank_forward_backward(folder: str, peft: dict, ids: torch.Tensor, targets: 
     from megatron_rlvr.models.build import build_gpt_model, gather_vocab_parallel
     from megatron_rlvr.models.hf_config import megatron_model_args
     from megatron_rlvr.models.hf_loading import load_hf_weights
-    from megatron_rlvr.models.lora import (
-        adapters_disabled,
-        attach_lora,
-        gather_peft_tensors,
-        is_lora_param,
-        load_peft_tensors,
-        merged_weight,
-    )
+    from megatron_rlvr.models.lora import adapters_disabled, attach_lora, gather_peft_tensors, load_peft_tensors
 
     tp = ps.get_tensor_model_parallel_world_size()
     tp_group = ps.get_tensor_model_parallel_group()
@@ -105,7 +98,7 @@ def _rank_forward_backward(folder: str, peft: dict, ids: torch.Tensor, targets: 
     args = megatron_model_args(folder, tp_size=tp, sequence_parallel=sp, padded_vocab_size=512)
     model = build_gpt_model(args)
     load_hf_weights(model, args, folder)
-    attach_lora(model, LoRAConfig(rank=RANK, alpha=2.0 * RANK, targets=targets), args, seed=0)
+    lora = attach_lora(model, LoRAConfig(rank=RANK, alpha=2.0 * RANK, targets=targets), args, seed=0)
     load_peft_tensors(model, peft)
     pos = torch.arange(ids.shape[1]).unsqueeze(0).expand(ids.shape[0], -1)
 
@@ -128,7 +121,7 @@ def _rank_forward_backward(folder: str, peft: dict, ids: torch.Tensor, targets: 
     res["base_grads"] = [
         n
         for n, p in model.named_parameters()
-        if not is_lora_param(p) and (p.grad is not None or hasattr(p, "main_grad"))
+        if not lora.is_adapter_param(p) and (p.grad is not None or hasattr(p, "main_grad"))
     ]
     res["ddp_buffer_numel"] = sum(b.grad_data.numel() for b in ddp.buffers)
     res["trainable"] = sorted(n for n, p in model.named_parameters() if p.requires_grad)
@@ -138,9 +131,8 @@ def _rank_forward_backward(folder: str, peft: dict, ids: torch.Tensor, targets: 
     load_hf_weights(base, args, folder)
     res["base"] = logits_of(base)
     with torch.no_grad():
-        for p in model.parameters():
-            if getattr(p, "lora_adapter", None) is not None:
-                p.copy_(merged_weight(p))
+        for p in lora.adapted_weights():
+            p.copy_(lora.merged_weight(p))
     with adapters_disabled(model):
         res["merged"] = logits_of(model)
     return res
@@ -525,6 +517,138 @@ def test_merged_stream_keeps_its_memory_bound(dist_pool, base_folder):
     for tp in (1, 2):
         for r in dist_pool.run(_rank_merged_stream_memory, tp=tp, args=(base_folder, peft, bucket)):
             assert r["buckets"] > 2 and r["peak"] <= bucket + r["largest"], (tp, r)
+
+
+MEGATRON_TARGETS = {
+    "qkv": "self_attention.linear_qkv",
+    "proj": "self_attention.linear_proj",
+    "fc1": "mlp.linear_fc1",
+    "fc2": "mlp.linear_fc2",
+}
+"""Target -> megatron linear, written out here independently of ``models.lora.TARGET_MODULES``."""
+
+
+def _rank_ownership_and_stream_modes(folder: str, peft: dict, targets: list) -> dict:
+    """A LoRA policy at this rank's (TP, PP) layout: its ownership table checked against the module tree (by
+    parameter names), then one weight stream per ``WeightStreamConfig.adapters`` mode."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from megatron_rlvr.megatron.policy import ModelSource, build_model, wrap_ddp
+    from megatron_rlvr.models.build import unwrap
+    from megatron_rlvr.models.hf_config import load_hf_config, megatron_model_args
+    from megatron_rlvr.models.lora import LoRAAdapter, adapter_params, load_peft_tensors, lora_container
+    from megatron_rlvr.models.mapping import layer_offset
+    from megatron_rlvr.rollout.weight_stream import WeightStreamConfig, megatron_weight_stream
+
+    pg = ProcessGroupCollection.use_mpu_process_groups()
+    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    args = megatron_model_args(folder, tp_size=tp, pp_size=pp, padded_vocab_size=512)
+    source = ModelSource(load_hf_config(folder), folder, None, False)
+    lora_cfg = LoRAConfig(rank=RANK, alpha=2.0 * RANK, targets=targets)
+    model = build_model(args, source, 0, pg, lora=lora_cfg)
+    ddp = wrap_ddp(model, distributed_optimizer=False)
+    load_peft_tensors(model, peft)
+    gpt = unwrap(model)
+    table = lora_container(ddp)
+    assert table is gpt.lora_adapters
+    named = dict(gpt.named_parameters())
+    n_layers = len(gpt.decoder.layers)
+    want_weights = {f"decoder.layers.{i}.{MEGATRON_TARGETS[t]}.weight" for i in range(n_layers) for t in targets}
+    want_params = {f"lora_adapters.layers.{i}.{t}.lora_{ab}" for i in range(n_layers) for t in targets for ab in "AB"}
+    res = {"n_layers": n_layers, "offset": layer_offset(args.config, pg.pp.rank())}
+    res["names_found"] = want_weights <= set(named) and want_params <= set(named)
+    by_id = {id(p): n for n, p in named.items()}
+    res["adapted"] = sorted(by_id[id(w)] for w in table.adapted_weights())
+    res["want_adapted"] = sorted(want_weights)
+    res["adapter_params"] = sorted(by_id[id(p)] for p in adapter_params(ddp))
+    res["want_adapter_params"] = sorted(want_params)
+
+    # every lookup over the whole module tree, with the tensors' elementwise == made to fail: identity only
+    def no_eq(self, other):
+        raise AssertionError("the ownership table compared tensors by value")
+
+    eq = torch.Tensor.__eq__
+    torch.Tensor.__eq__ = no_eq
+    try:
+        owner = {n: table.adapter_of(p) for n, p in named.items()}
+        is_adapter = {n: table.is_adapter_param(p) for n, p in named.items()}
+        res["clone_misses"] = all(
+            table.adapter_of(p.detach().clone()) is None and not table.is_adapter_param(p.detach().clone())
+            for p in named.values()
+        )
+    finally:
+        torch.Tensor.__eq__ = eq
+    res["owner_is_its_adapter"] = all(
+        (owner[n] is None) == (n not in want_weights)
+        and (
+            owner[n] is None or owner[n] is gpt.get_submodule(f"lora_adapters.layers.{n.split('.')[2]}.{_target_of(n)}")
+        )
+        for n in named
+    )
+    res["owner_types"] = all(isinstance(a, LoRAAdapter) for a in owner.values() if a is not None)
+    res["is_adapter_matches_names"] = all(is_adapter[n] == (n in want_params) for n in named)
+
+    for mode in ("base", "merged"):
+        cfg = WeightStreamConfig(bucket_bytes=80_000, adapters=mode)
+        res[mode] = {
+            n: t.clone() for b in megatron_weight_stream(ddp, args, pg_collection=pg, config=cfg) for n, t in b
+        }
+    return res
+
+
+def _target_of(megatron_name: str) -> str:
+    return next(t for t, m in MEGATRON_TARGETS.items() if f".{m}." in megatron_name)
+
+
+@pytest.mark.parametrize("tp,pp,targets", [(1, 1, ["qkv", "fc2"]), (2, 2, list(LORA_TARGETS))], ids=["tp1", "tp2pp2"])
+def test_ownership_table_and_base_or_merged_stream(dist_pool, base_folder, tp, pp, targets):
+    """The adapters' ownership table names exactly the adapted base weights (the target linears' weights of every
+    local layer) and exactly the adapters' A and B, compared by parameter name against the module tree; every
+    lookup goes by identity (a clone of a parameter is not in the table, tensor ``__eq__`` is never called). The
+    weight stream with ``adapters="base"`` gives exactly the
+    base checkpoint's tensors; with ``"merged"`` it gives W + (alpha/r) B A computed in fp64 from the base
+    checkpoint and the PEFT tensors (fp32, 1e-6), and neither sends an adapter tensor."""
+    from safetensors.torch import load_file
+
+    from megatron_rlvr.models.hf_config import load_hf_config
+
+    peft = random_peft(load_hf_config(base_folder), targets, RANK, seed=13)
+    res = dist_pool.run(_rank_ownership_and_stream_modes, tp=tp, pp=pp, args=(base_folder, peft, targets))
+    base = load_file(f"{base_folder}/model.safetensors")
+    scale = 2.0  # alpha / r
+    merged_want = {}
+    for name, w in base.items():
+        stem = "base_model.model." + name.removesuffix(".weight")
+        a = peft.get(f"{stem}.lora_A.weight")
+        if a is None:
+            merged_want[name] = w.double()
+        else:
+            merged_want[name] = w.double() + scale * peft[f"{stem}.lora_B.weight"].double() @ a.double()
+    for r in res:
+        assert r["n_layers"] == 2 // pp and r["names_found"]
+        assert r["adapted"] == r["want_adapted"] and len(r["adapted"]) == len(targets) * r["n_layers"]
+        assert r["adapter_params"] == r["want_adapter_params"]
+        assert r["owner_is_its_adapter"] and r["owner_types"] and r["is_adapter_matches_names"]
+        assert r["clone_misses"]
+        assert set(r["base"]) == set(base) and set(r["merged"]) == set(base)
+        for name, w in base.items():
+            assert torch.equal(r["base"][name], w), f"base stream: {name}"
+            err = (r["merged"][name].double() - merged_want[name]).abs().max().item()
+            assert err < 1e-6, f"merged stream: {name} off by {err}"
+        changed = [n for n in base if not torch.equal(r["merged"][n], base[n])]
+        assert changed and sorted(changed) == sorted(n for n in base if _peft_a(n) in peft)
+
+
+def _peft_a(hf_name: str) -> str:
+    return "base_model.model." + hf_name.removesuffix(".weight") + ".lora_A.weight"
+
+
+def test_weight_stream_adapters_mode_is_validated():
+    from megatron_rlvr.rollout.weight_stream import WeightStreamConfig
+
+    with pytest.raises(ValueError, match="WeightStreamConfig.adapters must be 'merged' or 'base'"):
+        WeightStreamConfig(adapters="adapter")
 
 
 def test_expert_adapters_on_moe_models_are_refused():

@@ -64,7 +64,7 @@ def _rank(model_name: str, lora_kw: dict, rounds: int, prompts: int, prompt_len:
     from megatron_rlvr.config.lora_config import LoRAConfig
     from megatron_rlvr.megatron.policy import build_model
     from megatron_rlvr.models.hf_config import megatron_model_args
-    from megatron_rlvr.models.lora import base_weights_only, gather_peft_tensors, load_peft_tensors, lora_container
+    from megatron_rlvr.models.lora import gather_peft_tensors, load_peft_tensors, lora_container
     from megatron_rlvr.rollout.engine import SamplingParams
     from megatron_rlvr.rollout.lora_sync import AdapterSync, adapter_engine_kwargs
     from megatron_rlvr.rollout.vllm_engine import VLLMEngineConfig, VLLMRolloutEngine
@@ -114,8 +114,7 @@ def _rank(model_name: str, lora_kw: dict, rounds: int, prompts: int, prompt_len:
     def adapter_step() -> tuple[float, float, list, dict]:
         if engine_holds[0] != "base":  # untimed: a real adapter run streams the base once
             engine.lora_request = None
-            with base_weights_only(model):
-                sync_weights_merged(engine, model, args, pg)
+            sync_weights_merged(engine, model, args, pg, adapters="base")
         container.cfg = adapter_cfg
         adapters.base_loaded = True  # the engine holds the base (streamed above, untimed)
         t0 = time.perf_counter()

@@ -18,7 +18,7 @@ import torch
 
 from megatron_rlvr.models.hf_config import MegatronModelArgs
 from megatron_rlvr.models.hf_loading import SAFE_INDEX, SAFE_SINGLE
-from megatron_rlvr.models.lora import is_lora_param, merged_weight
+from megatron_rlvr.models.lora import lora_container
 from megatron_rlvr.models.mapping import ExpertLayout, WeightMapping, layer_offset
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
@@ -58,6 +58,8 @@ def iter_hf_tensors(model, args: MegatronModelArgs, *, pg_collection=None) -> It
     Yielded tensors may ALIAS the parameters (replicated params, TP=1): clone them if they must outlive an update.
     Routed experts are gathered over the expert-TP group, then all-gathered over the expert-parallel group, so
     every rank also gets every expert (collective over those groups too).
+    A LoRA policy is exported merged: each adapted weight as W + (alpha/r) B A (the adapters' ownership table says
+    which), the adapters' own tensors not at all (``lora.export_peft`` writes them as a PEFT folder).
     """
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -67,14 +69,15 @@ def iter_hf_tensors(model, args: MegatronModelArgs, *, pg_collection=None) -> It
     mapping = WeightMapping(args.dims)
     offset = layer_offset(args.config, pg_collection.pp.rank())
     experts = ExpertLayout.of(pg_collection)
+    lora = lora_container(model)
     for name, param in model.named_parameters():
-        if is_lora_param(param):  # LoRA: exported merged into the weight it adapts
+        if lora is not None and lora.is_adapter_param(param):  # exported merged into the weight it adapts
             continue
         p = mapping.resolve(name, layer_offset=offset, expert_offset=experts.expert_offset(args.dims))
         if p.skip_on_export:
             continue
         if not p.per_expert:
-            full = _gather_tp(merged_weight(param), p.tp_dim, tp_group)
+            full = _gather_tp(lora.merged_weight(param) if lora is not None else param.detach(), p.tp_dim, tp_group)
             yield from p.to_hf(full, tp_group.size()).items()
             continue
         full = _gather_tp(param.detach(), p.tp_dim, pg_collection.expt_tp)

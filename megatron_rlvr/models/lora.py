@@ -22,8 +22,12 @@ Parameters live in one container registered on the GPTModel as ``lora_adapters``
 ``lora_adapters.layers.<local layer>.<target>.lora_A|lora_B``); a forward hook on each target linear adds the
 adapter's output. Every other parameter is frozen, so megatron's DDP gradient buffers and the optimizer cover the
 adapters only. ``adapters_disabled(model)`` turns every adapter off for a forward: the base model, with no second
-copy in memory (the reference policy of KL terms). ``merged_weight(param)`` is ``W + (alpha/r) B A`` of this rank's
-shard, which the weight stream and the HF export use in place of ``W``.
+copy in memory (the reference policy of KL terms).
+
+Which tensor belongs to which adapter is a table on the container, filled by ``attach_lora`` (nothing is stored on
+the tensors): ``adapter_of(weight)`` for an adapted base weight, ``is_adapter_param(p)`` for an adapter's own A and
+B, and ``merged_weight(weight)``, ``W + (alpha/r) B A`` of this rank's shard, which the HF export and the weight
+stream (when told to merge) use in place of ``W``.
 """
 
 from __future__ import annotations
@@ -84,7 +88,7 @@ class LoRAAdapter(torch.nn.Module):
         self.tp_size = tp_group.size() if tp_group is not None else 1
         self.sequence_parallel = sp and self.tp_size > 1
         self.enabled = True
-        self.merge_into_weight = True
+        """Off: the hook adds nothing (``adapters_disabled``, the reference policy's forward)."""
         out_local, in_local = base_weight.shape
         kw = dict(dtype=base_weight.dtype, device=base_weight.device)
         if self.row:
@@ -99,11 +103,11 @@ class LoRAAdapter(torch.nn.Module):
             split_dim = 0
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
+        # the two attributes below are megatron-core's own protocol on parameters (its checkpointing, gradient
+        # clipping and finalize_model_grads read them), not ownership records of this project
         set_tensor_model_parallel_attributes(split, self.tp_size > 1, split_dim, 1)
         if self.sequence_parallel:  # its gradient is a partial sum over the sequence shards: megatron reduces it
             replicated.sequence_parallel = True
-        for p in (self.lora_A, self.lora_B):
-            p.is_lora = True
         if self.parts > 1:
             rank = tp_group.rank() if tp_group is not None else 0
             tag = self._row_parts(resolved, self.tp_size)[rank]
@@ -149,6 +153,12 @@ class LoRAAdapter(torch.nn.Module):
             for p, hp in enumerate(h.split(self.rank_r, dim=-1))
         ]
         return torch.cat(ys, dim=-1).index_select(-1, self.inverse)
+
+    @torch.no_grad()
+    def merge(self, weight: torch.Tensor) -> torch.Tensor:
+        """W + (alpha / r) B A for ``weight``, this rank's shard of the base weight this adapter adapts (a new
+        tensor in the weight's dtype)."""
+        return weight.detach() + self.delta_weight().to(weight.dtype)
 
     @torch.no_grad()
     def delta_weight(self) -> torch.Tensor:
@@ -237,7 +247,13 @@ def _all_gather(t: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 
 class LoRAAdapters(torch.nn.Module):
-    """Every adapter of one model chunk: ``layers[<local layer>][<target>]``."""
+    """Every adapter of one model chunk: ``layers[<local layer>][<target>]``, and the ownership table: which base
+    weight each adapter adapts and which parameters are adapters'.
+
+    The table is keyed by the parameter objects themselves. ``torch.Tensor.__hash__`` is ``id(self)`` and the table
+    keeps its keys alive, so two keys never share a hash and a lookup (hit or miss) is decided by identity and hash
+    alone: the tensor's elementwise ``__eq__`` is never called (tests check that with ``__eq__`` made to raise).
+    """
 
     def __init__(self, cfg: LoRAConfig, offset: int, tp_group, base: str | None = None, seed: int = 0):
         super().__init__()
@@ -248,6 +264,44 @@ class LoRAAdapters(torch.nn.Module):
         """The HF folder of the frozen base weights (None: the random init of (hf_config, seed))."""
         self.seed = seed
         self.layers = torch.nn.ModuleDict()
+        self._adapter_of: dict[torch.Tensor, LoRAAdapter] = {}
+        """Adapted base weight (the linear's ``weight`` Parameter) -> its adapter."""
+        self._adapter_params: dict[torch.Tensor, LoRAAdapter] = {}
+        """Adapter parameter (an A or a B) -> the adapter holding it."""
+
+    def register(self, local_layer: int, target: str, weight: torch.Tensor, adapter: LoRAAdapter) -> None:
+        """Add ``adapter`` as ``layers[local_layer][target]``, adapting the base ``weight``."""
+        if weight in self._adapter_of:
+            raise ValueError(f"{adapter.resolved.megatron_name} already has a LoRA adapter")
+        key = str(local_layer)
+        if key not in self.layers:
+            self.layers[key] = torch.nn.ModuleDict()
+        self.layers[key][target] = adapter
+        self._adapter_of[weight] = adapter
+        for p in adapter.params():
+            self._adapter_params[p] = adapter
+
+    def adapter_of(self, weight: torch.Tensor) -> LoRAAdapter | None:
+        """The adapter that adapts the base ``weight`` (a parameter of the model), None for any other tensor."""
+        return self._adapter_of.get(weight)
+
+    def is_adapter_param(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` is an adapter's A or B (trained, never streamed or exported as a weight of its own)."""
+        return param in self._adapter_params
+
+    def merged_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` as the merged model holds it: W + (alpha/r) B A of this rank's shard for an adapted weight (a
+        new tensor), the weight itself (detached) for any other parameter."""
+        adapter = self.adapter_of(weight)
+        return weight.detach() if adapter is None else adapter.merge(weight)
+
+    def adapted_weights(self) -> list[torch.Tensor]:
+        """Every base weight that has an adapter, in registration (layer, target) order."""
+        return list(self._adapter_of)
+
+    def adapter_params(self) -> list[torch.Tensor]:
+        """Every adapter parameter (A and B of each adapter), in registration order."""
+        return list(self._adapter_params)
 
     def adapters(self) -> Iterator[tuple[int, str, LoRAAdapter]]:
         """(global layer, target, adapter) in layer order."""
@@ -316,15 +370,12 @@ def attach_lora(
         p.requires_grad_(False)
     container = LoRAAdapters(cfg, offset, tp_group, base=base, seed=seed)
     for i, layer in enumerate(gpt.decoder.layers):
-        per_layer = torch.nn.ModuleDict()
         for target in cfg.targets:
             linear = layer.get_submodule(TARGET_MODULES[target])
             resolved = mapping.resolve(f"decoder.layers.{i}.{TARGET_MODULES[target]}.weight", layer_offset=offset)
             adapter = LoRAAdapter(resolved, linear.weight, cfg, tp_group, sp)
-            linear.weight.lora_adapter = adapter
+            container.register(i, target, linear.weight, adapter)
             linear.register_forward_hook(_hook(adapter))
-            per_layer[target] = adapter
-        container.layers[str(i)] = per_layer
     gpt.add_module(CONTAINER, container)
     if getattr(gpt, "pre_process", False) and hasattr(gpt, "embedding"):
         # with every base weight frozen the embeddings' output needs no grad, and megatron's activation recompute
@@ -347,26 +398,9 @@ def _hook(adapter: LoRAAdapter):
 
 
 def lora_container(model) -> LoRAAdapters | None:
+    """The adapters of ``model`` (a megatron model chunk, wrappers allowed) and their ownership table; None without
+    LoRA."""
     return getattr(_unwrap(model), CONTAINER, None)
-
-
-def is_lora_param(param: torch.Tensor) -> bool:
-    return bool(getattr(param, "is_lora", False))
-
-
-def merges_adapter(param: torch.Tensor) -> bool:
-    """``merged_weight(param)`` is a new tensor (an adapted weight while adapters are merged on export)."""
-    adapter = getattr(param, "lora_adapter", None)
-    return adapter is not None and adapter.merge_into_weight
-
-
-def merged_weight(param: torch.Tensor) -> torch.Tensor:
-    """The tensor to export or stream for ``param``: W + (alpha/r) B A for an adapted weight (this rank's shard),
-    the parameter itself otherwise (and while adapters are synced separately, see ``adapter_sync``)."""
-    adapter = getattr(param, "lora_adapter", None)
-    if adapter is None or not adapter.merge_into_weight:
-        return param.detach()
-    return param.detach() + adapter.delta_weight().to(param.dtype)
 
 
 @contextlib.contextmanager
@@ -384,23 +418,10 @@ def adapters_disabled(model):
             a.enabled = e
 
 
-@contextlib.contextmanager
-def base_weights_only(model):
-    """Inside the block ``merged_weight`` returns the base weights (to load an engine that applies the adapter
-    itself)."""
-    container = lora_container(model)
-    adapters = [a for _, _, a in container.adapters()] if container is not None else []
-    for a in adapters:
-        a.merge_into_weight = False
-    try:
-        yield model
-    finally:
-        for a in adapters:
-            a.merge_into_weight = True
-
-
 def adapter_params(model) -> list[torch.nn.Parameter]:
-    return [p for p in _unwrap(model).parameters() if is_lora_param(p)]
+    """Every adapter parameter of ``model`` ([] without LoRA)."""
+    container = lora_container(model)
+    return container.adapter_params() if container is not None else []
 
 
 # ---- PEFT tensors ------------------------------------------------------------------------------------------------

@@ -56,8 +56,8 @@ class AdapterSync:
 
     def sync(self, model, pg, stream_base) -> dict[str, float]:
         """Adapter sync of ``model`` (a LoRA policy); collective over the world (every rank gathers the adapters,
-        each writes its own folder and loads it into its engine). ``stream_base()`` pushes the base weights (called
-        once, before the first adapter)."""
+        each writes its own folder and loads it into its engine). ``stream_base()`` pushes the base weights without
+        the adapters (a weight stream with ``WeightStreamConfig.adapters="base"``), once, before the first adapter."""
         t0 = time.perf_counter()
         metrics: dict[str, float] = {}
         if not self.base_loaded:

@@ -16,6 +16,11 @@ HF order), so the collectives line up without any per-tensor handshake:
 4. tensors are grouped into buckets: a bucket is yielded (a list of ``(hf_name, tensor)``) before the next tensor is
    assembled if that assembly would push the buffered bytes past ``bucket_bytes``.
 
+LoRA policies: the adapters' own A and B are never streamed as tensors; each adapted weight goes out either merged,
+W + (alpha/r) B A (``WeightStreamConfig.adapters="merged"``, the default), or as the base W alone (``"base"``, for an
+engine that applies the adapters itself). Which weight an adapter adapts comes from the adapters' ownership table
+(``models.lora.LoRAAdapters``).
+
 Memory bound. "Buffered bytes" are the bytes of every buffer the stream allocates (gather buffers, layout copies,
 PP receive buffers) that are still referenced — by the stream or by the consumer holding a yielded bucket; tensors
 that merely alias the trainer's own parameters (TP=1 identity layouts, replicated norms) cost nothing. With ``S`` the
@@ -32,11 +37,12 @@ import time
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 
-from megatron_rlvr.models.lora import is_lora_param, merged_weight, merges_adapter
+from megatron_rlvr.models.lora import LoRAAdapter, lora_container
 from megatron_rlvr.models.mapping import ExpertLayout, ResolvedParam, WeightMapping, layer_offset
 
 Bucket = list[tuple[str, torch.Tensor]]
@@ -53,10 +59,15 @@ class WeightStreamConfig:
 
     bucket_bytes: int = 1 << 30
     """Most bytes gathered before a bucket is handed to the engine (peak extra memory <= this + largest tensor)."""
+    adapters: Literal["merged", "base"] = "merged"
+    """LoRA policies: each adapted weight as W + (alpha/r) B A (``merged``: the engine runs the policy as is) or as
+    the base W only (``base``: for an engine that loads the adapters separately). No effect without adapters."""
 
     def __post_init__(self):
         if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 1:
             raise ValueError(f"WeightStreamConfig.bucket_bytes must be a positive int, got {self.bucket_bytes!r}")
+        if self.adapters not in ("merged", "base"):
+            raise ValueError(f"WeightStreamConfig.adapters must be 'merged' or 'base', got {self.adapters!r}")
 
 
 class MemoryMeter:
@@ -120,6 +131,7 @@ class _Entry:
     local: tuple[ResolvedParam, torch.Tensor] | None = None  # on the owner stage: (resolved, local shard)
     peers: tuple[ResolvedParam, ...] = ()  # a routed expert's parameter: the same local index on every EP rank
     names_per_expert: int = 0  # with peers: HF names of one expert (the entry's names are the peers' in order)
+    adapter: LoRAAdapter | None = None  # on the owner stage: the LoRA adapter of this weight (ownership table)
 
 
 def _nbytes(shape, dtype: torch.dtype) -> int:
@@ -146,8 +158,9 @@ def _unwrap(module):
 def _local_entries(chunks, offsets, mapping: WeightMapping, tp_size: int, stage: int, experts: ExpertLayout):
     out = []
     for chunk, offset in zip(chunks, offsets):
+        lora = lora_container(chunk)
         for name, param in chunk.named_parameters():
-            if is_lora_param(param):  # adapters reach the engine merged into their weights (or as a folder)
+            if lora is not None and lora.is_adapter_param(param):  # merged into their weights (or sent as a folder)
                 continue
             p = mapping.resolve(name, layer_offset=offset, expert_offset=experts.expert_offset(mapping.dims))
             if p.skip_on_export:
@@ -182,6 +195,7 @@ def _local_entries(chunks, offsets, mapping: WeightMapping, tp_size: int, stage:
                     local=(p, param),
                     peers=peers,
                     names_per_expert=len(p.hf_names) if peers else 0,
+                    adapter=lora.adapter_of(param) if lora is not None else None,
                 )
             )
     return out
@@ -256,8 +270,11 @@ def _plan(chunks, offsets, mapping: WeightMapping, tp_group, pp_group, experts: 
 class _Assembler:
     """Builds the HF tensors of one plan entry on this rank, tracking every buffer it allocates."""
 
-    def __init__(self, tp_group, pp_group, meter: MemoryMeter, device, etp_group=None, ep_group=None):
+    def __init__(
+        self, tp_group, pp_group, meter: MemoryMeter, device, etp_group=None, ep_group=None, merge_adapters=True
+    ):
         self.tp_group, self.pp_group, self.meter, self.device = tp_group, pp_group, meter, device
+        self.merge_adapters = merge_adapters
         self.etp_group, self.ep_group = etp_group, ep_group
         self.tp_size = _group_size(tp_group)
         self.stage = _group_rank(pp_group)
@@ -270,13 +287,16 @@ class _Assembler:
         p, param = e.local
         if p.per_expert:  # expert-TP gather, then every EP rank's copy of it, then the HF layout copies
             return e.full_bytes * 2 + e.to_hf_copy_bytes, max(e.to_hf_copy_bytes, hf_bytes)
-        merged = e.full_bytes // self.tp_size if merges_adapter(param) else 0  # LoRA: W + BA is a new shard
+        merged = e.full_bytes // self.tp_size if self._merges(e) else 0  # LoRA: W + BA is a new shard
         if self.tp_size == 1 or p.tp_dim is None:
             # the full tensor IS the trainer's parameter (or its merged copy): to_hf copies cost memory
             return merged + e.to_hf_copy_bytes, (e.to_hf_copy_bytes or merged)
         gather = merged + e.full_bytes * (2 if p.tp_dim != 0 else 1)  # dim-1 shards need a reorder copy
         retained = e.to_hf_copy_bytes if e.to_hf_copy_bytes else e.full_bytes
         return gather + e.to_hf_copy_bytes, retained
+
+    def _merges(self, e: _Entry) -> bool:
+        return self.merge_adapters and e.adapter is not None
 
     @torch.no_grad()
     def assemble(self, e: _Entry) -> list[torch.Tensor]:
@@ -317,7 +337,7 @@ class _Assembler:
         p, param = e.local
         if p.per_expert:
             return self._expert_tensors(e)
-        local = merged_weight(param)  # the parameter itself unless LoRA adapts it
+        local = e.adapter.merge(param) if self._merges(e) else param.detach()
         if self.tp_size == 1 or p.tp_dim is None:
             full = local
         else:
@@ -394,7 +414,15 @@ def stream_hf_weights(
         etp_size=_group_size(etp_group),
     )
     plan = _plan(chunks, layer_offsets, mapping, tp_group, pp_group, experts)
-    asm = _Assembler(tp_group, pp_group, stats.meter, device, etp_group=etp_group, ep_group=ep_group)
+    asm = _Assembler(
+        tp_group,
+        pp_group,
+        stats.meter,
+        device,
+        etp_group=etp_group,
+        ep_group=ep_group,
+        merge_adapters=config.adapters == "merged",
+    )
     costs = [asm.transient_and_retained(e) for e in plan]
     scratch = max(((t - r, e.hf_names[0]) for (t, r), e in zip(costs, plan)), default=(0, ""))
     if scratch[0] > config.bucket_bytes:

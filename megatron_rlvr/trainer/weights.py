@@ -16,7 +16,7 @@ import torch
 
 from megatron_rlvr.megatron.cpu_shims import native_torch
 from megatron_rlvr.models.build import unwrap
-from megatron_rlvr.models.lora import base_weights_only, lora_container
+from megatron_rlvr.models.lora import lora_container
 from megatron_rlvr.rollout import bridge
 from megatron_rlvr.rollout.engine import RolloutEngine
 from megatron_rlvr.rollout.lora_sync import AdapterSync
@@ -29,15 +29,15 @@ BRIDGE_BUCKET_BYTES = 256 << 20
 """Bytes per weight bucket sent to the rollout ranks (host staging on both sides is about this much)."""
 
 
-def stream_weights(model, args, pg, bucket_bytes: int, stats: StreamStats) -> Iterator:
+def stream_weights(model, args, pg, bucket_bytes: int, stats: StreamStats, adapters: str = "merged") -> Iterator:
     """Every weight of ``model`` as full HF-named tensors in buckets (collective over TP and PP: every training rank
-    iterates it to the end). LoRA adapters are merged into their weights, except inside ``base_weights_only``.
+    iterates it to the end). ``adapters`` (``WeightStreamConfig.adapters``): a LoRA policy's adapters merged into
+    their weights (``merged``) or left out, the base weights only (``base``).
 
     The stream's own work (plan, TP gathers, layout copies) makes no CUDA call when the CPU shims are on (CPU
     tensors, gloo): it runs outside their per-call redirect; the consumer's side runs as before."""
-    stream = megatron_weight_stream(
-        unwrap(model), args, config=WeightStreamConfig(bucket_bytes=bucket_bytes), stats=stats, pg_collection=pg
-    )
+    config = WeightStreamConfig(bucket_bytes=bucket_bytes, adapters=adapters)
+    stream = megatron_weight_stream(unwrap(model), args, config=config, stats=stats, pg_collection=pg)
     while True:
         with native_torch():
             bucket = next(stream, None)
@@ -55,19 +55,17 @@ def sync_weights(
         if lora_container(model) is None:
             raise ValueError("adapter sync of a policy without LoRA adapters")
 
-        def base() -> dict[str, float]:
-            with base_weights_only(model):
-                return sync_weights_merged(engine, model, args, pg, bucket_bytes)
-
-        return adapter_sync.sync(model, pg, base)
+        return adapter_sync.sync(model, pg, lambda: sync_weights_merged(engine, model, args, pg, bucket_bytes, "base"))
     return sync_weights_merged(engine, model, args, pg, bucket_bytes)
 
 
-def sync_weights_merged(engine: RolloutEngine, model, args, pg, bucket_bytes=ENGINE_BUCKET_BYTES) -> dict[str, float]:
-    """Every weight through the stream (LoRA adapters merged into their weights)."""
+def sync_weights_merged(
+    engine: RolloutEngine, model, args, pg, bucket_bytes=ENGINE_BUCKET_BYTES, adapters: str = "merged"
+) -> dict[str, float]:
+    """Every weight through the stream; ``adapters``: merged into their weights, or the ``base`` weights only."""
     t0 = time.perf_counter()
     stats = StreamStats()
-    n = engine.update_weights(stream_weights(model, args, pg, bucket_bytes, stats))
+    n = engine.update_weights(stream_weights(model, args, pg, bucket_bytes, stats, adapters))
     return {
         "sync/time_s": time.perf_counter() - t0,
         "sync/tensors": float(n),
