@@ -153,6 +153,10 @@ class ParallelConfig:
         return self.sequence_parallel
 
 
+VERIFY_SYNC = ("every", "first", "off")
+"""``rollout.verify_sync`` values (megatron_rlvr.rollout.weight_check)."""
+
+
 @dataclass
 class RolloutConfig:
     """Generation of the training rollouts."""
@@ -199,9 +203,17 @@ class RolloutConfig:
     unfinished sample from prompt + tokens so far under it. Each token keeps the version that produced it; admission
     and dropping use a sample's oldest token. 0 = off (a generation keeps the weights it started with)."""
 
+    verify_sync: str = "first"
+    """Verified weight syncs: after a sync the engine's weights are read back and compared with what the trainer
+    sent (per-tensor CRC-32, both sides of the stream and of the bridge); a difference stops the run naming the
+    first differing tensor. ``every`` sync, the ``first`` of each run (catches a wrong layout or mapping at start),
+    or ``off``. Engines that repack what they load (vLLM) are checked through the bridge only."""
+
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"rollout.engine must be one of {ENGINES}, got {self.engine!r}")
+        if self.verify_sync not in VERIFY_SYNC:
+            raise ValueError(f"rollout.verify_sync must be one of {VERIFY_SYNC}, got {self.verify_sync!r}")
         t = self.partial_rollout_tokens
         if isinstance(t, bool) or not isinstance(t, int) or t < 0:
             raise ValueError(f"rollout.partial_rollout_tokens must be an int >= 0 (0 = off), got {t!r}")

@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from megatron_rlvr.rollout import weight_check
+
 
 class PeerLost(RuntimeError):
     """The other role's rank went away (its process died or its connection closed)."""
@@ -87,8 +89,12 @@ def _bcast(pg, tensor: torch.Tensor, root: int) -> None:
 # ------------------------------------------------------------------------------------------------------------------
 
 
-def publish_weights(pg, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int, device: str = "cpu"):
-    """Training rank 0: broadcast every bucket of one weight version to the rollout ranks; returns (bytes, tensors)."""
+def publish_weights(
+    pg, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int, device: str = "cpu", with_digests=False
+):
+    """Training rank 0: broadcast every bucket of one weight version to the rollout ranks; returns (bytes, tensors).
+    ``with_digests``: each header carries its tensors' digests (rollout.weight_check), which the receiver checks
+    against what arrived and the rollout rank against its engine."""
     nbytes = ntensors = 0
     for bucket in buckets:
         flat = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket]
@@ -99,6 +105,8 @@ def publish_weights(pg, buckets: Iterable[list[tuple[str, torch.Tensor]]], versi
             "dtypes": [str(t.dtype) for _, t in bucket],
             "sizes": [f.numel() for f in flat],
         }
+        if with_digests:
+            header["digests"] = [weight_check.digest(f) for f in flat]
         broadcast_object(pg, header, device=device)
         buf = torch.cat(flat).to(device) if flat else torch.empty(0, dtype=torch.uint8, device=device)
         _bcast(pg, buf, 0)
@@ -125,6 +133,10 @@ class WeightReceiver:
         self.cond = threading.Condition()
         self.complete: dict[int, tuple[list, float, int]] = {}
         """version -> (buckets, seconds receiving, bytes) of the complete versions not yet taken."""
+        self.digests: dict[int, dict[str, int]] = {}
+        """version -> the digests its publisher sent (verified publishes only), checked on receipt."""
+        self.taken_digests: dict[str, int] = {}
+        """The digests of the buckets the last ``take`` returned (empty: not a verified publish)."""
         self.newest = -1
         """The newest complete version so far."""
         self.stop_code: int | None = None
@@ -161,6 +173,10 @@ class WeightReceiver:
                 for name, shape, dt, n in zip(header["names"], header["shapes"], header["dtypes"], header["sizes"]):
                     bucket.append((name, buf[off : off + n].view(_DTYPES[dt]).reshape(shape)))
                     off += n
+                if "digests" in header:
+                    sent = dict(zip(header["names"], header["digests"]))
+                    weight_check.compare(sent, {n: weight_check.digest(t) for n, t in bucket}, "the bridge")
+                    self.digests.setdefault(header["version"], {}).update(sent)
                 buckets.append(bucket)
         except BaseException as e:  # noqa: BLE001 - handed to the main thread
             with self.cond:
@@ -168,6 +184,8 @@ class WeightReceiver:
                 self.cond.notify_all()
 
     def _check(self) -> None:
+        if isinstance(self.error, weight_check.WeightSyncError):
+            raise self.error
         if self.error is not None:
             raise PeerLost(
                 f"the weight channel from training rank 0 failed ({type(self.error).__name__}: {self.error}); a "
@@ -193,11 +211,17 @@ class WeightReceiver:
 
     def take(self, version: int) -> tuple[list, float, int]:
         """(buckets, receive seconds, bytes) of ``version`` and the versions before it not yet taken, which are
-        dropped; a version without tensors (a step without an update) gives the newest earlier one's."""
+        dropped; a version without tensors (a step without an update) gives the newest earlier one's. The digests
+        sent with the buckets returned (verified publishes; else empty) are then ``taken_digests``."""
         with self.cond:
-            parts = [self.complete.pop(v) for v in sorted(v for v in self.complete if v <= version)]
-            full = [p for p in parts if p[0]]
-            return (full[-1][0] if full else []), sum(p[1] for p in parts), sum(p[2] for p in parts)
+            taken = sorted(v for v in self.complete if v <= version)
+            parts = [(v, self.complete.pop(v)) for v in taken]
+            full = [(v, p) for v, p in parts if p[0]]
+            self.taken_digests = self.digests.get(full[-1][0], {}) if full else {}
+            for v in [v for v in self.digests if v <= version]:
+                del self.digests[v]
+            buckets = full[-1][1][0] if full else []
+            return buckets, sum(p[1] for _, p in parts), sum(p[2] for _, p in parts)
 
 
 class BatchReceiver:

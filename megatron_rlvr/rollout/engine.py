@@ -224,6 +224,9 @@ class RolloutEngine(abc.ABC):
     calls it, even one whose share of the prompts is empty."""
     supports_adapters: bool = False
     """``load_adapter`` serves a PEFT adapter folder on top of the loaded base weights (LoRA adapter sync)."""
+    supports_weight_digests: bool = False
+    """``weight_digests`` reads back the tensors it holds under their HF names (a verified weight sync compares them
+    with what the trainer sent). False where the engine repacks what it loads (vLLM's fused layouts)."""
 
     @abc.abstractmethod
     def generate(
@@ -255,6 +258,11 @@ class RolloutEngine(abc.ABC):
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Retake the memory released by ``sleep``: all of it, or only ``tags`` (``weights``, ``kv_cache``) where the
         engine holds them apart (wake the weights, update them, then the KV cache)."""
+
+    def weight_digests(self, names: Iterable[str]) -> dict[str, int]:
+        """The digest (``rollout.weight_check.digest``) of the tensor held under each HF name, read back from the
+        engine's parameters. Only engines with ``supports_weight_digests``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot read back its weights (supports_weight_digests)")
 
     def load_adapter(self, folder: str) -> float:
         """Serve the PEFT adapter in ``folder`` from now on (reloaded in place when one is served already); returns

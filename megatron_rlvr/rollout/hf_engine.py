@@ -34,6 +34,7 @@ from megatron_rlvr.rollout.engine import (
     validate_images,
     validate_prompts,
 )
+from megatron_rlvr.rollout.weight_check import digest
 
 
 @dataclass
@@ -201,6 +202,15 @@ class HFRolloutEngine(RolloutEngine):
         if strict:  # a complete update makes weights dropped by sleep(level=2) valid again
             self._weights_valid = True
         return count
+
+    supports_weight_digests = True
+
+    def weight_digests(self, names: Iterable[str]) -> dict[str, int]:
+        """Digests of the parameters held under ``names`` (any alias of a tied parameter; experts by hub name)."""
+        self._check_open()
+        params = unfuse_experts(dict(self.named_parameters()))
+        with native_torch():
+            return {n: digest(params[n]) for n in names if n in params}
 
     @staticmethod
     def _load_pairs(pairs, params: dict, received: set[int]) -> int:

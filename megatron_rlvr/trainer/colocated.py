@@ -71,7 +71,8 @@ def setup(cfg: RunConfig, run_dir: str | None, lock: RunLock | None = None) -> C
         policy = build_policy_side(cfg, d, source)
         side = build_rollout_side(cfg, source, d.rank, d.world_size)
         side.policy_version = life.resume(policy.state, side.loader)
-        t = Colocated(side, policy, life, EngineSink(side.engine, side.adapter_sync, cfg.rollout.sleep_level))
+        sink = EngineSink(side.engine, side.adapter_sync, cfg.rollout.sleep_level, cfg.rollout.verify_sync)
+        t = Colocated(side, policy, life, sink)
         publish(policy, t.sink, life.start_step)  # the engine starts from the (loaded) policy weights
     except BaseException:  # e.g. a refused resume: stop the engine and reward workers, free the run dir
         if side is not None:

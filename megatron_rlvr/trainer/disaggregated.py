@@ -44,7 +44,7 @@ from megatron_rlvr.trainer.rollout_side import RolloutSide, build_loader, build_
 from megatron_rlvr.trainer.run_life import build_run_life, set_cpu_threads, start_rank
 from megatron_rlvr.trainer.run_loop import announce, end_step, finish, warn_all_too_long
 from megatron_rlvr.trainer.stages import learn, publish, rollout
-from megatron_rlvr.trainer.weights import BridgeSink
+from megatron_rlvr.trainer.weights import BridgeSink, verify_engine
 
 
 def train(cfg: RunConfig, run_dir: str | None = None, lock: RunLock | None = None) -> int:
@@ -93,7 +93,7 @@ def train_role(cfg: RunConfig, run_dir: str | None, lock: RunLock | None, roles:
     signals = StopSignals().install()
     d = start_rank(cfg)
     life = build_run_life(cfg, d, run_dir, lock, signals)
-    sink = BridgeSink(roles.weights)
+    sink = BridgeSink(roles.weights, cfg.rollout.verify_sync)
     receiver = None
     code, clean = 0, False  # clean: the loop ended (finished or stopped), not an error: every rank reaches Roles.close
     try:
@@ -245,7 +245,10 @@ def apply_weights(side: RolloutSide, receiver: bridge.WeightReceiver, version: i
         side.engine.update_weights(iter(buckets))
     del buckets
     side.policy_version = version
-    return {"sync/apply_s": time.perf_counter() - t0, "sync/receive_s": recv_s, "sync/received_gbytes": nbytes / 1e9}
+    m = {"sync/apply_s": time.perf_counter() - t0, "sync/receive_s": recv_s, "sync/received_gbytes": nbytes / 1e9}
+    if receiver.taken_digests:  # a verified publish: arrived intact (checked on receipt); is it what the engine holds?
+        m.update(verify_engine(side.engine, receiver.taken_digests))
+    return m
 
 
 def _device() -> str:

@@ -17,7 +17,7 @@ import torch
 from megatron_rlvr.megatron.cpu_shims import native_torch
 from megatron_rlvr.models.build import unwrap
 from megatron_rlvr.models.lora import lora_container
-from megatron_rlvr.rollout import bridge
+from megatron_rlvr.rollout import bridge, weight_check
 from megatron_rlvr.rollout.engine import RolloutEngine
 from megatron_rlvr.rollout.lora_sync import AdapterSync
 from megatron_rlvr.rollout.weight_stream import StreamStats, WeightStreamConfig, megatron_weight_stream
@@ -47,31 +47,63 @@ def stream_weights(model, args, pg, bucket_bytes: int, stats: StreamStats, adapt
 
 
 def sync_weights(
-    engine: RolloutEngine, model, args, pg, adapter_sync: AdapterSync | None = None, bucket_bytes=ENGINE_BUCKET_BYTES
+    engine: RolloutEngine,
+    model,
+    args,
+    pg,
+    adapter_sync: AdapterSync | None = None,
+    bucket_bytes=ENGINE_BUCKET_BYTES,
+    verify: bool = False,
 ) -> dict[str, float]:
     """Push the current policy weights into ``engine`` (collective over TP and PP); returns metrics. With
-    ``adapter_sync`` (a LoRA policy with ``model.lora.sync: adapter``) the base goes once, then only the adapters."""
+    ``adapter_sync`` (a LoRA policy with ``model.lora.sync: adapter``) the base goes once, then only the adapters.
+    ``verify``: read the engine's weights back and compare them with what was sent (:func:`verify_engine`)."""
     if adapter_sync is not None:
         if lora_container(model) is None:
             raise ValueError("adapter sync of a policy without LoRA adapters")
 
-        return adapter_sync.sync(model, pg, lambda: sync_weights_merged(engine, model, args, pg, bucket_bytes, "base"))
-    return sync_weights_merged(engine, model, args, pg, bucket_bytes)
+        def base() -> dict[str, float]:
+            return sync_weights_merged(engine, model, args, pg, bucket_bytes, verify, adapters="base")
+
+        return adapter_sync.sync(model, pg, base)
+    return sync_weights_merged(engine, model, args, pg, bucket_bytes, verify)
 
 
 def sync_weights_merged(
-    engine: RolloutEngine, model, args, pg, bucket_bytes=ENGINE_BUCKET_BYTES, adapters: str = "merged"
+    engine: RolloutEngine,
+    model,
+    args,
+    pg,
+    bucket_bytes=ENGINE_BUCKET_BYTES,
+    verify: bool = False,
+    adapters: str = "merged",
 ) -> dict[str, float]:
     """Every weight through the stream; ``adapters``: merged into their weights, or the ``base`` weights only."""
     t0 = time.perf_counter()
     stats = StreamStats()
-    n = engine.update_weights(stream_weights(model, args, pg, bucket_bytes, stats, adapters))
-    return {
+    sent: dict[str, int] = {}
+    stream = stream_weights(model, args, pg, bucket_bytes, stats, adapters)
+    n = engine.update_weights(weight_check.record(stream, sent) if verify else stream)
+    m = {
         "sync/time_s": time.perf_counter() - t0,
         "sync/tensors": float(n),
         "sync/gbytes": stats.bytes / 1e9,
         "sync/peak_buffer_gbytes": stats.meter.peak_bytes / 1e9,
     }
+    if verify:
+        m.update(verify_engine(engine, sent))
+    return m
+
+
+def verify_engine(engine: RolloutEngine, sent: dict[str, int]) -> dict[str, float]:
+    """Compare the engine's read-back weights with the digests of what was sent (WeightSyncError naming the first
+    differing tensor); an engine that cannot read back (vLLM's repacked layouts) is left to the train/inference
+    mismatch metrics. ``sync/verified``: 1 when checked. ``sync/verify_s`` includes the sending side's digests."""
+    if not engine.supports_weight_digests:
+        return {"sync/verified": 0.0}
+    t0 = time.perf_counter()
+    weight_check.compare(sent, engine.weight_digests(sent), "this rank's engine")
+    return {"sync/verified": 1.0, "sync/verify_s": time.perf_counter() - t0}
 
 
 class WeightSink(abc.ABC):
@@ -89,8 +121,11 @@ class EngineSink(WeightSink):
     dropped the engine's copy), then wake the KV cache, so weights and KV cache are never both allocated during the
     sync."""
 
-    def __init__(self, engine: RolloutEngine, adapter_sync: AdapterSync | None, sleep_level: int):
+    def __init__(self, engine: RolloutEngine, adapter_sync: AdapterSync | None, sleep_level: int, verify: str):
         self.engine, self.adapter_sync, self.sleep_level = engine, adapter_sync, sleep_level
+        self.verify = verify
+        """``rollout.verify_sync``: which syncs are read back and compared."""
+        self.syncs = 0
 
     def sleep(self) -> None:
         """While the trainer runs: the engine frees its memory (where its sleep does)."""
@@ -104,7 +139,9 @@ class EngineSink(WeightSink):
             e.wake_up(tags=["weights"])
         m = {}
         if changed or dropped:
-            m = sync_weights(e, policy.model, policy.args, policy.dist.pg, self.adapter_sync)
+            check = weight_check.due(self.verify, self.syncs)
+            m = sync_weights(e, policy.model, policy.args, policy.dist.pg, self.adapter_sync, verify=check)
+            self.syncs += 1
         if e.supports_sleep and e.is_sleeping:
             e.wake_up()
         return m
@@ -114,10 +151,14 @@ class BridgeSink(WeightSink):
     """The rollout ranks (disaggregated): training rank 0 broadcasts the buckets over the bridge's weights group as
     ``version``; a step without an update announces its version with no tensors (admission waits for it)."""
 
-    def __init__(self, weights_group):
+    def __init__(self, weights_group, verify: str):
         self.group = weights_group
         """The bridge's group between training rank 0 and the rollout ranks (None on the other training ranks)."""
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.verify = verify
+        """``rollout.verify_sync``: which publishes carry per-tensor digests (checked on receipt and in the
+        rollout ranks' engines)."""
+        self.syncs = 0
 
     def publish(self, policy: PolicySide, version: int, changed: bool) -> dict[str, float]:
         if not changed:
@@ -129,10 +170,12 @@ class BridgeSink(WeightSink):
         stream = stream_weights(policy.model, policy.args, policy.dist.pg, BRIDGE_BUCKET_BYTES, stats)
         nbytes = ntensors = 0
         if self.group is not None:
-            nbytes, ntensors = bridge.publish_weights(self.group, stream, version, device=self.device)
+            check = weight_check.due(self.verify, self.syncs)
+            nbytes, ntensors = bridge.publish_weights(self.group, stream, version, self.device, with_digests=check)
         else:
             for _ in stream:  # the stream's collectives: every training rank takes part
                 pass
+        self.syncs += 1
         dt = time.perf_counter() - t0
         return {
             "sync/time_s": dt,
