@@ -148,47 +148,14 @@ def export_hf(
     pp_rank = pg_collection.pp.rank()
     writer = pg_collection.tp.rank() == 0 and pg_collection.dp.rank() == 0
 
-    err = None
-    if rank == 0:
-        existing = glob.glob(os.path.join(out_dir, "model*.safetensors*"))
-        if existing and not overwrite:
-            err = (
-                f"{out_dir} already holds an HF checkpoint ({os.path.basename(existing[0])}); pass overwrite=True "
-                "(--overwrite for megatron-rlvr convert)"
-            )
-        else:
-            for f in existing:
-                os.remove(f)
-            os.makedirs(out_dir, exist_ok=True)
+    err = _prepare_out_dir(out_dir, overwrite) if rank == 0 else None
     err = _broadcast_object(err)
     if err:
         raise ValueError(err)
 
     # 1. every stage streams its tensors into temporary shard files
-    files: list[tuple[str, list[str], int]] = []  # (temp path, names, bytes)
-    pending: dict[str, torch.Tensor] = {}
-    pending_bytes = 0
-
-    def flush():
-        nonlocal pending, pending_bytes
-        if not pending:
-            return
-        path = os.path.join(out_dir, f".tmp-pp{pp_rank:03d}-{len(files):05d}.safetensors")
-        save_shard(pending, path)
-        files.append((path, list(pending), pending_bytes))
-        pending, pending_bytes = {}, 0
-
-    for name, tensor in iter_hf_tensors(model, args, pg_collection=pg_collection):
-        if not writer:
-            continue
-        t = tensor.to(device="cpu", dtype=dtype).contiguous().clone()
-        nbytes = t.numel() * t.element_size()
-        if pending and pending_bytes + nbytes > max_shard_bytes:
-            flush()
-        pending[name] = t
-        pending_bytes += nbytes
-    if writer:
-        flush()
+    tensors = iter_hf_tensors(model, args, pg_collection=pg_collection)
+    files = _write_temp_shards(tensors, out_dir, pp_rank, dtype, max_shard_bytes, writer)
 
     # 2. rank 0 names the shards globally and writes the index, config and tokenizer
     plans = [None] * torch.distributed.get_world_size()
@@ -204,6 +171,51 @@ def export_hf(
     if err:
         raise RuntimeError(f"HF export to {out_dir} failed on rank 0: {err}")
     return out_dir
+
+
+def _prepare_out_dir(out_dir: str, overwrite: bool) -> str | None:
+    """Rank 0: refuse a folder that holds an HF checkpoint unless ``overwrite`` (then its weight files go); the error
+    text, or None."""
+    existing = glob.glob(os.path.join(out_dir, "model*.safetensors*"))
+    if existing and not overwrite:
+        return (
+            f"{out_dir} already holds an HF checkpoint ({os.path.basename(existing[0])}); pass overwrite=True "
+            "(--overwrite for megatron-rlvr convert)"
+        )
+    for f in existing:
+        os.remove(f)
+    os.makedirs(out_dir, exist_ok=True)
+    return None
+
+
+def _write_temp_shards(tensors, out_dir: str, pp_rank: int, dtype, max_shard_bytes: int, writer: bool) -> list:
+    """Iterate the (collective) tensor stream to its end; a writer rank (TP rank 0, DP rank 0 of its stage) saves
+    the tensors into temporary shard files of at most ``max_shard_bytes``: [(temp path, names, bytes)]."""
+    files: list[tuple[str, list[str], int]] = []
+    pending: dict[str, torch.Tensor] = {}
+    pending_bytes = 0
+
+    def flush():
+        nonlocal pending, pending_bytes
+        if not pending:
+            return
+        path = os.path.join(out_dir, f".tmp-pp{pp_rank:03d}-{len(files):05d}.safetensors")
+        save_shard(pending, path)
+        files.append((path, list(pending), pending_bytes))
+        pending, pending_bytes = {}, 0
+
+    for name, tensor in tensors:
+        if not writer:
+            continue
+        t = tensor.to(device="cpu", dtype=dtype).contiguous().clone()
+        nbytes = t.numel() * t.element_size()
+        if pending and pending_bytes + nbytes > max_shard_bytes:
+            flush()
+        pending[name] = t
+        pending_bytes += nbytes
+    if writer:
+        flush()
+    return files
 
 
 def save_shard(tensors: dict[str, torch.Tensor], path: str) -> None:

@@ -371,6 +371,30 @@ class _Assembler:
         return full
 
 
+def _layer_offsets(chunks: list, pp_group, given: Sequence[int] | None) -> list[int]:
+    """Global index of each model chunk's first decoder layer: ``given``, else megatron's rule for this pipeline rank
+    and virtual stage."""
+    if given is None:
+        pp_rank = _group_rank(pp_group)
+        given = [
+            layer_offset(_unwrap(c).config, pp_rank, vp_stage=i if len(chunks) > 1 else None)
+            for i, c in enumerate(chunks)
+        ]
+    if len(given) != len(chunks):
+        raise ValueError(f"layer_offsets has {len(given)} entries for {len(chunks)} model chunks")
+    return list(given)
+
+
+def _check_scratch(plan: list[_Entry], costs: list[tuple[int, int]], bucket_bytes: int) -> None:
+    """The largest conversion scratch (transient minus retained bytes of one tensor) must fit in a bucket."""
+    scratch = max(((t - r, e.hf_names[0]) for (t, r), e in zip(costs, plan)), default=(0, ""))
+    if scratch[0] > bucket_bytes:
+        raise ValueError(
+            f"WeightStreamConfig.bucket_bytes={bucket_bytes} is smaller than the conversion scratch of "
+            f"{scratch[1]} ({scratch[0]} bytes); raise bucket_bytes to at least {scratch[0]}"
+        )
+
+
 def stream_hf_weights(
     model,
     mapping: WeightMapping,
@@ -398,14 +422,7 @@ def stream_hf_weights(
     stats = stats if stats is not None else StreamStats()
     t_start = time.perf_counter()
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
-    if layer_offsets is None:
-        pp_rank = _group_rank(pp_group)
-        layer_offsets = [
-            layer_offset(_unwrap(c).config, pp_rank, vp_stage=i if len(chunks) > 1 else None)
-            for i, c in enumerate(chunks)
-        ]
-    if len(layer_offsets) != len(chunks):
-        raise ValueError(f"layer_offsets has {len(layer_offsets)} entries for {len(chunks)} model chunks")
+    layer_offsets = _layer_offsets(chunks, pp_group, layer_offsets)
     device = next(chunks[0].parameters()).device
     experts = ExpertLayout(
         ep_rank=_group_rank(ep_group),
@@ -424,12 +441,7 @@ def stream_hf_weights(
         merge_adapters=config.adapters == "merged",
     )
     costs = [asm.transient_and_retained(e) for e in plan]
-    scratch = max(((t - r, e.hf_names[0]) for (t, r), e in zip(costs, plan)), default=(0, ""))
-    if scratch[0] > config.bucket_bytes:
-        raise ValueError(
-            f"WeightStreamConfig.bucket_bytes={config.bucket_bytes} is smaller than the conversion scratch of "
-            f"{scratch[1]} ({scratch[0]} bytes); raise bucket_bytes to at least {scratch[0]}"
-        )
+    _check_scratch(plan, costs, config.bucket_bytes)
     stats.largest_tensor_bytes = max((e.full_bytes for e in plan), default=0)
     stats.seconds += time.perf_counter() - t_start
 
