@@ -1,7 +1,7 @@
 """Verified weight syncs through the trainer's real publish on gloo ranks: one expert written wrong into one rank's
 engine at EP=2 (the failure class of a mis-sharded expert layout), and one LoRA-adapted weight written wrong. With
 ``rollout.verify_sync=every`` the rank whose engine holds the wrong tensor stops with its name; with verification off
-(the code before it) the same corruption passes silently."""
+(``never``, as the code before it) the same corruption passes silently."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def test_a_corrupted_engine_tensor_stops_the_sync_naming_it(dist_pool, tmp_path,
         _publish_with_one_corrupted_tensor,
         tp=tp,
         ep=ep,
-        args=(str(tmp_path / "off"), config, [*common, "rollout.verify_sync=off"], target, 1),
+        args=(str(tmp_path / "off"), config, [*common, "rollout.verify_sync=never"], target, 1),
         timeout=600,
     )
     assert off[1][1] and all(err is None for err, _ in off)  # unverified: nothing notices

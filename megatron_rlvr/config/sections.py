@@ -153,7 +153,7 @@ class ParallelConfig:
         return self.sequence_parallel
 
 
-VERIFY_SYNC = ("every", "first", "off")
+VERIFY_SYNC = ("every", "first", "never")
 """``rollout.verify_sync`` values (megatron_rlvr.rollout.weight_check)."""
 
 
@@ -207,7 +207,8 @@ class RolloutConfig:
     """Verified weight syncs: after a sync the engine's weights are read back and compared with what the trainer
     sent (per-tensor CRC-32, both sides of the stream and of the bridge); a difference stops the run naming the
     first differing tensor. ``every`` sync, the ``first`` of each run (catches a wrong layout or mapping at start),
-    or ``off``. Engines that repack what they load (vLLM) are checked through the bridge only."""
+    or ``never`` (not ``off``: YAML reads that as false). Engines that repack what they load (vLLM) are checked
+    through the bridge only."""
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
