@@ -562,6 +562,7 @@ def main(argv: list[str] | None = None) -> int:
         for k in ("test_timeout", "tiny_timeout", "qwen_timeout", "vocab_timeout"):
             setattr(a, k, getattr(a, k) * DRY_TIME_FACTOR)
     a.work_dir = a.work_dir or a.log_dir.rstrip("/") + "-work"  # many files: not among the few logs
+    os.makedirs(a.log_dir, exist_ok=True)  # gpu_check.sh makes it; run directly, this script must
     os.makedirs(a.work_dir, exist_ok=True)
     vllm = importlib.util.find_spec("vllm") is not None
     only = set(a.only.split(","))
