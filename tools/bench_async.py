@@ -16,7 +16,12 @@ rate). Prints one line per run, the medians, the load average, and last ``async_
 medians). On a machine whose cores are busy with other work the overlap has no free core to run on: the speedup
 then says nothing about the schedule (compare the load average with the core count).
 
-    PYTHONPATH=. python tools/bench_async.py [--rounds 3] [--steps 20] [extra overrides ...]
+Every run trains with one optimizer update per step (``train.mini_batch_prompts=null``: the whole step's prompts,
+whatever ``train.prompts_per_step`` is, so an extra ``train.prompts_per_step=24`` needs nothing else; an extra
+``train.mini_batch_prompts=...`` comes later and wins).
+
+    PYTHONPATH=. python tools/bench_async.py [--rounds 3] [--steps 20] [--modes k0,k1,colocated] [overrides ...]
+    PYTHONPATH=. python tools/bench_async.py --rounds 1 --steps 5 --skip 2 --modes k0,k1   # the smallest run
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ WORKLOAD = [
     "rollout.max_response_len=40",
     "rollout.max_prompt_len=8",
     "train.prompts_per_step=16",
+    "train.mini_batch_prompts=null",  # one update per step at any prompts_per_step (the preset's is 16 of 32)
     "rollout.n=8",
     "data.procedural.num_examples=100000",
     "checkpoint.save_every=0",
@@ -58,11 +64,15 @@ MODES = {
 }
 
 
+def train_args(mode: str, steps: int, run_dir: str, extra: list[str]) -> list[str]:
+    """``megatron-rlvr train`` arguments of one run: the preset, the workload, the mode, then ``extra``."""
+    return [*WORKLOAD, *MODES[mode], f"schedule.steps={steps}", f"logging.run_dir={run_dir}", *extra]
+
+
 def run(mode: str, steps: int, skip: int, extra: list[str], root: str, i: int) -> dict:
     run_dir = os.path.join(root, f"{mode}_{i}")
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "megatron_rlvr.commands.cli", "train", *WORKLOAD, *MODES[mode]]
-    cmd += [f"schedule.steps={steps}", f"logging.run_dir={run_dir}", *extra]
+    cmd = [sys.executable, "-m", "megatron_rlvr.commands.cli", "train", *train_args(mode, steps, run_dir, extra)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"{mode} run failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
@@ -94,11 +104,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--skip", type=int, default=4, help="steps left out of the rate (start-up, k = 1 head start)")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, among {', '.join(MODES)}")
     ap.add_argument("extra", nargs="*", help="more config overrides")
     a = ap.parse_args()
     if a.steps - a.skip < 3:
-        raise SystemExit(f"--steps {a.steps} leaves fewer than 3 steady steps after --skip {a.skip}")
-    modes = list(MODES)
+        ap.error(f"--steps {a.steps} leaves fewer than 3 steady steps after --skip {a.skip}")
+    modes = [m for m in a.modes.split(",") if m]
+    for m in modes:
+        if m not in MODES:
+            ap.error(f"--modes {m!r}: choose from {', '.join(MODES)}")
     rates: dict[str, list[float]] = {m: [] for m in modes}
     load0 = os.getloadavg()
     print(f"{os.cpu_count()} cores, load average at start {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}", flush=True)
@@ -117,9 +131,11 @@ def main() -> None:
     med = {m: statistics.median(v) for m, v in rates.items()}
     load1 = os.getloadavg()
     print(" ".join(f"{m}_steps_per_s={v:.3f}" for m, v in med.items()))
-    print(f"colocated_over_k0={med['colocated'] / med['k0']:.2f} (the synchronous colocated schedule, same cores)")
+    if "colocated" in med and "k0" in med:
+        print(f"colocated_over_k0={med['colocated'] / med['k0']:.2f} (the synchronous colocated schedule, same cores)")
     print(f"load average at end {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f} on {os.cpu_count()} cores")
-    print(f"async_speedup={med['k1'] / med['k0']:.2f}")
+    if "k1" in med and "k0" in med:
+        print(f"async_speedup={med['k1'] / med['k0']:.2f}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 The work (both sides): a randomly initialised Llama over the built-in character tokenizer, the same start weights
 (transformers' init under the same seed), 8 single-digit "a+b=" prompts x 8 rollouts x at most 8 new tokens
-(temperature 1), exact-answer reward, GRPO (no KL term), Adam at lr 1e-3 with gradient clipping 1.0, fp32, no
+(temperature 1), exact-answer reward, GRPO (no KL term) with one optimizer update per step (TRL's
+``num_iterations=1``; ours ``train.mini_batch_prompts`` = the step's prompts, whatever the preset's mini-batch),
+Adam at lr 1e-3 with gradient clipping 1.0, fp32, no
 activation recomputation (TRL's default gradient checkpointing and our ``train.recompute=full`` default are both
 switched off), 2 CPU threads in all (``--threads``). Generation on both sides is transformers ``generate`` (our
 ``rollout.engine=hf``, set explicitly). Two model sizes (``--model``, both by default):
@@ -51,10 +53,13 @@ with the load, not with the scheduler's time slice.
 
 TRL (the ``bench`` extra, trl==1.16.0) may live in another environment: ``--trl-python`` (or
 $MEGATRON_RLVR_TRL_PYTHON) names its interpreter; it needs trl, transformers and torch only (not this package).
-Without TRL the benchmark says so and exits 0. ``--baseline-repo`` runs another checkout's trainer too (``base``
+Without TRL the benchmark says so and exits 0; ``--ours-only`` runs our sides alone (their medians, no ratios: a
+check that they run at the current presets). ``--baseline-repo`` runs another checkout's trainer too (``base``
 sides, in the same modes; older checkouts' entry point ``megatron_rlvr.cli`` is found as well).
 
     PYTHONPATH=$PWD .venv/bin/python tools/bench_step.py --runs 5 --trl-python /path/to/trl-venv/bin/python
+    PYTHONPATH=$PWD .venv/bin/python tools/bench_step.py --ours-only --model small --modes lean --tp 1 --runs 1 \
+        --steps 3 --warmup 1      # the smallest run: our side only, seconds
 """
 
 from __future__ import annotations
@@ -154,6 +159,8 @@ def work_overrides(workdir: str, run_dir: str, tp: int, steps: int, model: str =
         "reward.fn=gsm8k",
         "reward.extraction=lenient",
         f"train.prompts_per_step={PROMPTS}",
+        f"train.mini_batch_prompts={PROMPTS}",  # one optimizer update per step, as TRL (num_iterations=1)
+        "train.ppo_epochs=1",
         "train.recompute=none",
         f"train.seed={SEED}",
         f"optimizer.lr={LR}",
@@ -375,10 +382,10 @@ def fmt(d: dict[str, float]) -> str:
     return " ".join(f"{k}={v:.3f}" for k, v in d.items())
 
 
-def sides(tps: list[int], modes: list[str], baseline: bool) -> list[str]:
-    """The sides of one run, in the order they alternate: TRL, ours lean per TP, ours at defaults and bare (TP=1),
-    the baseline checkout's."""
-    out = ["trl"]
+def sides(tps: list[int], modes: list[str], baseline: bool, trl: bool = True) -> list[str]:
+    """The sides of one run, in the order they alternate: TRL (unless ``trl`` is false), ours lean per TP, ours at
+    defaults and bare (TP=1), the baseline checkout's."""
+    out = ["trl"] if trl else []
     if "lean" in modes:
         out += [f"ours_tp{tp}" for tp in tps]
     out += [f"ours_{SIDE_TAG[m]}" for m in ("defaults", "bare") if m in modes]
@@ -410,7 +417,9 @@ def report(model: str, results: dict[str, list[dict[str, float]]]) -> list[str]:
     for side, runs in results.items():
         med[side] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         print(f"  {side:9s} {fmt(med[side])}")
-    trl = results["trl"]
+    trl = results.get("trl")
+    if trl is None:  # --ours-only: nothing to compare with
+        return []
     for side, key, label in RATIOS:
         if side in results:
             pairs = " ".join(f"{o[key] / t[key]:.3f}" for o, t in zip(results[side], trl))
@@ -450,6 +459,7 @@ def main() -> int:
         "--threads", type=int, default=THREADS, help="CPU threads of each side (1 on a busy machine, see the docstring)"
     )
     ap.add_argument("--trl-python", default=None, help="interpreter with trl installed (default: this one)")
+    ap.add_argument("--ours-only", action="store_true", help="run our sides alone (no TRL, no ratios)")
     ap.add_argument("--workdir", default=None, help="where inputs and run dirs go (default: a temp dir)")
     ap.add_argument(
         "--baseline-repo", default=None, help="another checkout (e.g. the previous commit) run as 'base_*' too"
@@ -471,8 +481,8 @@ def main() -> int:
     for m in modes:
         if m not in MODES:
             ap.error(f"--modes {m!r}: choose from {', '.join(MODES)}")
-    trl_python = find_trl_python(a.trl_python)
-    if trl_python is None:
+    trl_python = None if a.ours_only else find_trl_python(a.trl_python)
+    if trl_python is None and not a.ours_only:
         print("bench_step: skipped: TRL is not installed (pip install -e '.[bench]', or --trl-python PATH)")
         return 0
     tps = [int(x) for x in a.tp.split(",") if x]
@@ -481,7 +491,7 @@ def main() -> int:
     prepare(workdir)
     print(f"bench_step: {a.runs} runs per side x {a.steps} steps ({a.warmup} warm-up); workdir {workdir}")
     print(f"bench_step: models {', '.join(models)}; modes {', '.join(modes)}; TRL interpreter {trl_python}")
-    order = sides(tps, modes, bool(a.baseline_repo))
+    order = sides(tps, modes, bool(a.baseline_repo), trl=trl_python is not None)
     results = {m: {side: [] for side in order} for m in models}
     for i in range(a.runs):
         for m in models:

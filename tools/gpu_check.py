@@ -194,11 +194,16 @@ def section_tests(a, rows: list, vllm: bool) -> None:
     rows.extend(cases)
 
 
+def tiny_args(dry: bool, run_dir: str) -> list[str]:
+    """``megatron-rlvr train`` arguments of the tiny section."""
+    steps = ["schedule.steps=40"] if dry else []  # the preset's 80 on a GPU
+    return ["configs/tiny.yaml", *COMMON, *steps, f"logging.run_dir={run_dir}"]
+
+
 def section_tiny(a, rows: list) -> None:
     run_dir = os.path.join(a.work_dir, "tiny")
     log = os.path.join(a.log_dir, "tiny.log")
-    steps = ["schedule.steps=40"] if a.dry else []  # the preset's 80 on a GPU
-    argv = [*entry_point(), "train", "configs/tiny.yaml", *COMMON, *steps, f"logging.run_dir={run_dir}"]
+    argv = [*entry_point(), "train", *tiny_args(a.dry, run_dir)]
     rc, secs = run_logged(argv, log, a.tiny_timeout, train_env())
     recs = read_metrics(run_dir)
     name = "main job: tiny preset, 1 GPU" + (" (CPU dry run)" if a.dry else "")
@@ -252,15 +257,14 @@ def param_count(c: dict) -> int:
     return v * d * (1 if c.get("tie_word_embeddings") else 2) + layers * per_layer + d
 
 
-def section_qwen(a, rows: list) -> dict:
-    name = "Qwen2.5-0.5B shape, random init, bf16, HF engine" + (" (CPU dry run, reduced)" if a.dry else "")
-    cfg_path, tok_dir, cfg = prepare_qwen(a.work_dir, a.dry)
-    run_dir = os.path.join(a.work_dir, "qwen")
-    prompts, n, resp, steps = (4, 4, 8, 3) if a.dry else (32, 8, 256, a.qwen_steps)
-    procedural = dict(task="arithmetic", style="terse", max_digits=3, num_examples=1000)
-    argv = [
-        *entry_point(),
-        "train",
+QWEN_TASK = dict(task="arithmetic", style="terse", max_digits=3, num_examples=1000)
+"""The qwen section's procedural prompts."""
+
+
+def qwen_args(dry: bool, steps: int, cfg_path: str, tok_dir: str, run_dir: str) -> list[str]:
+    """``megatron-rlvr train`` arguments of the qwen section (``prepare_qwen`` wrote ``cfg_path`` and ``tok_dir``)."""
+    prompts, n, resp = (4, 4, 8) if dry else (32, 8, 256)
+    return [
         "configs/tiny.yaml",  # its data template and task style; the model, sizes and task replaced below
         *COMMON,
         "model.name=qwen2.5-0.5b-random",
@@ -273,16 +277,25 @@ def section_qwen(a, rows: list) -> dict:
         "rollout.max_prompt_len=16",
         "rollout.temperature=1.0",
         "algorithm.preset=mcpo",
-        *(f"data.procedural.{k}={v}" for k, v in procedural.items()),
+        *(f"data.procedural.{k}={v}" for k, v in QWEN_TASK.items()),
         "reward.fn=tools.gpu_check:parity_reward",
         "reward.num_workers=0",
         f"train.prompts_per_step={prompts}",
+        f"train.mini_batch_prompts={prompts // 2}",  # two optimizer updates per step (the preset's 32 / 16)
         "train.micro_batch_tokens=16384",
         "train.recompute=none",
         f"schedule.steps={steps}",
         "logging.name=qwen2.5-0.5b-shape",
         f"logging.run_dir={run_dir}",
     ]
+
+
+def section_qwen(a, rows: list) -> dict:
+    name = "Qwen2.5-0.5B shape, random init, bf16, HF engine" + (" (CPU dry run, reduced)" if a.dry else "")
+    cfg_path, tok_dir, cfg = prepare_qwen(a.work_dir, a.dry)
+    run_dir = os.path.join(a.work_dir, "qwen")
+    steps = 3 if a.dry else a.qwen_steps
+    argv = [*entry_point(), "train", *qwen_args(a.dry, steps, cfg_path, tok_dir, run_dir)]
     log = os.path.join(a.log_dir, "qwen.log")
     rc, secs = run_logged(argv, log, a.qwen_timeout, train_env())
     recs = read_metrics(run_dir)
@@ -295,7 +308,7 @@ def section_qwen(a, rows: list) -> dict:
     resp_len = statistics.median(r["response/length_mean"] for r in timed)
     from megatron_rlvr.data.procedural import ProceduralConfig, generate_examples
 
-    examples = generate_examples(ProceduralConfig(**procedural))
+    examples = generate_examples(ProceduralConfig(**QWEN_TASK))
     prompt_len = statistics.mean(len(e.prompt) for e in examples)  # "12+345=": one token per character
     tokens = seqs * (prompt_len + resp_len)
     n_params = param_count(cfg)
@@ -549,6 +562,7 @@ def main(argv: list[str] | None = None) -> int:
         for k in ("test_timeout", "tiny_timeout", "qwen_timeout", "vocab_timeout"):
             setattr(a, k, getattr(a, k) * DRY_TIME_FACTOR)
     a.work_dir = a.work_dir or a.log_dir.rstrip("/") + "-work"  # many files: not among the few logs
+    os.makedirs(a.log_dir, exist_ok=True)  # gpu_check.sh makes it; run directly, this script must
     os.makedirs(a.work_dir, exist_ok=True)
     vllm = importlib.util.find_spec("vllm") is not None
     only = set(a.only.split(","))
