@@ -32,6 +32,7 @@ RUN_HERE = {
     "tools/bench_async.py": "test_bench_async_smallest_run",
     "tools/bench_weight_sync.py": "test_bench_weight_sync_smallest_run",
     "tools/gpu_check.py": "test_gpu_check_dry_run",
+    "tools/seeds.py": "test_seeds_smallest_run",
 }
 """Scripts whose smallest real run is a test of this file."""
 
@@ -283,6 +284,18 @@ def test_bench_weight_sync_smallest_run():
     kv = _last_kv(out)
     assert kv["bit_exact"] == "True" and float(kv["sync_s"]) > 0 and float(kv["copy_s"]) > 0, out[-2000:]
     assert float(kv["sync_over_copy"]) > 0
+
+
+@pytest.mark.slow
+def test_seeds_smallest_run(tmp_path):
+    """seeds.py on the README's preset at two seeds of 2 steps each, one run at a time: a line per seed, then the
+    spread line (what every seed-spread claim in the docs is made with)."""
+    args = ["configs/tiny.yaml", "schedule.steps=2", "checkpoint.export_hf=false", "logging.plot_at_end=false"]
+    out = _run(["tools/seeds.py", *args, "--seeds", "1-2", "--jobs", "1", "--out", str(tmp_path)], 600).stdout
+    assert sum(ln.startswith("seed=") for ln in out.splitlines()) == 2, out[-2000:]
+    kv = _last_kv(out)
+    assert 0.0 <= float(kv["seeds_min"]) <= float(kv["seeds_median"]) <= float(kv["seeds_max"]) <= 1.0, out[-2000:]
+    assert (tmp_path / "seed1" / "metrics.jsonl").is_file() and (tmp_path / "seed2" / "metrics.jsonl").is_file()
 
 
 @pytest.mark.slow
