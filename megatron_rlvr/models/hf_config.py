@@ -17,7 +17,10 @@ from typing import Any
 import torch
 
 from megatron_rlvr.families.table import FAMILIES, VL_FAMILIES, has_qkv_bias, moe_fields, padded_vocab, vl_text_config
+from megatron_rlvr.models.fusions import detect as detect_fusions
+from megatron_rlvr.models.fusions import fusion_flags
 from megatron_rlvr.models.mapping import ModelDims
+from megatron_rlvr.models.vision import vision_param_names, vision_spec
 
 
 @dataclass(frozen=True)
@@ -145,10 +148,6 @@ def megatron_model_args(
     RL default). With TP > 1 megatron trains MoE layers only under sequence parallelism, so it is switched on.
     """
     from megatron.core.transformer import TransformerConfig
-
-    from megatron_rlvr.models.fusions import detect as detect_fusions
-    from megatron_rlvr.models.fusions import fusion_flags
-    from megatron_rlvr.models.vision import vision_param_names, vision_spec
 
     cfg = load_hf_config(hf_config)
     full_cfg = cfg

@@ -22,6 +22,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_rlvr.families.table import vl_family_of, vl_text_config
+from megatron_rlvr.models.mapping import VISION_MODULE
+from megatron_rlvr.models.mrope import interleaved_mrope_freqs
+
 VISION_TOWER_CLASSES = {
     "qwen2_5_vl": ("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "Qwen2_5_VisionTransformerPretrainedModel"),
     "qwen3_vl": ("transformers.models.qwen3_vl.modeling_qwen3_vl", "Qwen3VLVisionModel"),
@@ -51,8 +55,6 @@ class VisionSpec:
 
 def vision_spec(cfg: dict, where: str = "HF config") -> VisionSpec | None:
     """The VisionSpec of a vision-language HF config dict; None for a text-only one."""
-    from megatron_rlvr.families.table import vl_family_of, vl_text_config
-
     found = vl_family_of(cfg)
     if found is None:
         return None
@@ -127,8 +129,6 @@ def scatter_image_features(embeds_sbh: torch.Tensor, features: torch.Tensor, ima
 def _interleaved_rope_class():
     from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
 
-    from megatron_rlvr.models.mrope import interleaved_mrope_freqs
-
     class InterleavedMultimodalRotaryEmbedding(MultimodalRotaryEmbedding):
         """Qwen3-VL's interleaved M-RoPE in megatron's layout: [3, b, s] positions -> [s, b, 1, d] angles."""
 
@@ -149,8 +149,6 @@ def vl_gpt_model_class():
     """The GPTModel subclass of vision-language policies (a class factory: megatron is imported on first use)."""
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt import GPTModel
-
-    from megatron_rlvr.models.mapping import VISION_MODULE
 
     class VLGPTModel(GPTModel):
         """GPTModel (``position_embedding_type="mrope"``) + the HF vision tower as ``visual`` on the first stage.
