@@ -144,6 +144,36 @@ def _interleaved_rope_class():
     return InterleavedMultimodalRotaryEmbedding
 
 
+def _deepstack_hook(model, i: int):
+    """Forward hook of language layer ``i``: adds ``model._deepstack[i]`` (the i-th DeepStack feature map of the
+    current micro-batch, if any) to the layer's output. The additions stay set until the next forward: activation
+    recomputation re-runs the layers (and this hook) in the backward pass of the same micro-batch."""
+
+    def hook(module, inputs, output):
+        if i >= len(model._deepstack):
+            return output
+        if isinstance(output, tuple):
+            return (output[0] + model._deepstack[i].to(output[0].dtype), *output[1:])
+        return output + model._deepstack[i].to(output.dtype)
+
+    return hook
+
+
+def _add_images(model, embeds_sbh, pixel_values, image_grid_thw, image_mask_bs):
+    """The text embeddings ``embeds_sbh`` [s, b, H] with the vision tower's features of ``pixel_values`` in the
+    image tokens' rows, and the DeepStack feature maps laid out the same way (sequence-parallel scattered)."""
+    if image_grid_thw is None or image_mask_bs is None:
+        raise ValueError("pixel_values need image_grid_thw and image_mask")
+    feats, deep = image_features(getattr(model, VISION_MODULE), pixel_values, image_grid_thw)
+    out_sbh = scatter_image_features(embeds_sbh, feats, image_mask_bs)
+    zeros = torch.zeros_like(out_sbh)
+    deepstack = [
+        model._sp_scatter(scatter_image_features(zeros, f, image_mask_bs))
+        for f in deep[: model.vision_spec.deepstack_layers]
+    ]
+    return out_sbh, deepstack
+
+
 @functools.cache
 def vl_gpt_model_class():
     """The GPTModel subclass of vision-language policies (a class factory: megatron is imported on first use)."""
@@ -180,19 +210,7 @@ def vl_gpt_model_class():
                         "they must be on the first pipeline stage"
                     )
                 for i in range(vision.deepstack_layers):
-                    self.decoder.layers[i].register_forward_hook(self._deepstack_hook(i))
-
-        def _deepstack_hook(self, i: int):
-            # The additions stay set until the next forward: activation recomputation re-runs the layers (and this
-            # hook) in the backward pass of the same micro-batch.
-            def hook(module, inputs, output):
-                if i >= len(self._deepstack):
-                    return output
-                if isinstance(output, tuple):
-                    return (output[0] + self._deepstack[i].to(output[0].dtype), *output[1:])
-                return output + self._deepstack[i].to(output.dtype)
-
-            return hook
+                    self.decoder.layers[i].register_forward_hook(_deepstack_hook(self, i))
 
         def forward(
             self,
@@ -212,15 +230,9 @@ def vl_gpt_model_class():
             if self.pre_process and decoder_input is None:
                 decoder_input = self.embedding(input_ids=input_ids, position_ids=None)  # [s, b, H], not scattered
                 if pixel_values is not None:
-                    if image_grid_thw is None or image_mask is None:
-                        raise ValueError("pixel_values need image_grid_thw and image_mask")
-                    feats, deep = image_features(getattr(self, VISION_MODULE), pixel_values, image_grid_thw)
-                    decoder_input = scatter_image_features(decoder_input, feats, image_mask)
-                    zeros = torch.zeros_like(decoder_input)
-                    self._deepstack = [
-                        self._sp_scatter(scatter_image_features(zeros, f, image_mask))
-                        for f in deep[: self.vision_spec.deepstack_layers]
-                    ]
+                    decoder_input, self._deepstack = _add_images(
+                        self, decoder_input, pixel_values, image_grid_thw, image_mask
+                    )
                 decoder_input = self._sp_scatter(decoder_input)
             return super().forward(input_ids, position_ids, attention_mask, decoder_input, *args, **kwargs)
 
