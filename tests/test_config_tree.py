@@ -152,3 +152,17 @@ def test_wrong_shapes_name_the_key(override, message):
     with pytest.raises(ConfigError) as e:
         load_run_config(None, [override], check_files=False)
     assert message in str(e.value)
+
+
+def test_algorithm_preset_is_resolved_as_the_library_resolves_it():
+    """algorithm.preset in a run config goes through algorithms.preset: the same spelling rules ("MCPO-margin" is
+    the mcpo_margin preset) and the same did-you-mean message, prefixed by the key."""
+    from megatron_rlvr.algorithms import preset
+
+    run = load_run_config(None, ["algorithm.preset=MCPO-margin"], check_files=False)
+    assert run.algorithm == preset("mcpo_margin") and run.algorithm != preset("mcpo")
+    with pytest.raises(ConfigError) as e:
+        load_run_config(None, ["algorithm.preset=mcpp"], check_files=False)
+    with pytest.raises(ValueError) as lib:
+        preset("mcpp")
+    assert str(e.value) == f"algorithm.preset: {lib.value}" and "did you mean 'mcpo'?" in str(e.value)
