@@ -186,7 +186,7 @@ def preset_key(name: str) -> str:
     if key not in PRESETS:
         close = difflib.get_close_matches(key, list(PRESETS), n=1, cutoff=0.4)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"unknown algorithm preset {name!r}{hint} (available: {', '.join(PRESETS)})")
+        raise ValueError(f"unknown preset {name!r}{hint} (available: {', '.join(PRESETS)})")
     return key
 
 
