@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from megatron_rlvr.config.sections import SHARDING_TYPES
 from megatron_rlvr.models.hf_config import MegatronModelArgs, megatron_model_args
 from megatron_rlvr.models.lora import checkpoint_meta, checkpoint_state, load_checkpoint_state
 
@@ -39,8 +40,6 @@ TRAINER_STATE_FILE = "trainer_state.json"
 LATEST_FILE = "latest"
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step_(\d{9})$")
-
-SHARDING_TYPES = ("fully_reshardable", "dp_reshardable", "fully_sharded_model_space")
 
 
 @dataclass(frozen=True)
@@ -52,8 +51,8 @@ class CheckpointConfig:
     keep_last: int = 2
     """Number of newest complete checkpoints kept; older ones are deleted after each successful save (0 = keep all)."""
     distrib_optim_sharding_type: str = "fully_reshardable"
-    """DistributedOptimizer state format: 'fully_reshardable' (any TP/PP/DP on load), 'dp_reshardable' (fully
-    parallel save, DP-only resharding) or 'fully_sharded_model_space'. Ignored for non-distributed optimizers."""
+    """DistributedOptimizer state format, one of SHARDING_TYPES (the run's checkpoint.sharding_type). Ignored for
+    non-distributed optimizers."""
     write_processes: int = 2
     """Writer processes per rank used by megatron's torch_dist save (its ``thread_count``; each is a fork)."""
 
