@@ -208,3 +208,16 @@ def test_mastered_rollouts_threshold_and_group_size():
     assert mastered_rollouts(AlgorithmConfig(), shaped, correct_G_n=torch.ones(1, 3, dtype=torch.bool)).tolist() == [
         [True] * 3
     ]
+
+
+def test_correct_threshold_is_the_reward_midpoint():
+    """Without the verifier's verdict a rollout is correct when its reward reaches (R_correct + R_wrong) / 2: with
+    R_correct = 2, R_wrong = -1 the threshold is 0.5, so rewards 0.4 / 0.5 / 2 give accuracy 2/3 (by hand)."""
+    from megatron_rlvr.algorithms import AdvantageConfig
+    from megatron_rlvr.algorithms.advantages import rollout_accuracy
+
+    cfg = AdvantageConfig(reward_correct=2.0, reward_wrong=-1.0)
+    assert cfg.correct_threshold == 0.5
+    rewards = torch.tensor([[0.4, 0.5, 2.0]], dtype=torch.float64)
+    acc = rollout_accuracy(cfg, rewards, torch.ones(1, 3, dtype=torch.bool), None)
+    assert acc.tolist() == [2 / 3]

@@ -201,3 +201,19 @@ def test_fully_masked_micro_batch_and_zero_variance_is_finite(name):
     loss.backward()
     assert loss.item() == 0.0 and torch.equal(logp.grad, torch.zeros_like(logp))
     assert all(torch.isfinite(v) for v in metrics.values()), metrics
+
+
+def test_counts_from_lengths_match_the_mask_counts():
+    """normalizer_counts_from_lengths (the trainer counts from sequence lengths) gives, by hand: 1 + 2 + 0 + 4 = 7
+    tokens, 3 non-empty sequences, 1 non-empty mastered one (the mastered empty row is not counted); and the same
+    as local_normalizer_counts on the masks of those lengths."""
+    from megatron_rlvr.algorithms import normalizer_counts_from_lengths
+
+    len_B = torch.tensor([1, 2, 0, 4])
+    mastered_B = torch.tensor([False, True, True, False])
+    got = normalizer_counts_from_lengths(len_B, mastered_B)
+    assert got.dtype == torch.float64 and got.tolist() == [7.0, 3.0, 1.0]
+    mask_BT = torch.arange(5)[None, :] < len_B[:, None]
+    assert torch.equal(local_normalizer_counts(mask_BT, mastered_B), got)
+    with pytest.raises(ValueError, match=r"len_B must be \[B\]"):
+        normalizer_counts_from_lengths(mask_BT)

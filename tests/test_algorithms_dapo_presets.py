@@ -106,7 +106,7 @@ def test_mcpo_margin_is_mcpo_plus_margin_and_aliases():
     a["name"], a["margin_credit"] = b["name"], b["margin_credit"]
     assert a == b
     assert preset("mcpo + margin").name == preset("MCPO-margin").name == "mcpo_margin"
-    with pytest.raises(ValueError, match="unknown algorithm preset 'ppo2'"):
+    with pytest.raises(ValueError, match="unknown preset 'ppo2'"):
         preset("ppo2")
 
 

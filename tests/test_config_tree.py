@@ -152,3 +152,31 @@ def test_wrong_shapes_name_the_key(override, message):
     with pytest.raises(ConfigError) as e:
         load_run_config(None, [override], check_files=False)
     assert message in str(e.value)
+
+
+def test_algorithm_preset_is_resolved_as_the_library_resolves_it():
+    """algorithm.preset in a run config goes through algorithms.preset: the same spelling rules ("MCPO-margin" is
+    the mcpo_margin preset) and the same did-you-mean message, prefixed by the key."""
+    from megatron_rlvr.algorithms import preset
+
+    run = load_run_config(None, ["algorithm.preset=MCPO-margin"], check_files=False)
+    assert run.algorithm == preset("mcpo_margin") and run.algorithm != preset("mcpo")
+    with pytest.raises(ConfigError) as e:
+        load_run_config(None, ["algorithm.preset=mcpp"], check_files=False)
+    with pytest.raises(ValueError) as lib:
+        preset("mcpp")
+    assert str(e.value) == f"algorithm.preset: {lib.value}" and "did you mean 'mcpo'?" in str(e.value)
+
+
+def test_checkpoint_sharding_type_is_checked_when_the_config_loads():
+    """A misspelt checkpoint.sharding_type is refused at load time (it used to surface at the first save, after
+    checkpoint.save_every steps), with the formats the save accepts; every one of those loads."""
+    from megatron_rlvr.config.sections import SHARDING_TYPES
+
+    with pytest.raises(ConfigError, match=r"checkpoint.sharding_type must be one of .*fully_reshardable"):
+        load_run_config(None, ["checkpoint.sharding_type=fully_resharded"], check_files=False)
+    for kind in SHARDING_TYPES:
+        assert (
+            load_run_config(None, [f"checkpoint.sharding_type={kind}"], check_files=False).checkpoint.sharding_type
+            == kind
+        )

@@ -54,7 +54,7 @@ def test_chunked_evaluation_draws_the_same_samples_and_reports_progress(tiny_hf)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from megatron_rlvr.data import DataConfig, load_dataset
-    from megatron_rlvr.eval.benchmarks import evaluate_examples
+    from megatron_rlvr.eval.benchmarks import EvalSpec, evaluate_examples
     from megatron_rlvr.rollout.hf_engine import HFRolloutEngine
 
     hf, bench = tiny_hf
@@ -64,10 +64,10 @@ def test_chunked_evaluation_draws_the_same_samples_and_reports_progress(tiny_hf)
     examples = list(load_dataset([bench], "auto", False).examples)
     kw = dict(k=3, temperature=1.0, top_p=1.0, max_tokens=3, max_prompt_len=16, seed=5)
     data = DataConfig(template="plain", prompt_template="{problem}")
-    whole = evaluate_examples(engine, scorer, tok, data, examples, **kw)
+    whole = evaluate_examples(engine, scorer, tok, examples, EvalSpec(data, **kw))
     seen = []
     chunked = evaluate_examples(
-        engine, scorer, tok, data, examples, **kw, chunk_prompts=7, progress=lambda d, t: seen.append((d, t))
+        engine, scorer, tok, examples, EvalSpec(data, **kw, chunk_prompts=7), progress=lambda d, t: seen.append((d, t))
     )
     assert chunked == whole and seen == [(7, 20), (14, 20), (20, 20)]
     assert 0 < sum(map(sum, whole[0])) < 60  # correctness varies: the comparisons below are not trivial
@@ -102,7 +102,7 @@ def test_evaluation_passes_each_prompts_images():
     not; the engine's answer here is the image count it was given, so every item is right exactly when the images
     arrived with their prompt."""
     from megatron_rlvr.data import DataConfig, ProceduralConfig, generate_examples
-    from megatron_rlvr.eval.benchmarks import evaluate_examples
+    from megatron_rlvr.eval.benchmarks import EvalSpec, evaluate_examples
     from megatron_rlvr.families.tiny_vl import tiny_vl_tokenizer
     from megatron_rlvr.rollout.engine import Completion, RolloutOutput, validate_images
 
@@ -126,5 +126,24 @@ def test_evaluation_passes_each_prompts_images():
     data = DataConfig(template="plain", prompt_template="{problem}")
     kw = dict(k=2, temperature=1.0, top_p=1.0, max_tokens=3, max_prompt_len=64, seed=1)
     for chunk in (None, 4):
-        correct, _ = evaluate_examples(CountingEngine(), scorer, tok, data, examples, **kw, chunk_prompts=chunk)
+        correct, _ = evaluate_examples(
+            CountingEngine(), scorer, tok, examples, EvalSpec(data, **kw, chunk_prompts=chunk)
+        )
         assert correct == [[True, True]] * 6
+
+
+@pytest.mark.parametrize(
+    "field, bad",
+    [("k", 0), ("max_tokens", 0), ("max_prompt_len", 0), ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5),
+     ("chunk_prompts", 0)],
+)  # fmt: skip
+def test_eval_spec_names_the_bad_field(field, bad):
+    """EvalSpec refuses a setting that cannot sample or score with one line naming the field; the same spec with
+    the field at a valid value is accepted."""
+    from megatron_rlvr.data import DataConfig
+    from megatron_rlvr.eval.benchmarks import EvalSpec
+
+    ok = dict(k=1, temperature=0.0, top_p=1.0, max_tokens=1, max_prompt_len=1, seed=0, chunk_prompts=1)
+    EvalSpec(DataConfig(), **ok)
+    with pytest.raises(ValueError, match=rf"^EvalSpec\.{field} must be"):
+        EvalSpec(DataConfig(), **{**ok, field: bad})

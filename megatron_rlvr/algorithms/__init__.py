@@ -6,7 +6,8 @@ Trainer entry points:
 
 - :func:`compute_advantages` (once per step, on the global rollout batch) -> (adv_G_n, metrics)
 - :func:`mastered_rollouts` -> bool [G, n] for the MCPO hinge-KL
-- :func:`local_normalizer_counts` per micro-batch, summed over the whole mini-batch -> :class:`LossNormalizers`
+- :func:`local_normalizer_counts` per micro-batch (or :func:`normalizer_counts_from_lengths` of the sequences),
+  summed over the whole mini-batch -> :class:`LossNormalizers`
 - :func:`compute_policy_loss` (per micro-batch) -> (loss, metrics)
 - :func:`shape_rewards`, :func:`mask_truncated`, :func:`dynamic_sampling_keep` (DAPO)
 """
@@ -39,6 +40,7 @@ _EXPORTS = {
     "hinge_kl_loss": "mcpo",
     "implied_query_weight": "mcpo",
     "local_normalizer_counts": "aggregation",
+    "normalizer_counts_from_lengths": "aggregation",
     "margin_credit_weights": "margin_credit",
     "mask_truncated": "dapo",
     "mastered_rollouts": "advantages",
@@ -81,6 +83,7 @@ __all__ = [
     "mask_truncated",
     "mastered_rollouts",
     "mcpo_query_scale",
+    "normalizer_counts_from_lengths",
     "overlong_penalty",
     "preset",
     "shape_rewards",

@@ -160,7 +160,7 @@ def rollout_accuracy(
     """Fraction [G] (float64) of a group's valid rollouts that are correct. Without the verifier's ``correct_G_n``, a
     rollout is correct when its reward >= (R_correct + R_wrong) / 2 (pass ``correct_G_n`` when rewards are shaped)."""
     if correct_G_n is None:
-        correct_G_n = rewards_G_n >= 0.5 * (cfg.reward_correct + cfg.reward_wrong)
+        correct_G_n = rewards_G_n >= cfg.correct_threshold
     hits = (correct_G_n & valid_G_n).sum(dim=1).to(torch.float64)
     return hits / valid_G_n.sum(dim=1).clamp_min(1).to(torch.float64)
 

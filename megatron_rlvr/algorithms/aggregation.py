@@ -85,15 +85,22 @@ def local_normalizer_counts(mask_BT: Tensor, mastered_B: Tensor | None = None) -
     """
     if mask_BT.dim() != 2:
         raise ValueError(f"mask_BT must be [B, T], got shape {tuple(mask_BT.shape)}")
-    m = mask_BT.bool()
-    nonempty_B = m.any(dim=1)
+    return normalizer_counts_from_lengths(mask_BT.bool().sum(dim=1), mastered_B)
+
+
+def normalizer_counts_from_lengths(len_B: Tensor, mastered_B: Tensor | None = None) -> Tensor:
+    """[3] float64: (valid tokens, non-empty sequences, non-empty mastered sequences) of sequences with ``len_B``
+    [B] valid (loss-masked) tokens each: what :func:`local_normalizer_counts` gives for their masks, without them."""
+    if len_B.dim() != 1:
+        raise ValueError(f"len_B must be [B], got shape {tuple(len_B.shape)}")
+    nonempty_B = len_B > 0
     if mastered_B is None:
         mastered = torch.zeros_like(nonempty_B)
     else:
         if mastered_B.shape != nonempty_B.shape:
             raise ValueError(f"mastered_B must be [B]={tuple(nonempty_B.shape)}, got {tuple(mastered_B.shape)}")
         mastered = mastered_B.bool() & nonempty_B
-    return torch.stack([m.sum(), nonempty_B.sum(), mastered.sum()]).to(torch.float64)
+    return torch.stack([len_B.sum(), nonempty_B.sum(), mastered.sum()]).to(torch.float64)
 
 
 def _masked_sum_per_seq(values_BT: Tensor, mask_BT: Tensor) -> Tensor:

@@ -84,6 +84,12 @@ class AdvantageConfig:
                 f"AdvantageConfig.reward_correct ({self.reward_correct}) must exceed reward_wrong ({self.reward_wrong})"
             )
 
+    @property
+    def correct_threshold(self) -> float:
+        """A rollout whose reward is >= this counts as correct when the verifier's verdict is not at hand: the
+        midpoint (R_correct + R_wrong) / 2."""
+        return 0.5 * (self.reward_correct + self.reward_wrong)
+
 
 # aggregation.py
 

@@ -6,6 +6,7 @@ Each builder's docstring states its source and which defaults are the paper's an
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable
 from typing import Any
 
@@ -178,10 +179,19 @@ PRESETS: dict[str, Callable[[], AlgorithmConfig]] = {
 }
 
 
-def preset(name: str, **overrides: Any) -> AlgorithmConfig:
-    """The named preset with nested overrides, e.g. ``preset("cpgd", drift={"coef": 0.02})``."""
-    key = name.strip().lower().replace(" ", "").replace("-", "_").replace("+", "_")  # "mcpo + margin" -> mcpo_margin
+def preset_key(name: str) -> str:
+    """The PRESETS key of ``name``: case, spaces, '-' and '+' do not matter ("MCPO + margin" -> mcpo_margin). An
+    unknown name is a ValueError that suggests the closest preset."""
+    key = str(name).strip().lower().replace(" ", "").replace("-", "_").replace("+", "_")
     if key not in PRESETS:
-        raise ValueError(f"unknown algorithm preset {name!r}; available: {sorted(PRESETS)}")
-    cfg = PRESETS[key]()
+        close = difflib.get_close_matches(key, list(PRESETS), n=1, cutoff=0.4)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"unknown preset {name!r}{hint} (available: {', '.join(PRESETS)})")
+    return key
+
+
+def preset(name: str, **overrides: Any) -> AlgorithmConfig:
+    """The named preset (see :func:`preset_key`) with nested overrides, e.g. ``preset("cpgd", drift={"coef": 0.02})``;
+    the ``algorithm:`` section of a run config is this preset with its other keys as overrides."""
+    cfg = PRESETS[preset_key(name)]()
     return AlgorithmConfig.from_dict(overrides, base=cfg) if overrides else cfg

@@ -202,7 +202,7 @@ def eval_main(ns) -> int:
     import torch
 
     from megatron_rlvr.data import DataConfig, load_dataset
-    from megatron_rlvr.eval.benchmarks import bench_name, evaluate_examples, format_table, summarize
+    from megatron_rlvr.eval.benchmarks import EvalSpec, bench_name, evaluate_examples, format_table, summarize
     from megatron_rlvr.megatron.parallel import env_rank_info
     from megatron_rlvr.rewards import RewardConfig, RewardManager
 
@@ -267,11 +267,6 @@ def eval_main(ns) -> int:
         where = f"vLLM, rollout TP {tp}" if engine_kind == "vllm" else "transformers"
         print(f"megatron-rlvr eval: {where} engine on {device} ready in {time.perf_counter() - t0:.1f} s",
               file=sys.stderr, flush=True)  # fmt: skip
-    gather = None
-    if info is not None:
-        from megatron_rlvr.megatron.parallel import all_gather_objects
-
-        gather = all_gather_objects
     leader = info is None or info.leader
     results = []
     with RewardManager(reward_cfg) if leader else _nothing() as rm:
@@ -288,25 +283,9 @@ def eval_main(ns) -> int:
                     print(f"  {name}: {done}/{total} problems{share}, {done * ns.k} samples, {spent:.0f} s, "
                           f"~{left:.0f} s left", file=sys.stderr, flush=True)  # fmt: skip
 
-            correct, lengths = evaluate_examples(
-                engine,
-                rm,
-                tokenizer,
-                data_cfg,
-                examples,
-                k=ns.k,
-                temperature=ns.temperature,
-                top_p=ns.top_p,
-                max_tokens=ns.max_tokens,
-                max_prompt_len=ns.max_prompt_len,
-                seed=ns.seed,
-                engine_index=info.index if info is not None else 0,
-                engine_count=info.count if info is not None else 1,
-                leader=leader,
-                gather=gather,
-                chunk_prompts=max(1, PROGRESS_SAMPLES // ns.k),
-                progress=progress,
-            )
+            chunk = max(1, PROGRESS_SAMPLES // ns.k)
+            spec = EvalSpec(data_cfg, ns.k, ns.temperature, ns.top_p, ns.max_tokens, ns.max_prompt_len, ns.seed, chunk)
+            correct, lengths = evaluate_examples(engine, rm, tokenizer, examples, spec, info, progress=progress)
             results.append(summarize(name, correct, lengths))
             if main_rank:
                 r, spent = results[-1], time.perf_counter() - started

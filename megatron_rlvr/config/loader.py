@@ -25,7 +25,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, OmegaConfBaseException
 
-from megatron_rlvr.algorithms import PRESETS, AlgorithmConfig
+from megatron_rlvr.algorithms import AlgorithmConfig
 from megatron_rlvr.algorithms import preset as algorithm_preset
 from megatron_rlvr.config.run import ConfigError, RunConfig, model_hf_config, validate_cross_section
 
@@ -211,12 +211,11 @@ def build_algorithm(data: Any) -> AlgorithmConfig:
     name = data.pop("preset", None)
     if name is None:
         base = AlgorithmConfig() if data else algorithm_preset("grpo")
-    elif str(name) not in PRESETS:
-        close = difflib.get_close_matches(str(name), list(PRESETS), n=1, cutoff=0.4)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ConfigError(f"algorithm.preset: unknown preset {name!r}{hint} (available: {', '.join(PRESETS)})")
     else:
-        base = algorithm_preset(str(name))
+        try:
+            base = algorithm_preset(str(name))
+        except ValueError as e:
+            raise ConfigError(f"algorithm.preset: {e}") from None
     return build_section(AlgorithmConfig, data, "algorithm", base=base)
 
 

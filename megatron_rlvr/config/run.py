@@ -49,7 +49,9 @@ from megatron_rlvr.config.sections import (
     TrainConfig,
 )
 from megatron_rlvr.data.data_config import DataConfig
+from megatron_rlvr.families import gguf
 from megatron_rlvr.families.table import vl_family_of, vl_text_config
+from megatron_rlvr.families.tiny import tiny_hf_config
 from megatron_rlvr.rewards.reward_config import RewardConfig
 
 
@@ -114,12 +116,8 @@ class RunConfig:
 def model_hf_config(cfg: ModelConfig) -> dict:
     """The HF config (dict) of the configured model, without loading weights or megatron."""
     if cfg.is_tiny:
-        from megatron_rlvr.families.tiny import tiny_hf_config
-
         return tiny_hf_config(name=cfg.name)
     if cfg.gguf:
-        from megatron_rlvr.families import gguf
-
         try:  # converted once and cached (~40 s the first time): the layout can then be checked before launch
             path = gguf.cached_hf_folder(gguf.smollm2_gguf_path() if cfg.gguf == "smollm2" else cfg.gguf)
         except (ValueError, ImportError, OSError) as e:

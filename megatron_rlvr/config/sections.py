@@ -384,6 +384,11 @@ class ScheduleConfig:
             raise ValueError(f"schedule.lr_decay must be one of {LR_DECAYS}, got {self.lr_decay!r}")
 
 
+SHARDING_TYPES = ("fully_reshardable", "dp_reshardable", "fully_sharded_model_space")
+"""DistributedOptimizer state formats: ``fully_reshardable`` (any TP/PP/DP on load), ``dp_reshardable`` (fully
+parallel save, DP-only resharding), ``fully_sharded_model_space``."""
+
+
 @dataclass
 class CheckpointConfig:
     """Checkpoints (megatron dist_checkpointing via megatron_rlvr.models.checkpointing), resume and signals."""
@@ -404,7 +409,7 @@ class CheckpointConfig:
     """Resume even when options that shape the run (algorithm, model, data, rollout, train, optimizer, reward
     function) differ from the run directory's config.yaml; the new values are applied. One-off: not persisted."""
     sharding_type: str = "fully_reshardable"
-    """DistributedOptimizer state format (``fully_reshardable`` loads at any layout)."""
+    """DistributedOptimizer state format, one of SHARDING_TYPES (``fully_reshardable`` loads at any layout)."""
     export_hf: bool = False
     """At the end, also write an HF folder (``<run_dir>/hf``) that transformers loads unchanged."""
     sigterm_exit_code: int | None = None
@@ -419,6 +424,8 @@ class CheckpointConfig:
             v = getattr(self, k)
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"checkpoint.{k} must be an int >= 0, got {v!r}")
+        if self.sharding_type not in SHARDING_TYPES:
+            raise ValueError(f"checkpoint.sharding_type must be one of {SHARDING_TYPES}, got {self.sharding_type!r}")
         for k in ("sigterm_exit_code", "sigusr1_exit_code"):
             v = getattr(self, k)
             if v is not None and not (isinstance(v, int) and 0 <= v <= 255):

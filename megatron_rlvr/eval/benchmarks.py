@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from megatron_rlvr.config import EvalConfig, RunConfig
 from megatron_rlvr.data import DataConfig, Example, load_dataset, shard_range
 from megatron_rlvr.megatron.parallel import all_gather_objects
+from megatron_rlvr.rollout.engine import SamplingParams
+from megatron_rlvr.rollout.groups import EngineInfo, round_seed, tokenize_prompts
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -87,83 +89,124 @@ def bench_name(path: str) -> str:
     return f"{parent}/{stem}" if stem in ("test", "train", "validation", "eval") else stem
 
 
+@dataclass(frozen=True)
+class EvalSpec:
+    """How a benchmark is sampled and scored: ``k`` samples per problem, the sampling settings, the prompt
+    rendering, and how many prompts go to the engine per call."""
+
+    data: DataConfig
+    """Prompt rendering (template, system prompt) of the examples."""
+    k: int
+    """Samples per problem (avg@k, pass@j for j <= k)."""
+    temperature: float
+    """Sampling temperature; 0: greedy (one sample, repeated k times)."""
+    top_p: float
+    """Nucleus sampling mass, in (0, 1]."""
+    max_tokens: int
+    """Generation limit per sample."""
+    max_prompt_len: int
+    """Prompts longer than this (in tokens) are not generated and count as wrong."""
+    seed: int
+    """Evaluation seed: each prompt's sampling seed derives from it and the prompt's index in the examples."""
+    chunk_prompts: int | None = None
+    """Prompts per engine call (progress is reported after each); None: all of this engine's share at once. The
+    samples do not depend on it."""
+    correct_threshold: float = 0.5
+    """A sample is correct when its reward is >= this (the midpoint of the built-in rewards' 1 and 0)."""
+
+    def __post_init__(self) -> None:
+        for name in ("k", "max_tokens", "max_prompt_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EvalSpec.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.temperature >= 0:
+            raise ValueError(f"EvalSpec.temperature must be >= 0 (0: greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"EvalSpec.top_p must be in (0, 1], got {self.top_p}")
+        if self.chunk_prompts is not None and self.chunk_prompts < 1:
+            raise ValueError(f"EvalSpec.chunk_prompts must be >= 1 or None, got {self.chunk_prompts}")
+
+
 def evaluate_examples(
     engine,
     reward_manager,
     tokenizer,
-    data_cfg,
-    examples,
-    *,
-    k: int,
-    temperature: float,
-    top_p: float,
-    max_tokens: int,
-    max_prompt_len: int,
-    seed: int,
-    engine_index: int = 0,
-    engine_count: int = 1,
-    leader: bool = True,
-    gather=None,
-    chunk_prompts: int | None = None,
+    examples: list[Example],
+    spec: EvalSpec,
+    info: EngineInfo | None = None,
     progress=None,
 ) -> tuple[list[list[bool]], list[list[int]]]:
-    """Generate ``k`` samples per example on this engine's share, score, gather: (correct, lengths) per example,
-    in example order, on every rank. Prompts longer than ``max_prompt_len`` count as wrong.
+    """Generate ``spec.k`` samples per example on this engine's share, score, gather: (correct, lengths) per
+    example, in example order, on every rank. Prompts longer than ``spec.max_prompt_len`` count as wrong.
 
-    Every rank of an engine's tensor-parallel group generates (a vLLM engine with rollout TP > 1 is SPMD: its ranks
-    run the same requests together); only the group's leader scores. ``chunk_prompts``: generate that many prompts
-    per engine call, calling ``progress(done, total)`` after each; the samples do not depend on it (each prompt's
-    seed derives from the evaluation seed and its index in ``examples``)."""
-    from megatron_rlvr.rollout.engine import SamplingParams
-    from megatron_rlvr.rollout.groups import round_seed, tokenize_prompts
-
-    share = shard_range(len(examples), engine_index, engine_count)
+    ``info``: this rank's engine (its share of the examples, whether it leads); the results are then gathered over
+    all ranks (collective). None: one engine on one process. Every rank of an engine's tensor-parallel group
+    generates (a vLLM engine with rollout TP > 1 is SPMD: its ranks run the same requests together); only the
+    group's leader scores. ``progress(done, total)`` is called after each chunk of ``spec.chunk_prompts``."""
+    index, count, leader = (info.index, info.count, info.leader) if info is not None else (0, 1, True)
+    share = shard_range(len(examples), index, count)
     local: list[tuple[int, list[bool], list[int]]] = []
     if len(share):
         mine = [examples[i] for i in share]
-        kept, ids, _ = tokenize_prompts(mine, tokenizer, data_cfg, max_prompt_len)
-        kept_idx = {id(e) for e in kept}
-        greedy = temperature == 0  # k identical samples: draw one (vLLM refuses n > 1 with greedy sampling)
-        params = SamplingParams(
-            n=1 if greedy else k,
-            temperature=temperature,
-            top_p=top_p,
-            max_tokens=max_tokens,
-            seed=round_seed(seed, 0, 0),
-        )
-        keys = [i for i, ex in zip(share, mine) if id(ex) in kept_idx]
-        outputs = []
-        step = chunk_prompts or max(len(ids), 1)
-        images = [ex.images for ex in kept]  # vision-language benchmarks: each prompt's images
-        for start in range(0, len(ids), step):
-            chunk = images[start : start + step]
-            kw = {"images": chunk} if any(chunk) else {}
-            outputs += engine.generate(ids[start : start + step], params, prompt_keys=keys[start : start + step], **kw)
-            if greedy:
-                for out in outputs[start:]:
-                    out.completions = out.completions * k
-            if progress is not None:
-                progress(min(start + step, len(ids)), len(ids))
-    if leader and len(share):
-        texts, gts, metas = [], [], []
-        for ex, out in zip(kept, outputs):
-            for c in out.completions:
-                texts.append(c.text if c.text is not None else tokenizer.decode(c.token_ids, skip_special_tokens=True))
-                gts.append(ex.answer)
-                metas.append({**ex.metadata, "finish_reason": c.finish_reason})
-        rewards, _ = reward_manager.score(texts, gts, metas) if texts else ([], {})
-        it_out = iter(outputs)
-        pos = 0
-        for i, ex in zip(share, mine):
-            if id(ex) not in kept_idx:
-                local.append((i, [False] * k, [0] * k))
-                continue
-            out = next(it_out)
-            local.append((i, [r >= 0.5 for r in rewards[pos : pos + k]], [len(c.token_ids) for c in out.completions]))
-            pos += k
-    parts = gather(local) if gather is not None else [local]
+        kept, outputs = _generate_share(engine, tokenizer, share, mine, spec, progress)
+        if leader:
+            local = _score_share(reward_manager, tokenizer, share, mine, kept, outputs, spec)
+    parts = all_gather_objects(local) if info is not None else [local]
     merged = sorted((x for part in parts for x in part), key=lambda x: x[0])
     return [c for _, c, _ in merged], [n for _, _, n in merged]
+
+
+def _generate_share(engine, tokenizer, share, mine: list[Example], spec: EvalSpec, progress):
+    """(the examples whose prompts fit, their outputs of ``spec.k`` completions each), in chunks of prompts."""
+    kept, ids, _ = tokenize_prompts(mine, tokenizer, spec.data, spec.max_prompt_len)
+    kept_idx = {id(e) for e in kept}
+    greedy = spec.temperature == 0  # k identical samples: draw one (vLLM refuses n > 1 with greedy sampling)
+    params = SamplingParams(
+        n=1 if greedy else spec.k,
+        temperature=spec.temperature,
+        top_p=spec.top_p,
+        max_tokens=spec.max_tokens,
+        seed=round_seed(spec.seed, 0, 0),
+    )
+    keys = [i for i, ex in zip(share, mine) if id(ex) in kept_idx]
+    outputs = []
+    step = spec.chunk_prompts or max(len(ids), 1)
+    images = [ex.images for ex in kept]  # vision-language benchmarks: each prompt's images
+    for start in range(0, len(ids), step):
+        chunk = images[start : start + step]
+        kw = {"images": chunk} if any(chunk) else {}
+        outputs += engine.generate(ids[start : start + step], params, prompt_keys=keys[start : start + step], **kw)
+        if greedy:
+            for out in outputs[start:]:
+                out.completions = out.completions * spec.k
+        if progress is not None:
+            progress(min(start + step, len(ids)), len(ids))
+    return kept, outputs
+
+
+def _score_share(reward_manager, tokenizer, share, mine, kept, outputs, spec: EvalSpec):
+    """(example index, correct per sample, response lengths) of each example of this engine's share; a prompt that
+    did not fit counts as k wrong samples of length 0."""
+    texts, gts, metas = [], [], []
+    for ex, out in zip(kept, outputs):
+        for c in out.completions:
+            texts.append(c.text if c.text is not None else tokenizer.decode(c.token_ids, skip_special_tokens=True))
+            gts.append(ex.answer)
+            metas.append({**ex.metadata, "finish_reason": c.finish_reason})
+    rewards, _ = reward_manager.score(texts, gts, metas) if texts else ([], {})
+    kept_idx = {id(e) for e in kept}
+    k = spec.k
+    local = []
+    it_out = iter(outputs)
+    pos = 0
+    for i, ex in zip(share, mine):
+        if id(ex) not in kept_idx:
+            local.append((i, [False] * k, [0] * k))
+            continue
+        out = next(it_out)
+        correct = [r >= spec.correct_threshold for r in rewards[pos : pos + k]]
+        local.append((i, correct, [len(c.token_ids) for c in out.completions]))
+        pos += k
+    return local
 
 
 @dataclass
@@ -190,32 +233,20 @@ class PeriodicEval:
             sets.append((path, list(ds.examples)[: e.max_problems] if e.max_problems else list(ds.examples)))
         return cls(e, cfg.data, e.max_response_len or cfg.rollout.max_response_len, cfg.rollout.max_prompt_len, sets)
 
+    @property
+    def spec(self) -> EvalSpec:
+        e = self.cfg
+        return EvalSpec(self.data, e.k, e.temperature, e.top_p, self.max_tokens, self.max_prompt_len, e.seed)
+
     def due(self, step: int) -> bool:
         return bool(self.sets) and bool(self.cfg.every) and step % self.cfg.every == 0
 
     def run(self, engine, reward_manager, tokenizer, engine_info) -> dict[str, float]:
         """Metrics namespaced ``eval/<benchmark>/...`` (avg@k, pass@j for j <= k, mean length) and ``time/eval_s``."""
-        e = self.cfg
         out: dict[str, float] = {}
         t0 = time.perf_counter()
         for path, examples in self.sets:
-            correct, lengths = evaluate_examples(
-                engine,
-                reward_manager,
-                tokenizer,
-                self.data,
-                examples,
-                k=e.k,
-                temperature=e.temperature,
-                top_p=e.top_p,
-                max_tokens=self.max_tokens,
-                max_prompt_len=self.max_prompt_len,
-                seed=e.seed,
-                engine_index=engine_info.index,
-                engine_count=engine_info.count,
-                leader=engine_info.leader,
-                gather=all_gather_objects,
-            )
+            correct, lengths = evaluate_examples(engine, reward_manager, tokenizer, examples, self.spec, engine_info)
             r = summarize(bench_name(path), correct, lengths)
             out[f"eval/{r.name}/avg@{r.k}"] = r.avg_at_k
             for j, v in r.pass_at_k.items():

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import os
 
+from megatron_rlvr.families.tiny_vl import TINY_VL_MODELS, tiny_vl_config_dict
+
 TINY_NAME = "tiny"
 TINY_MOE_NAME = "tiny_moe"
 
@@ -102,8 +104,6 @@ def tiny_tokenizer():
 def tiny_hf_config(tokenizer=None, name: str = TINY_NAME) -> dict:
     """The HF config of the built-in model ``name`` (``tiny``, ``tiny_moe``, or a vision-language ``tiny_vl`` /
     ``tiny_vl3`` of families/tiny_vl.py) as a dict (what ``config.json`` of its export holds)."""
-    from megatron_rlvr.families.tiny_vl import TINY_VL_MODELS, tiny_vl_config_dict
-
     if name in TINY_VL_MODELS:
         return tiny_vl_config_dict(TINY_VL_MODELS[name])
     if name not in TINY_MODELS:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import os
 
+from megatron_rlvr.families.vl_processor import vl_processor
+
 SPECIAL_TOKENS = (
     "<|endoftext|>",
     "<|im_start|>",
@@ -170,8 +172,6 @@ def save_tiny_vl(path: str | os.PathLike, kind: str = "qwen2_5_vl", seed: int = 
     nearly vanish, which would hide a wrong image path in a comparison)."""
     import torch
     from transformers import Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration
-
-    from megatron_rlvr.families.vl_processor import vl_processor
 
     _check_kind(kind)
     path = os.fspath(path)

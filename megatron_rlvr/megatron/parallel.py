@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlvr.config.sections import LaunchConfig
+from megatron_rlvr.megatron.cpu_shims import apply_cpu_shims
+from megatron_rlvr.slurm_env import dist_env_from_slurm, export_torch_env, free_port, prepare_rendezvous
 
 DEFAULT_COLLECTIVE_TIMEOUT_S: float = LaunchConfig.collective_timeout_s
 """launch.collective_timeout_s's default: 10 minutes, as Megatron-LM's --distributed-timeout-minutes."""
@@ -84,8 +86,6 @@ def env_rank_info(environ=None) -> dict | None:
             "master_port": int(env.get("MASTER_PORT", 29500)),
         }
     if "SLURM_PROCID" in env and ("SLURM_NTASKS" in env or "SLURM_STEP_NUM_TASKS" in env):
-        from megatron_rlvr.slurm_env import dist_env_from_slurm
-
         return dist_env_from_slurm(env)
     return None
 
@@ -132,8 +132,6 @@ def init_distributed(
     megatron groups are rebuilt only when the layout differs.
     """
     global _COLLECTIVE_TIMEOUT_S
-    from megatron_rlvr.megatron.cpu_shims import apply_cpu_shims
-
     apply_cpu_shims()
     if not (timeout_s > 0 and math.isfinite(timeout_s)):
         raise ValueError(f"collective timeout must be a positive number of seconds, got {timeout_s!r}")
@@ -141,20 +139,14 @@ def init_distributed(
     if not dist.is_initialized():
         info = env_rank_info()
         if info is not None and "RANK" not in os.environ:  # an srun task: give everything the torchrun variables
-            from megatron_rlvr.slurm_env import export_torch_env
-
             export_torch_env(info)
         if info is not None:
-            from megatron_rlvr.slurm_env import prepare_rendezvous
-
             note = prepare_rendezvous(info)
             if note and info["local_rank"] == 0:
                 print(f"megatron-rlvr: {note}", flush=True)
         if info is None:
             info = {"rank": 0, "world_size": 1, "local_rank": 0, "master_addr": "127.0.0.1", "master_port": 0}
             if info["master_port"] == 0:
-                from megatron_rlvr.slurm_env import free_port
-
                 info["master_port"] = free_port()
         backend = resolve_backend(backend)
         if torch.cuda.is_available():

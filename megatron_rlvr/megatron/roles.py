@@ -24,6 +24,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_rlvr.megatron.parallel import env_rank_info, resolve_backend
+from megatron_rlvr.slurm_env import export_torch_env
+
 TRAIN, ROLLOUT = "train", "rollout"
 
 
@@ -92,8 +95,6 @@ class Roles:
 
 def rendezvous_info() -> dict:
     """rank / world_size / local_rank / master address of this launched rank (local ranks, torchrun or srun)."""
-    from megatron_rlvr.megatron.parallel import env_rank_info
-
     info = env_rank_info()
     if info is None:
         raise RuntimeError(
@@ -101,8 +102,6 @@ def rendezvous_info() -> dict:
             "launch.nproc, torchrun or srun); this process is not one rank of a job"
         )
     if "RANK" not in os.environ:  # an srun task: give everything the torchrun variables
-        from megatron_rlvr.slurm_env import export_torch_env
-
         export_torch_env(info)
     return info
 
@@ -111,8 +110,6 @@ def init_roles(rollout_ranks: int, backend: str = "auto", timeout_s: float = 600
     """Join the job's rendezvous store, make this role's default process group and the two groups between the roles.
     Call before anything else touches torch.distributed (megatron_rlvr.megatron.parallel.init_distributed then
     keeps the role's group)."""
-    from megatron_rlvr.megatron.parallel import resolve_backend
-
     if dist.is_initialized():
         raise RuntimeError("init_roles: torch.distributed is already initialised; the roles need a fresh process")
     info = rendezvous_info()

@@ -36,6 +36,8 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from megatron_rlvr.models.build import unwrap
+
 ROUTE_DTYPE = torch.int16
 MODES = ("r2", "r3")
 PHASES = ("behaviour", "update")
@@ -81,8 +83,6 @@ class RoutingReplay:
 
     def __init__(self, model, tp_group, mode: str = "r2"):
         from megatron.core.transformer.moe.router import TopKRouter
-
-        from megatron_rlvr.models.build import unwrap
 
         if mode not in MODES:
             raise ValueError(f"routing replay mode must be one of {MODES}, got {mode!r}")

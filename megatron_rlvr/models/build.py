@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from megatron_rlvr.models.hf_config import MegatronModelArgs
+from megatron_rlvr.models.vision import vl_gpt_model_class
 
 
 def te_available() -> bool:
@@ -111,8 +112,6 @@ def build_gpt_model(
     rope = args.rope
     cls, extra = GPTModel, {"position_embedding_type": "rope"}
     if args.vision is not None:
-        from megatron_rlvr.models.vision import vl_gpt_model_class
-
         if pp_size > 1:
             raise ValueError(
                 "vision-language models run with pipeline parallelism 1 (parallel.pp=1): the vision tower and "

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from megatron_rlvr.config.sections import SHARDING_TYPES
 from megatron_rlvr.models.hf_config import MegatronModelArgs, megatron_model_args
 from megatron_rlvr.models.lora import checkpoint_meta, checkpoint_state, load_checkpoint_state
 
@@ -39,8 +40,6 @@ TRAINER_STATE_FILE = "trainer_state.json"
 LATEST_FILE = "latest"
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step_(\d{9})$")
-
-SHARDING_TYPES = ("fully_reshardable", "dp_reshardable", "fully_sharded_model_space")
 
 
 @dataclass(frozen=True)
@@ -52,8 +51,8 @@ class CheckpointConfig:
     keep_last: int = 2
     """Number of newest complete checkpoints kept; older ones are deleted after each successful save (0 = keep all)."""
     distrib_optim_sharding_type: str = "fully_reshardable"
-    """DistributedOptimizer state format: 'fully_reshardable' (any TP/PP/DP on load), 'dp_reshardable' (fully
-    parallel save, DP-only resharding) or 'fully_sharded_model_space'. Ignored for non-distributed optimizers."""
+    """DistributedOptimizer state format, one of SHARDING_TYPES (the run's checkpoint.sharding_type). Ignored for
+    non-distributed optimizers."""
     write_processes: int = 2
     """Writer processes per rank used by megatron's torch_dist save (its ``thread_count``; each is a fork)."""
 
@@ -232,6 +231,40 @@ def _broadcast_error(err: str | None) -> None:
         raise RuntimeError(box[0])
 
 
+def _prepare_tmp_dir(save_dir: str, tmp: str) -> str | None:
+    """Rank 0: remove the leftovers of crashed saves and make the empty ``tmp`` folder; the error message or None."""
+    try:
+        os.makedirs(save_dir, exist_ok=True)
+        for name in os.listdir(save_dir):  # leftovers of crashed saves
+            if name.startswith(".tmp-") or name.startswith(".trash-"):
+                shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+        os.makedirs(tmp)
+    except OSError as e:
+        return f"cannot prepare checkpoint folder {tmp}: {e}"
+    return None
+
+
+def _publish(cfg: CheckpointConfig, tmp: str, final: str, meta: dict, trainer_state: dict) -> None:
+    """Rank 0, once every shard is in ``tmp``: write the trainer state and the meta file (last: its presence marks
+    completeness), rename ``tmp`` to ``final`` (replacing an older save of the step), point LATEST at it and drop
+    the checkpoints beyond ``keep_last``."""
+    _write_json(os.path.join(tmp, TRAINER_STATE_FILE), trainer_state)
+    _write_json(os.path.join(tmp, META_FILE), meta)  # written last: its presence marks completeness
+    _fsync_dir(tmp)
+    if os.path.exists(final):  # re-saving a step: move the old one aside first (rename needs a free name)
+        trash = os.path.join(cfg.save_dir, ".trash-" + os.path.basename(final))
+        os.replace(final, trash)
+        os.replace(tmp, final)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(cfg.save_dir)
+    _write_text_atomic(os.path.join(cfg.save_dir, LATEST_FILE), os.path.basename(final) + "\n")
+    if cfg.keep_last > 0:
+        for _, path in list_checkpoints(cfg.save_dir)[: -cfg.keep_last]:
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def save_checkpoint(
     cfg: CheckpointConfig,
     step: int,
@@ -260,17 +293,7 @@ def save_checkpoint(
     final = os.path.join(cfg.save_dir, step_dir_name(step))
     tmp = os.path.join(cfg.save_dir, "." + "tmp-" + step_dir_name(step))
 
-    err = None
-    if rank == 0:
-        try:
-            os.makedirs(cfg.save_dir, exist_ok=True)
-            for name in os.listdir(cfg.save_dir):  # leftovers of crashed saves
-                if name.startswith(".tmp-") or name.startswith(".trash-"):
-                    shutil.rmtree(os.path.join(cfg.save_dir, name), ignore_errors=True)
-            os.makedirs(tmp)
-        except OSError as e:
-            err = f"cannot prepare checkpoint folder {tmp}: {e}"
-    _broadcast_error(err)
+    _broadcast_error(_prepare_tmp_dir(cfg.save_dir, tmp) if rank == 0 else None)
 
     distributed_opt = optimizer is not None and _is_distributed_optimizer(optimizer)
     sharding_type = cfg.distrib_optim_sharding_type if distributed_opt else None
@@ -301,21 +324,7 @@ def save_checkpoint(
                     padded_vocab_size=model_args.dims.padded_vocab_size,
                     params_dtype=str(model_args.config.params_dtype).removeprefix("torch."),
                 )
-            _write_json(os.path.join(tmp, TRAINER_STATE_FILE), trainer_state or {})
-            _write_json(os.path.join(tmp, META_FILE), meta)  # written last: its presence marks completeness
-            _fsync_dir(tmp)
-            if os.path.exists(final):  # re-saving a step: move the old one aside first (rename needs a free name)
-                trash = os.path.join(cfg.save_dir, ".trash-" + os.path.basename(final))
-                os.replace(final, trash)
-                os.replace(tmp, final)
-                shutil.rmtree(trash, ignore_errors=True)
-            else:
-                os.replace(tmp, final)
-            _fsync_dir(cfg.save_dir)
-            _write_text_atomic(os.path.join(cfg.save_dir, LATEST_FILE), os.path.basename(final) + "\n")
-            if cfg.keep_last > 0:
-                for _, path in list_checkpoints(cfg.save_dir)[: -cfg.keep_last]:
-                    shutil.rmtree(path, ignore_errors=True)
+            _publish(cfg, tmp, final, meta, trainer_state or {})
         except Exception as e:  # tell every rank: nobody may believe this step was saved
             err = f"checkpoint save of step {step} to {final} failed: {type(e).__name__}: {e}"
     _broadcast_error(err)

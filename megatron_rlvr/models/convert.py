@@ -9,6 +9,24 @@ import os
 
 import torch
 
+from megatron_rlvr.config.lora_config import LoRAConfig
+from megatron_rlvr.families.tiny import TINY_MODELS, save_tiny_tokenizer, tiny_hf_config
+from megatron_rlvr.models.build import build_gpt_model
+from megatron_rlvr.models.checkpointing import (
+    CheckpointConfig,
+    checkpoint_model_args,
+    checkpoint_problem,
+    latest_checkpoint,
+    load_checkpoint,
+    read_meta,
+    save_checkpoint,
+    step_dir_name,
+)
+from megatron_rlvr.models.export import export_hf
+from megatron_rlvr.models.hf_config import load_hf_config, megatron_model_args
+from megatron_rlvr.models.hf_loading import SAFE_INDEX, SAFE_SINGLE, load_hf_weights
+from megatron_rlvr.models.lora import attach_lora, export_peft
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_NAMES = sorted(_DTYPES)
 """The ``--dtype`` choices."""
@@ -30,10 +48,6 @@ def to_hf_on_rank(
     dict; default: the folder the checkpoint names), the export is the merged model, and ``adapter_out`` also gets
     the adapters as a PEFT folder."""
     from megatron.core import parallel_state as ps
-
-    from megatron_rlvr.models.build import build_gpt_model
-    from megatron_rlvr.models.checkpointing import checkpoint_model_args, load_checkpoint, read_meta
-    from megatron_rlvr.models.export import export_hf
 
     ckpt_dir = resolve_checkpoint(ckpt_dir)
     meta = read_meta(ckpt_dir)
@@ -58,12 +72,8 @@ def to_hf_on_rank(
         model, args, out_dir, source_dir=source_hf, dtype=dtype, max_shard_bytes=max_shard_bytes, overwrite=overwrite
     )
     if adapter_out:
-        from megatron_rlvr.models.lora import export_peft
-
         export_peft(model, adapter_out, base_model=meta.get("lora_base"))
     if source_hf is None and torch.distributed.get_rank() == 0 and is_tiny_config(meta.get("hf_config", {})):
-        from megatron_rlvr.families.tiny import save_tiny_tokenizer
-
         save_tiny_tokenizer(out)  # the built-in tiny tokenizer has no source folder to copy from
     return out
 
@@ -81,10 +91,6 @@ def expert_layout_kwargs(hf_config: dict) -> dict:
 
 
 def _attach_checkpoint_lora(model, args, meta: dict, base_weights) -> None:
-    from megatron_rlvr.config.lora_config import LoRAConfig
-    from megatron_rlvr.models.hf_loading import load_hf_weights
-    from megatron_rlvr.models.lora import attach_lora
-
     base = base_weights if base_weights is not None else meta.get("lora_base")
     if base is None:
         raise ValueError(
@@ -100,8 +106,6 @@ def _attach_checkpoint_lora(model, args, meta: dict, base_weights) -> None:
 def is_tiny_config(hf_config: dict) -> bool:
     """The checkpoint is of a built-in model over the character tokenizer (``tiny``, ``tiny_moe``:
     megatron_rlvr/families/tiny.py)."""
-    from megatron_rlvr.families.tiny import TINY_MODELS, tiny_hf_config
-
     keys = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
     refs = [tiny_hf_config(name=name) for name in TINY_MODELS]
     return any(all(hf_config.get(k) == ref[k] for k in keys) for ref in refs)
@@ -109,8 +113,6 @@ def is_tiny_config(hf_config: dict) -> bool:
 
 def resolve_checkpoint(path: str) -> str:
     """``--ckpt``: a step_N folder, a checkpoints folder (its newest), or a run directory (its checkpoints/)."""
-    from megatron_rlvr.models.checkpointing import latest_checkpoint
-
     if os.path.isfile(os.path.join(path, "rlvr_meta.json")):
         return path
     found = latest_checkpoint(path) or latest_checkpoint(os.path.join(path, "checkpoints"))
@@ -126,11 +128,6 @@ def to_megatron_on_rank(hf_dir: str, save_dir: str, step: int = 0, dtype: str | 
     """On every rank of an initialised (TP, PP) megatron job: load the HF folder (sliced) and save a model-only
     training checkpoint ``save_dir/step_<step>`` at this layout."""
     from megatron.core import parallel_state as ps
-
-    from megatron_rlvr.models.build import build_gpt_model
-    from megatron_rlvr.models.checkpointing import CheckpointConfig, save_checkpoint
-    from megatron_rlvr.models.hf_config import load_hf_config, megatron_model_args
-    from megatron_rlvr.models.hf_loading import load_hf_weights
 
     hf_cfg = load_hf_config(hf_dir)
     if not hf_cfg.get("_name_or_path"):
@@ -159,15 +156,9 @@ def to_megatron_on_rank(hf_dir: str, save_dir: str, step: int = 0, dtype: str | 
 
 def validate_layout(args, cfg_source) -> None:
     """Fail before starting ranks: the layout must divide the model (same ValueErrors as the model build)."""
-    from megatron_rlvr.models.checkpointing import checkpoint_model_args
-    from megatron_rlvr.models.hf_config import megatron_model_args
-
     if args.tp < 1 or args.pp < 1:
         raise ValueError(f"--tp and --pp must be >= 1, got {args.tp}, {args.pp}")
     if args.direction == "to-hf":
-        from megatron_rlvr.models.checkpointing import checkpoint_problem
-        from megatron_rlvr.models.export import SAFE_INDEX, SAFE_SINGLE
-
         ckpt = resolve_checkpoint(cfg_source)
         problem = checkpoint_problem(ckpt)
         if problem is not None:
@@ -180,8 +171,6 @@ def validate_layout(args, cfg_source) -> None:
             )
         meta_cfg = checkpoint_model_args(ckpt, tp_size=args.tp, pp_size=args.pp, **_cli_experts(args)).hf_config
     else:
-        from megatron_rlvr.models.checkpointing import step_dir_name
-
         if not os.path.isfile(os.path.join(cfg_source, "config.json")):
             raise ValueError(f"--hf {cfg_source}: not an HF model folder (no config.json)")
         target = os.path.join(args.out, step_dir_name(args.step))

@@ -17,7 +17,10 @@ from typing import Any
 import torch
 
 from megatron_rlvr.families.table import FAMILIES, VL_FAMILIES, has_qkv_bias, moe_fields, padded_vocab, vl_text_config
+from megatron_rlvr.models.fusions import detect as detect_fusions
+from megatron_rlvr.models.fusions import fusion_flags
 from megatron_rlvr.models.mapping import ModelDims
+from megatron_rlvr.models.vision import vision_param_names, vision_spec
 
 
 @dataclass(frozen=True)
@@ -146,63 +149,18 @@ def megatron_model_args(
     """
     from megatron.core.transformer import TransformerConfig
 
-    from megatron_rlvr.models.fusions import detect as detect_fusions
-    from megatron_rlvr.models.fusions import fusion_flags
-    from megatron_rlvr.models.vision import vision_param_names, vision_spec
-
     cfg = load_hf_config(hf_config)
     full_cfg = cfg
     vision = vision_spec(cfg)
     if vision is not None:  # the language model is a text family's; M-RoPE and the tower come on top
         cfg = vl_text_config(cfg)
         config_overrides = {"mrope_section": list(vision.mrope_section), "apply_rope_fusion": False, **config_overrides}
-    archs = cfg.get("architectures") or []
-    arch = archs[0] if archs else None
-    if arch not in FAMILIES:
-        raise ValueError(f"HF config: architectures={archs!r} is not supported; supported: {sorted(FAMILIES)}")
-    fam = FAMILIES[arch]
-    for name in fam.bias_fields:
-        if cfg.get(name):
-            raise ValueError(f"HF config: {arch} with {name}=True is not supported")
-    if fam.sliding_window_field and cfg.get(fam.sliding_window_field):
-        raise ValueError(f"HF config: {arch} with {fam.sliding_window_field}=True is not supported")
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"HF config: hidden_act={act!r} is not supported (SwiGLU with silu only)")
+    arch, fam = _text_family(cfg)
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
 
     moe = moe_fields(cfg, fam)
-    qkv_bias = has_qkv_bias(cfg, fam)
-    heads = int(cfg["num_attention_heads"])
-    kv_heads = int(_get(cfg, "num_key_value_heads", heads))
-    hidden = int(cfg["hidden_size"])
-    head_dim = int(_get(cfg, "head_dim", hidden // heads))
-    layers = int(cfg["num_hidden_layers"])
-    ffn = int(cfg["intermediate_size"])
-    vocab = int(cfg["vocab_size"])
-    if pp_size <= 0 or layers % pp_size:
-        raise ValueError(f"pipeline parallel size {pp_size} does not divide num_hidden_layers={layers}")
-    if padded_vocab_size is None:
-        padded_vocab_size = padded_vocab(vocab, tp_size, vocab_multiple)
-    dims = ModelDims(
-        num_layers=layers,
-        hidden_size=hidden,
-        num_attention_heads=heads,
-        num_query_groups=kv_heads,
-        head_dim=head_dim,
-        ffn_hidden_size=ffn,
-        vocab_size=vocab,
-        padded_vocab_size=int(padded_vocab_size),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=qkv_bias,
-        qk_layernorm=fam.qk_layernorm,
-        num_experts=moe.experts if moe else 0,
-        moe_ffn_hidden_size=moe.expert_ffn if moe else 0,
-        shared_expert_ffn=moe.shared_expert_ffn if moe else 0,
-        moe_layers=moe.moe_layers if moe else (),
-        **(_vision_dims(vision, vision_param_names(vision)) if vision is not None else {}),
-    )
+    dims = _model_dims(cfg, fam, moe, vision, tp_size, pp_size, vocab_multiple, padded_vocab_size)
     dims.check_tp(tp_size)
     etp_size = tp_size if etp_size is None else etp_size
     dims.check_ep(ep_size, etp_size if dims.is_moe else 1)
@@ -220,20 +178,97 @@ def megatron_model_args(
         sequence_parallel = sequence_parallel or tp_size > 1
     rope = _rope_spec(cfg)
 
-    kwargs = dict(
+    kwargs = _transformer_kwargs(cfg, dims, fusions, tp_size, pp_size, dtype, sequence_parallel, perform_initialization)
+    config = TransformerConfig(**{**kwargs, **moe_kwargs, **config_overrides})
+    return MegatronModelArgs(
+        config=config,
+        dims=dims,
+        architecture=(full_cfg.get("architectures") or [arch])[0],
+        rope=rope,
+        max_sequence_length=int(_get(cfg, "max_position_embeddings", 4096)),
+        hf_config=full_cfg,
+        vision=vision,
+    )
+
+
+def _text_family(cfg: dict):
+    """(architecture, its family row) of a text HF config, refusing what the megatron model cannot express (another
+    architecture, biases, sliding-window attention, an activation other than SiLU)."""
+    archs = cfg.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch not in FAMILIES:
+        raise ValueError(f"HF config: architectures={archs!r} is not supported; supported: {sorted(FAMILIES)}")
+    fam = FAMILIES[arch]
+    for name in fam.bias_fields:
+        if cfg.get(name):
+            raise ValueError(f"HF config: {arch} with {name}=True is not supported")
+    if fam.sliding_window_field and cfg.get(fam.sliding_window_field):
+        raise ValueError(f"HF config: {arch} with {fam.sliding_window_field}=True is not supported")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"HF config: hidden_act={act!r} is not supported (SwiGLU with silu only)")
+    return arch, fam
+
+
+def _model_dims(
+    cfg: dict, fam, moe, vision, tp_size: int, pp_size: int, vocab_multiple: int, padded_vocab_size: int | None
+) -> ModelDims:
+    """The model's shapes from a text HF config (``moe``: its MoE fields or None; ``vision``: its VisionSpec or
+    None); the layers must divide over ``pp_size`` stages, the vocabulary is padded for ``tp_size``."""
+    heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    layers = int(cfg["num_hidden_layers"])
+    vocab = int(cfg["vocab_size"])
+    if pp_size <= 0 or layers % pp_size:
+        raise ValueError(f"pipeline parallel size {pp_size} does not divide num_hidden_layers={layers}")
+    if padded_vocab_size is None:
+        padded_vocab_size = padded_vocab(vocab, tp_size, vocab_multiple)
+    return ModelDims(
         num_layers=layers,
         hidden_size=hidden,
         num_attention_heads=heads,
-        num_query_groups=kv_heads,
-        kv_channels=head_dim,
-        ffn_hidden_size=ffn,
+        num_query_groups=int(_get(cfg, "num_key_value_heads", heads)),
+        head_dim=int(_get(cfg, "head_dim", hidden // heads)),
+        ffn_hidden_size=int(cfg["intermediate_size"]),
+        vocab_size=vocab,
+        padded_vocab_size=int(padded_vocab_size),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=has_qkv_bias(cfg, fam),
+        qk_layernorm=fam.qk_layernorm,
+        num_experts=moe.experts if moe else 0,
+        moe_ffn_hidden_size=moe.expert_ffn if moe else 0,
+        shared_expert_ffn=moe.shared_expert_ffn if moe else 0,
+        moe_layers=moe.moe_layers if moe else (),
+        **(_vision_dims(vision, vision_param_names(vision)) if vision is not None else {}),
+    )
+
+
+def _transformer_kwargs(
+    cfg: dict,
+    dims: ModelDims,
+    fusions: bool | None,
+    tp_size: int,
+    pp_size: int,
+    dtype: torch.dtype,
+    sequence_parallel: bool,
+    perform_initialization: bool,
+) -> dict[str, Any]:
+    """TransformerConfig arguments of a dense text model from its HF config, shapes, layout and dtype (the MoE
+    settings come on top)."""
+    return dict(
+        num_layers=dims.num_layers,
+        hidden_size=dims.hidden_size,
+        num_attention_heads=dims.num_attention_heads,
+        num_query_groups=dims.num_query_groups,
+        kv_channels=dims.head_dim,
+        ffn_hidden_size=dims.ffn_hidden_size,
         normalization="RMSNorm",
         layernorm_epsilon=float(_get(cfg, "rms_norm_eps", 1e-6)),
         gated_linear_unit=True,
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
-        add_qkv_bias=qkv_bias,
-        qk_layernorm=fam.qk_layernorm,
+        add_qkv_bias=dims.qkv_bias,
+        qk_layernorm=dims.qk_layernorm,
         # HF applies attention dropout only in training with attention_dropout > 0; RL policies train without it.
         hidden_dropout=0.0,
         attention_dropout=float(cfg.get("attention_dropout", 0.0) or 0.0),
@@ -251,18 +286,6 @@ def megatron_model_args(
         fp16=dtype == torch.float16,
         use_cpu_initialization=not torch.cuda.is_available(),
         perform_initialization=perform_initialization,
-        **moe_kwargs,
-    )
-    kwargs.update(config_overrides)
-    config = TransformerConfig(**kwargs)
-    return MegatronModelArgs(
-        config=config,
-        dims=dims,
-        architecture=(full_cfg.get("architectures") or [arch])[0],
-        rope=rope,
-        max_sequence_length=int(_get(cfg, "max_position_embeddings", 4096)),
-        hf_config=full_cfg,
-        vision=vision,
     )
 
 

@@ -22,6 +22,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_rlvr.families.table import vl_family_of, vl_text_config
+from megatron_rlvr.models.mapping import VISION_MODULE
+from megatron_rlvr.models.mrope import interleaved_mrope_freqs
+
 VISION_TOWER_CLASSES = {
     "qwen2_5_vl": ("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "Qwen2_5_VisionTransformerPretrainedModel"),
     "qwen3_vl": ("transformers.models.qwen3_vl.modeling_qwen3_vl", "Qwen3VLVisionModel"),
@@ -51,8 +55,6 @@ class VisionSpec:
 
 def vision_spec(cfg: dict, where: str = "HF config") -> VisionSpec | None:
     """The VisionSpec of a vision-language HF config dict; None for a text-only one."""
-    from megatron_rlvr.families.table import vl_family_of, vl_text_config
-
     found = vl_family_of(cfg)
     if found is None:
         return None
@@ -127,8 +129,6 @@ def scatter_image_features(embeds_sbh: torch.Tensor, features: torch.Tensor, ima
 def _interleaved_rope_class():
     from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
 
-    from megatron_rlvr.models.mrope import interleaved_mrope_freqs
-
     class InterleavedMultimodalRotaryEmbedding(MultimodalRotaryEmbedding):
         """Qwen3-VL's interleaved M-RoPE in megatron's layout: [3, b, s] positions -> [s, b, 1, d] angles."""
 
@@ -144,13 +144,41 @@ def _interleaved_rope_class():
     return InterleavedMultimodalRotaryEmbedding
 
 
+def _deepstack_hook(model, i: int):
+    """Forward hook of language layer ``i``: adds ``model._deepstack[i]`` (the i-th DeepStack feature map of the
+    current micro-batch, if any) to the layer's output. The additions stay set until the next forward: activation
+    recomputation re-runs the layers (and this hook) in the backward pass of the same micro-batch."""
+
+    def hook(module, inputs, output):
+        if i >= len(model._deepstack):
+            return output
+        if isinstance(output, tuple):
+            return (output[0] + model._deepstack[i].to(output[0].dtype), *output[1:])
+        return output + model._deepstack[i].to(output.dtype)
+
+    return hook
+
+
+def _add_images(model, embeds_sbh, pixel_values, image_grid_thw, image_mask_bs):
+    """The text embeddings ``embeds_sbh`` [s, b, H] with the vision tower's features of ``pixel_values`` in the
+    image tokens' rows, and the DeepStack feature maps laid out the same way (sequence-parallel scattered)."""
+    if image_grid_thw is None or image_mask_bs is None:
+        raise ValueError("pixel_values need image_grid_thw and image_mask")
+    feats, deep = image_features(getattr(model, VISION_MODULE), pixel_values, image_grid_thw)
+    out_sbh = scatter_image_features(embeds_sbh, feats, image_mask_bs)
+    zeros = torch.zeros_like(out_sbh)
+    deepstack = [
+        model._sp_scatter(scatter_image_features(zeros, f, image_mask_bs))
+        for f in deep[: model.vision_spec.deepstack_layers]
+    ]
+    return out_sbh, deepstack
+
+
 @functools.cache
 def vl_gpt_model_class():
     """The GPTModel subclass of vision-language policies (a class factory: megatron is imported on first use)."""
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt import GPTModel
-
-    from megatron_rlvr.models.mapping import VISION_MODULE
 
     class VLGPTModel(GPTModel):
         """GPTModel (``position_embedding_type="mrope"``) + the HF vision tower as ``visual`` on the first stage.
@@ -182,19 +210,7 @@ def vl_gpt_model_class():
                         "they must be on the first pipeline stage"
                     )
                 for i in range(vision.deepstack_layers):
-                    self.decoder.layers[i].register_forward_hook(self._deepstack_hook(i))
-
-        def _deepstack_hook(self, i: int):
-            # The additions stay set until the next forward: activation recomputation re-runs the layers (and this
-            # hook) in the backward pass of the same micro-batch.
-            def hook(module, inputs, output):
-                if i >= len(self._deepstack):
-                    return output
-                if isinstance(output, tuple):
-                    return (output[0] + self._deepstack[i].to(output[0].dtype), *output[1:])
-                return output + self._deepstack[i].to(output.dtype)
-
-            return hook
+                    self.decoder.layers[i].register_forward_hook(_deepstack_hook(self, i))
 
         def forward(
             self,
@@ -214,15 +230,9 @@ def vl_gpt_model_class():
             if self.pre_process and decoder_input is None:
                 decoder_input = self.embedding(input_ids=input_ids, position_ids=None)  # [s, b, H], not scattered
                 if pixel_values is not None:
-                    if image_grid_thw is None or image_mask is None:
-                        raise ValueError("pixel_values need image_grid_thw and image_mask")
-                    feats, deep = image_features(getattr(self, VISION_MODULE), pixel_values, image_grid_thw)
-                    decoder_input = scatter_image_features(decoder_input, feats, image_mask)
-                    zeros = torch.zeros_like(decoder_input)
-                    self._deepstack = [
-                        self._sp_scatter(scatter_image_features(zeros, f, image_mask))
-                        for f in deep[: self.vision_spec.deepstack_layers]
-                    ]
+                    decoder_input, self._deepstack = _add_images(
+                        self, decoder_input, pixel_values, image_grid_thw, image_mask
+                    )
                 decoder_input = self._sp_scatter(decoder_input)
             return super().forward(input_ids, position_ids, attention_mask, decoder_input, *args, **kwargs)
 

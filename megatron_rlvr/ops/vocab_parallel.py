@@ -257,18 +257,16 @@ def _local_partials(logits: torch.Tensor, other: torch.Tensor | None, ids: torch
     z_y = new("z_y") if "logprob" in want else None
     top1, top2 = (new("top1", float("-inf")), new("top2", float("-inf"))) if "margin" in want else (None, None)
     if plan.need_kl:
-        m_w, s_w = new("m_w", float("-inf")), new("s_w")
-        a_zw = new("a_zw") if "kl" in want else None
-        a_ww = new("a_ww") if "kl_rev" in want else None
-        a_wz = new("a_wz") if "kl_rev" in want else None
+        new("m_w", float("-inf")), new("s_w")
+        if "kl" in want:
+            new("a_zw")
+        if "kl_rev" in want:
+            new("a_ww"), new("a_wz")
     if n == 0 or T == 0:  # this shard is all padding: contributes nothing (shift -inf, sums 0)
         no_overflow.fill_(True)
         return out
-    if z_y is not None:  # the target's logit, on the rank that owns it (one gather for all tokens)
-        loc = ids - plan.vocab_start
-        mine = (loc >= 0) & (loc < n)
-        picked = logits[:, :n].gather(1, loc.clamp(0, n - 1).unsqueeze(-1)).squeeze(-1).to(dt) * inv_t
-        z_y.copy_(torch.where(mine, picked, torch.zeros((), dtype=dt, device=dev)))
+    if z_y is not None:
+        z_y.copy_(_target_logit(logits, ids, plan))
 
     bufs = _Buffers(min(plan.chunk_rows, T), n, dt, dev)
     scale_t = _scale_tensor(plan, s_z)
@@ -301,28 +299,46 @@ def _local_partials(logits: torch.Tensor, other: torch.Tensor | None, ids: torch
         if a_zz is not None:
             _rowdot(e_z, d_z, tmp, out=a_zz[a:b])
         if plan.need_kl:
-            xw = other[a:b, :n]
-            # Shift w by z's max: the two distributions are usually close, so this saves a max pass over w; if
-            # some row's sum over- or underflows, redo the chunk with w's own max.
-            for attempt in range(2):
-                mxw = mx if attempt == 0 else xw.amax(-1).to(dt)
-                d_w = _to_base2(xw, mxw, plan, bufs.get("d_w", c))
-                if a_zw is not None:
-                    _rowdot(e_z, d_w, tmp, out=a_zw[a:b])
-                e_w = torch.exp2(d_w, out=bufs.get("e_w", c)) if a_ww is not None else d_w.exp2_()
-                sw = torch.sum(e_w, -1, out=s_w[a:b])
-                if attempt == 1 or bool(_sum_ok(sw).all()):
-                    break
-            torch.mul(mxw, inv_t, out=m_w[a:b])
-            if a_ww is not None:
-                _rowdot(e_w, d_w, tmp, out=a_ww[a:b])
-                _rowdot(e_w, d_z, tmp, out=a_wz[a:b])
+            _other_partials(other[a:b, :n], mx, e_z, d_z, tmp, out, a, b, plan, bufs)
     for k in ("a_zz", "a_zw", "a_ww", "a_wz"):  # base-2 differences -> nats
         if k in out:
             out[k].mul_(_LN2)
     # exp(z) cannot overflow where the shift (0 for unshifted rows, whose finite sum proved it) is < 80
     torch.lt(m_z, _UNSHIFTED_MAX, out=no_overflow)
     return out
+
+
+def _target_logit(logits: torch.Tensor, ids: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    """[T]: the target token's logit / temperature on the rank that owns it, 0 elsewhere (one gather for all
+    tokens; the all-reduce of the merge then gives every rank the value)."""
+    n, dt = plan.n_valid, plan.compute_dtype
+    loc = ids - plan.vocab_start
+    mine = (loc >= 0) & (loc < n)
+    picked = logits[:, :n].gather(1, loc.clamp(0, n - 1).unsqueeze(-1)).squeeze(-1).to(dt) * (1.0 / plan.temperature)
+    return torch.where(mine, picked, torch.zeros((), dtype=dt, device=logits.device))
+
+
+def _other_partials(xw, mx, e_z, d_z, tmp, out: dict[str, torch.Tensor], a: int, b: int, plan: _Plan, bufs) -> None:
+    """The second distribution's partials of rows a:b into ``out`` (its shift m_w and sum s_w, and the dot products
+    a_zw for KL, a_ww / a_wz for the reverse KL), given the chunk's logits ``xw`` [c, n], z's row max ``mx`` and
+    z's base-2 differences ``d_z`` and exponentials ``e_z``."""
+    c = b - a
+    a_zw, a_ww, a_wz = out.get("a_zw"), out.get("a_ww"), out.get("a_wz")
+    # Shift w by z's max: the two distributions are usually close, so this saves a max pass over w; if some row's
+    # sum over- or underflows, redo the chunk with w's own max.
+    for attempt in range(2):
+        mxw = mx if attempt == 0 else xw.amax(-1).to(plan.compute_dtype)
+        d_w = _to_base2(xw, mxw, plan, bufs.get("d_w", c))
+        if a_zw is not None:
+            _rowdot(e_z, d_w, tmp, out=a_zw[a:b])
+        e_w = torch.exp2(d_w, out=bufs.get("e_w", c)) if a_ww is not None else d_w.exp2_()
+        sw = torch.sum(e_w, -1, out=out["s_w"][a:b])
+        if attempt == 1 or bool(_sum_ok(sw).all()):
+            break
+    torch.mul(mxw, 1.0 / plan.temperature, out=out["m_w"][a:b])
+    if a_ww is not None:
+        _rowdot(e_w, d_w, tmp, out=a_ww[a:b])
+        _rowdot(e_w, d_z, tmp, out=a_wz[a:b])
 
 
 def _merge(part: dict[str, torch.Tensor], plan: _Plan) -> dict[str, torch.Tensor]:
@@ -426,7 +442,6 @@ def _backward(plan: _Plan, logits, other, ids, saved, grads, need_gz: bool, need
     T = logits.shape[0]
     n = plan.n_valid
     dt = plan.compute_dtype
-    inv_t = 1.0 / plan.temperature
     co = _grad_coefficients(plan, grads, saved)
     grad_z = torch.empty_like(logits, memory_format=torch.contiguous_format) if need_gz else None
     grad_w = torch.empty_like(other, memory_format=torch.contiguous_format) if need_gw else None
@@ -445,24 +460,7 @@ def _backward(plan: _Plan, logits, other, ids, saved, grads, need_gz: bool, need
     # logits themselves. kl_rev (needs q) and gradients w.r.t. other_logits take the general path below.
     fast_ok = need_gz and not need_gw and co["klr"] is None
     if fast_ok:
-        # one flag per chunk (a single host sync instead of one per chunk)
-        flags = saved["bwd_unshifted"]
-        pad = (-T) % plan.chunk_rows
-        if pad:
-            flags = torch.cat([flags, flags.new_ones(pad)])
-        fast_chunks = flags.view(-1, plan.chunk_rows).all(-1).tolist()
-        c_row = torch.exp(-lse_z)
-        alpha = co["alpha"] if co["alpha"] is not None else torch.zeros_like(c_row)
-        fast_B = fast_G = None
-        if co["beta"] is not None:
-            alpha = alpha - co["beta"] * lse_z
-            fast_B = c_row * co["beta"] * inv_t
-        if co["gamma"] is not None:
-            alpha = alpha - co["gamma"] * lse_w
-            fast_G = c_row * co["gamma"] * inv_t
-        fast_A = (c_row * alpha)[:, None]
-        fast_B = fast_B[:, None] if fast_B is not None else None
-        fast_G = fast_G[:, None] if fast_G is not None else None
+        fast_chunks, fast_A, fast_B, fast_G = _fast_factors(plan, co, saved, T)
     if co["lp"] is not None:  # the target tokens this shard owns, and where each chunk's start in that list
         t_rows, t_cols = _owned_targets(ids, plan)
         t_start = torch.searchsorted(t_rows, torch.arange(0, T + plan.chunk_rows, plan.chunk_rows)).tolist()
@@ -484,15 +482,9 @@ def _backward(plan: _Plan, logits, other, ids, saved, grads, need_gz: bool, need
         if co["lp"] is not None:
             rows, cols = t_rows[t_start[i] : t_start[i + 1]] - a, t_cols[t_start[i] : t_start[i + 1]]
         if fast_ok and fast_chunks[i]:
-            e = torch.mul(x, scale_t, out=bufs.get("p", c)).exp2_()
-            if fast_B is None:
-                f = fast_A[a:b]
-            else:
-                f = torch.mul(x, fast_B[a:b], out=bufs.get("factor", c)).add_(fast_A[a:b])
-                if fast_G is not None:
-                    f.add_(torch.mul(other[a:b, :n], fast_G[a:b], out=bufs.get("tmp", c)))
-            # computed in the compute dtype and rounded once into the gradient's dtype (bf16 needs no fp32 copy)
-            torch.mul(e, f, out=gz_view)
+            f_B, f_G = (fast_B[a:b] if fast_B is not None else None), (fast_G[a:b] if fast_G is not None else None)
+            w = other[a:b, :n] if f_G is not None else None
+            e, f = _fast_chunk(x, w, scale_t, fast_A[a:b], f_B, f_G, bufs, gz_view)
             if co["lp"] is not None:
                 # + lp at the target token: write the exact e * f + lp, rounded once (adding lp to an already
                 # rounded bf16 value would lose everything for a confident token, where e * f ~ -lp)
@@ -508,37 +500,93 @@ def _backward(plan: _Plan, logits, other, ids, saved, grads, need_gz: bool, need
             if need_q:
                 q = torch.exp2(logq, out=bufs.get("q", c))
         if need_gw:
-            # grad_w = q * (alpha_w + klr * (log q - log p)) - kl * p
-            t = bufs.get("tw", c)
-            if klr2 is not None:
-                torch.sub(logq, logp, out=t).mul_(klr2[a:b, None]).add_(co["alpha_w"][a:b, None])
-                gw = t.mul_(q)
-            else:
-                gw = torch.mul(q, co["alpha_w"][a:b, None], out=t)
-            if co["kl"] is not None:
-                gw.sub_(torch.mul(p, co["kl"][a:b, None], out=bufs.get("tmp", c)))
-            grad_w[a:b, :n] = gw
+            coefs = (_chunk_col(co["alpha_w"], a, b), _chunk_col(klr2, a, b), _chunk_col(co["kl"], a, b))
+            grad_w[a:b, :n] = _grad_w_chunk(p, logp, q, logq, *coefs, bufs)
         if need_gz:
-            if beta2 is not None:
-                # factor = alpha + beta log p (+ gamma log q), built in the log p buffer (ours)
-                factor = logp.mul_(beta2[a:b, None])
-                if co["alpha"] is not None:
-                    factor.add_(co["alpha"][a:b, None])
-                if gamma2 is not None:
-                    factor.add_(logq.mul_(gamma2[a:b, None]))  # logq (ours) is not needed after this
-                torch.mul(p, factor, out=target)
-            elif co["alpha"] is not None:
-                torch.mul(p, co["alpha"][a:b, None], out=target)
-            else:
-                target.zero_()
-            if co["klr"] is not None:
-                target.sub_(q.mul_(co["klr"][a:b, None]))
-        if need_gz:
+            coefs = (_chunk_col(co["alpha"], a, b), _chunk_col(beta2, a, b), _chunk_col(gamma2, a, b))
+            _grad_z_chunk(p, logp, q, logq, *coefs, _chunk_col(co["klr"], a, b), target)
             if co["lp"] is not None:
                 target[rows, cols] += co["lp"][a:b][rows]
             if not same_dtype:
                 gz_view.copy_(target)
     return grad_z, grad_w
+
+
+def _chunk_col(v_T: torch.Tensor | None, a: int, b: int) -> torch.Tensor | None:
+    """Rows a:b of a per-token coefficient as a ``[c, 1]`` column (None stays None: the term is absent)."""
+    return v_T[a:b, None] if v_T is not None else None
+
+
+def _grad_z_chunk(p, logp, q, logq, alpha, beta, gamma, klr, target) -> None:
+    """One chunk of the general path's gradient w.r.t. the logits into ``target``:
+    ``p * (alpha + beta log p + gamma log q) - klr * q`` (``[c, n]``; log p, log q in base 2 and ``beta``, ``gamma``
+    with their ln 2; None: that term is absent). Overwrites the log p and log q buffers (the caller's scratch)."""
+    if beta is not None:
+        # factor = alpha + beta log p (+ gamma log q), built in the log p buffer (ours)
+        factor = logp.mul_(beta)
+        if alpha is not None:
+            factor.add_(alpha)
+        if gamma is not None:
+            factor.add_(logq.mul_(gamma))  # logq (ours) is not needed after this
+        torch.mul(p, factor, out=target)
+    elif alpha is not None:
+        torch.mul(p, alpha, out=target)
+    else:
+        target.zero_()
+    if klr is not None:
+        target.sub_(q.mul_(klr))
+
+
+def _grad_w_chunk(p, logp, q, logq, alpha_w, klr, kl, bufs: _Buffers) -> torch.Tensor:
+    """One chunk of the gradient w.r.t. the other logits, ``q * (alpha_w + klr * (log q - log p)) - kl * p``
+    (``[c, n]``; log p, log q in base 2 and ``klr`` with its ln 2; ``klr`` / ``kl`` None: that term is absent)."""
+    t = bufs.get("tw", p.shape[0])
+    if klr is not None:
+        torch.sub(logq, logp, out=t).mul_(klr).add_(alpha_w)
+        gw = t.mul_(q)
+    else:
+        gw = torch.mul(q, alpha_w, out=t)
+    if kl is not None:
+        gw.sub_(torch.mul(p, kl, out=bufs.get("tmp", p.shape[0])))
+    return gw
+
+
+def _fast_factors(plan: _Plan, co: dict, saved: dict, T: int):
+    """The backward's fast path (see `_backward`): whether each chunk may take it (all its rows unshifted; one host
+    sync for all chunks) and the row factors A, B, G ``[T, 1]`` (B, G None when beta, gamma are)."""
+    lse_z, lse_w = saved["lse_z"], saved.get("lse_w")
+    inv_t = 1.0 / plan.temperature
+    flags = saved["bwd_unshifted"]
+    pad = (-T) % plan.chunk_rows
+    if pad:
+        flags = torch.cat([flags, flags.new_ones(pad)])
+    fast_chunks = flags.view(-1, plan.chunk_rows).all(-1).tolist()
+    c_row = torch.exp(-lse_z)
+    alpha = co["alpha"] if co["alpha"] is not None else torch.zeros_like(c_row)
+    fast_B = fast_G = None
+    if co["beta"] is not None:
+        alpha = alpha - co["beta"] * lse_z
+        fast_B = (c_row * co["beta"] * inv_t)[:, None]
+    if co["gamma"] is not None:
+        alpha = alpha - co["gamma"] * lse_w
+        fast_G = (c_row * co["gamma"] * inv_t)[:, None]
+    return fast_chunks, (c_row * alpha)[:, None], fast_B, fast_G
+
+
+def _fast_chunk(x, w, scale_t, A, B, G, bufs: _Buffers, gz_view):
+    """One chunk of the fast path: ``gz_view = exp(z) * (A + B x + G w)`` (``[c, n]``); returns exp(z) and the
+    factor (``[c, n]``, or A ``[c, 1]``) for the target tokens' fix-up."""
+    c = x.shape[0]
+    e = torch.mul(x, scale_t, out=bufs.get("p", c)).exp2_()
+    if B is None:
+        f = A
+    else:
+        f = torch.mul(x, B, out=bufs.get("factor", c)).add_(A)
+        if G is not None:
+            f.add_(torch.mul(w, G, out=bufs.get("tmp", c)))
+    # computed in the compute dtype and rounded once into the gradient's dtype (bf16 needs no fp32 copy)
+    torch.mul(e, f, out=gz_view)
+    return e, f
 
 
 def _owned_targets(ids: torch.Tensor, plan: _Plan) -> tuple[torch.Tensor, torch.Tensor]:
@@ -755,12 +803,7 @@ def vocab_parallel_token_stats(
     """
     if not torch.is_tensor(logits_TV) or logits_TV.dim() < 1 or not logits_TV.is_floating_point():
         raise ValueError(f"logits_TV must be a floating-point tensor [..., V/tp], got {_describe(logits_TV)}")
-    want_t = tuple(dict.fromkeys(want))  # ordered, de-duplicated
-    if isinstance(want, str) or not want_t:
-        raise ValueError(f"want must be a non-empty sequence of names from {STAT_NAMES}, got {want!r}")
-    unknown = [w for w in want_t if w not in STAT_NAMES]
-    if unknown:
-        raise ValueError(f"want has unknown statistic(s) {unknown}; available: {STAT_NAMES}")
+    want_t = _checked_want(want)
     if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
     lead, v_local = tuple(logits_TV.shape[:-1]), logits_TV.shape[-1]
@@ -768,52 +811,17 @@ def vocab_parallel_token_stats(
         raise ValueError("logits_TV has an empty vocabulary dimension")
     tp_rank, tp_size = _group_rank_size(tp_group)
     padded = v_local * tp_size
-    if vocab_size is None:
-        vocab_size = padded
+    vocab_size = padded if vocab_size is None else vocab_size
     if not isinstance(vocab_size, int) or not 1 <= vocab_size <= padded:
         raise ValueError(f"vocab_size must be an int in [1, tp * V/tp = {padded}], got {vocab_size!r}")
-    logits = logits_TV.reshape(-1, v_local)
-    if logits.stride(-1) != 1:
-        logits = logits.contiguous()
-    other = None
-    if "kl" in want_t or "kl_rev" in want_t:
-        if other_logits_TV is None:
-            raise ValueError('"kl"/"kl_rev" need other_logits_TV (the second distribution\'s logits shard)')
-        if not torch.is_tensor(other_logits_TV) or not other_logits_TV.is_floating_point():
-            raise ValueError(f"other_logits_TV must be a floating-point tensor, got {_describe(other_logits_TV)}")
-        if other_logits_TV.shape != logits_TV.shape:
-            raise ValueError(
-                f"other_logits_TV shape {tuple(other_logits_TV.shape)} != logits_TV shape {tuple(logits_TV.shape)}"
-            )
-        if other_logits_TV.device != logits_TV.device:
-            raise ValueError(f"other_logits_TV is on {other_logits_TV.device}, logits_TV on {logits_TV.device}")
-        other = other_logits_TV.reshape(-1, v_local)
-        if other.stride(-1) != 1:
-            other = other.contiguous()
-    ids = None
-    if "logprob" in want_t:
-        if token_ids_T is None:
-            raise ValueError('"logprob" needs token_ids_T (global token ids, shape logits_TV.shape[:-1])')
-        if not torch.is_tensor(token_ids_T) or token_ids_T.is_floating_point() or token_ids_T.is_complex():
-            raise ValueError(f"token_ids_T must be an integer tensor, got {_describe(token_ids_T)}")
-        if tuple(token_ids_T.shape) != lead:
-            raise ValueError(f"token_ids_T shape {tuple(token_ids_T.shape)} != logits_TV.shape[:-1] {lead}")
-        ids = token_ids_T.reshape(-1).to(device=logits.device, dtype=torch.long)
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-            raise ValueError(
-                f"token_ids_T must lie in [0, vocab_size={vocab_size}); got range [{int(ids.min())}, {int(ids.max())}]"
-            )
+    logits = _as_rows(logits_TV)
+    other = _other_rows(other_logits_TV, logits_TV) if "kl" in want_t or "kl_rev" in want_t else None
+    ids = _token_ids(token_ids_T, lead, vocab_size, logits.device) if "logprob" in want_t else None
     if impl not in FUSED_STATISTICS_MODES:
         raise ValueError(f"impl must be one of {FUSED_STATISTICS_MODES}, got {impl!r}")
     compute_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     n_valid = max(0, min(v_local, vocab_size - tp_rank * v_local))
-    if chunk_size is None:
-        budget = _GPU_CHUNK_ELEMENTS if logits.is_cuda else _CPU_CHUNK_ELEMENTS
-        chunk_rows = max(1, budget // max(1, n_valid))
-    elif isinstance(chunk_size, int) and chunk_size >= 1:
-        chunk_rows = chunk_size
-    else:
-        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    chunk_rows = _chunk_rows(chunk_size, n_valid, logits.is_cuda)
     plan = _Plan(
         want=want_t,
         temperature=float(temperature),
@@ -828,17 +836,78 @@ def vocab_parallel_token_stats(
         user_chunk_rows=chunk_size,
     )
     outs = _TokenStats.apply(logits, other, ids, plan)
-    result = {}
     for name, t in zip(want_t, outs):
-        if t.numel() and not bool(torch.isfinite(t).all()):
-            bad = int((~torch.isfinite(t)).nonzero()[0, 0])
-            raise ValueError(
-                f"vocab_parallel_token_stats: {name} is non-finite at token {bad}; logits_TV"
-                + (" or other_logits_TV" if other is not None else "")
-                + " contain NaN/inf"
-            )
-        result[name] = t.reshape(lead)
-    return result
+        _check_finite(name, t, other is not None)
+    return {name: t.reshape(lead) for name, t in zip(want_t, outs)}
+
+
+def _as_rows(t_TV: torch.Tensor) -> torch.Tensor:
+    """``[..., V/tp]`` as ``[T, V/tp]`` rows with unit stride along the vocabulary (a view when it already is)."""
+    rows = t_TV.reshape(-1, t_TV.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _check_finite(name: str, t_T: torch.Tensor, with_other: bool) -> None:
+    """A non-finite statistic means NaN/inf logits: name the statistic and the first such token."""
+    if t_T.numel() and not bool(torch.isfinite(t_T).all()):
+        bad = int((~torch.isfinite(t_T)).nonzero()[0, 0])
+        raise ValueError(
+            f"vocab_parallel_token_stats: {name} is non-finite at token {bad}; logits_TV"
+            + (" or other_logits_TV" if with_other else "")
+            + " contain NaN/inf"
+        )
+
+
+def _checked_want(want: Sequence[str]) -> tuple[str, ...]:
+    """``want`` ordered and de-duplicated; a string, an empty sequence or an unknown name is a ValueError."""
+    want_t = tuple(dict.fromkeys(want))
+    if isinstance(want, str) or not want_t:
+        raise ValueError(f"want must be a non-empty sequence of names from {STAT_NAMES}, got {want!r}")
+    unknown = [w for w in want_t if w not in STAT_NAMES]
+    if unknown:
+        raise ValueError(f"want has unknown statistic(s) {unknown}; available: {STAT_NAMES}")
+    return want_t
+
+
+def _other_rows(other_logits_TV: torch.Tensor | None, logits_TV: torch.Tensor) -> torch.Tensor:
+    """The second distribution's shard as contiguous rows ``[T, V/tp]``, checked against ``logits_TV``."""
+    if other_logits_TV is None:
+        raise ValueError('"kl"/"kl_rev" need other_logits_TV (the second distribution\'s logits shard)')
+    if not torch.is_tensor(other_logits_TV) or not other_logits_TV.is_floating_point():
+        raise ValueError(f"other_logits_TV must be a floating-point tensor, got {_describe(other_logits_TV)}")
+    if other_logits_TV.shape != logits_TV.shape:
+        raise ValueError(
+            f"other_logits_TV shape {tuple(other_logits_TV.shape)} != logits_TV shape {tuple(logits_TV.shape)}"
+        )
+    if other_logits_TV.device != logits_TV.device:
+        raise ValueError(f"other_logits_TV is on {other_logits_TV.device}, logits_TV on {logits_TV.device}")
+    return _as_rows(other_logits_TV)
+
+
+def _token_ids(token_ids_T: torch.Tensor | None, lead: tuple[int, ...], vocab_size: int, device) -> torch.Tensor:
+    """The target ids flattened to ``[T]`` int64 on ``device``, checked: shape ``lead``, values in the vocabulary."""
+    if token_ids_T is None:
+        raise ValueError('"logprob" needs token_ids_T (global token ids, shape logits_TV.shape[:-1])')
+    if not torch.is_tensor(token_ids_T) or token_ids_T.is_floating_point() or token_ids_T.is_complex():
+        raise ValueError(f"token_ids_T must be an integer tensor, got {_describe(token_ids_T)}")
+    if tuple(token_ids_T.shape) != lead:
+        raise ValueError(f"token_ids_T shape {tuple(token_ids_T.shape)} != logits_TV.shape[:-1] {lead}")
+    ids = token_ids_T.reshape(-1).to(device=device, dtype=torch.long)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise ValueError(
+            f"token_ids_T must lie in [0, vocab_size={vocab_size}); got range [{int(ids.min())}, {int(ids.max())}]"
+        )
+    return ids
+
+
+def _chunk_rows(chunk_size: int | None, n_valid: int, is_cuda: bool) -> int:
+    """Tokens per chunk: ``chunk_size``, or (None) as many as fit the device's per-buffer element budget."""
+    if chunk_size is None:
+        budget = _GPU_CHUNK_ELEMENTS if is_cuda else _CPU_CHUNK_ELEMENTS
+        return max(1, budget // max(1, n_valid))
+    if isinstance(chunk_size, int) and chunk_size >= 1:
+        return chunk_size
+    raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
 
 
 def _describe(t) -> str:

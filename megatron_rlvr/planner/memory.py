@@ -395,7 +395,7 @@ def estimate_memory(cfg: PlanConfig) -> MemoryPlan:
     ``rollout.kv_cache_gb``) and sleeps while training; the transformers engine (rollout TP 1) keeps its full weights
     on the GPU throughout and, while generating, a KV cache of ``max_batch_rows`` rows of ``max_model_len`` tokens.
     """
-    m, par, ro, tr, cl = cfg.model, cfg.parallel, cfg.rollout, cfg.train, cfg.cluster
+    m, par, cl = cfg.model, cfg.parallel, cfg.cluster
     world = cl.world_size
     errors, warnings = validate_layout(m, par, world, cl.gpus_per_node)
     # disaggregated: training ranks hold only the training state, rollout ranks only an engine (never asleep)
@@ -414,8 +414,6 @@ def estimate_memory(cfg: PlanConfig) -> MemoryPlan:
     if errors:
         return plan
 
-    G = cl.gpu_mem_gb * GIB
-    b = cfg.dtype_bytes
     params = stage_params(m, par)
     plan.stage_param_counts = params
     lora_params = lora_stage_params(m, par, cfg.lora) if cfg.lora else [0] * len(params)
@@ -424,125 +422,181 @@ def estimate_memory(cfg: PlanConfig) -> MemoryPlan:
     moe_per_stage = _stage_moe_layers(m, par.pp)
     edp = max(1, train_world // (par.expert_tp * par.ep * par.pp)) if m.is_moe else 1
     plan.edp = edp if m.is_moe else 0
-    # Megatron trains MoE layers with tp > 1 only under sequence parallelism (the model args switch it on)
-    sp = cfg.sequence_parallel or (m.is_moe and par.tp > 1)
-    a_layer = activation_bytes_per_layer(m, T, par.tp, sp, b)
-    a_moe = moe_activation_bytes_per_layer(m, T, par.tp, par.expert_tp, sp) * b // 2 if m.is_moe else 0
-    n_local = m.layers // par.pp
-    vocab_shard = m.padded_vocab(par.tp) // par.tp
-    # K and V for every layer in the model dtype; an engine keeps max(1, kv_heads / rollout_tp) heads per GPU.
-    kv_per_token = 2 * m.layers * max(1, m.kv_heads // par.rollout_tp) * m.head_dim * b
-    vllm = cfg.engine == "vllm"
-    if vllm:
-        engine_w = b * _vllm_weight_params(m, par.rollout_tp)
-        engine_overhead = cl.vllm_overhead_gb * GIB
-        if ro.kv_cache_gb is not None:  # vLLM sizes its cache from this instead of gpu_memory_utilization
-            kv_cache = ro.kv_cache_gb * GIB
-            engine = engine_w + engine_overhead + kv_cache
-        else:
-            engine = ro.gpu_memory_utilization * G
-            kv_cache = engine - engine_w - engine_overhead
-        in_training = 0.0 if disagg else cl.vllm_sleep_residual_gb * GIB
-    else:  # the transformers engine: whole model on every rank, never asleep; a cache per batch of rows
-        engine_w = b * m.param_count()
-        engine_overhead = 0.0
-        kv_cache = ro.max_batch_rows * cfg.max_model_len * kv_per_token
-        engine = engine_w + kv_cache
-        in_training = 0.0 if disagg else engine_w
-    plan.kv_tokens = max(0, int(kv_cache // kv_per_token))
+    engine = _engine_budget(cfg)
+    plan.kv_tokens = max(0, int(engine.kv_cache // engine.kv_per_token))
 
     best = None
     for s, p in enumerate(params):
-        in_flight = par.pp - s  # 1F1B: stage s holds pp - s micro-batches of activations (Korthikanti Sec. 4.2.3)
-        c: dict[str, float] = {}
-        trained = lora_params[s] if cfg.lora else p  # LoRA: the adapters are all the trainer updates
-        c["weights"] = b * (p + (trained if cfg.lora else 0))  # LoRA: the adapters beside the frozen base
-        c["grads"] = 4 * trained
-        # bf16: fp32 master weights + Adam m, v; fp32: the parameters are the master copy, only m and v. The
-        # distributed optimizer shards dense state over DP and the routed experts' over expert-DP.
-        per_param = 8 if b == 4 else 12
-        e = 0 if cfg.lora else expert_params[s]
-        if par.distributed_optimizer:
-            c["optimizer"] = per_param * ((trained - e) / dp + e / edp)
-        else:
-            c["optimizer"] = per_param * trained
-        c["ref_model"] = b * p if cfg.keeps_ref_model and not cfg.lora else 0
-        v = m.vision if s == 0 else None  # the tower sits on the first pipeline stage
-        pv = v.param_count() if v is not None else 0
-        c["vision_weights"] = b * pv
-        c["vision_state"] = (4 + per_param) * pv if cfg.trains_vision else 0
-        c["weights"] += c["vision_weights"]
-        c["grads"] += 4 * pv if cfg.trains_vision else 0
-        c["optimizer"] += per_param * pv if cfg.trains_vision else 0
-        c["ref_model"] += b * pv if c["ref_model"] else 0
-        n_moe = moe_per_stage[s]
-        c["act_none"] = in_flight * ((n_local - n_moe) * a_layer + n_moe * a_moe)
-        # Full recompute stores only each layer's input ([T, h], sharded by SP) and rebuilds one layer.
-        layer_input = b * T * m.hidden // (par.tp if sp else 1)
-        c["act_full"] = in_flight * n_local * layer_input + (max(a_layer, a_moe) if n_moe else a_layer)
-        if v is not None:
-            per_block = v.activation_bytes_per_block(cfg.image_patches_per_micro_batch, b)
-            c["vision_activations"] = in_flight * v.depth * per_block if cfg.trains_vision else per_block
-            c["act_none"] += c["vision_activations"]
-            c["act_full"] += c["vision_activations"]
-        else:
-            c["vision_activations"] = 0
-        c["activations"] = c["act_full"] if tr.recompute == "full" else c["act_none"]
-        last = s == par.pp - 1
-        c["logits"] = T * vocab_shard * (b + b) if last else 0  # logits + their grad, in the model dtype
-        c["logits_chunk"] = min(tr.logits_chunk, T) * vocab_shard * 4 * LOGITS_CHUNK_FACTOR if last else 0
+        c = _state_terms(cfg, s, p, lora_params[s], expert_params[s], dp, edp)
+        c.update(_activation_terms(cfg, s, moe_per_stage[s]))
         c["train_overhead"] = cl.train_overhead_gb * GIB
-        c["engine_in_training"] = in_training
+        c["engine_in_training"] = engine.in_training
         train_peak = sum(c[k] for k in _TRAIN_PHASE_TERMS)
         state = c["weights"] + c["grads"] + c["optimizer"] + c["ref_model"]
         c["train_state_in_rollout"] = 0 if (cl.offload_during_rollout or disagg) else state
-        c["engine"] = engine
-        c["engine_weights"] = engine_w
-        c["engine_overhead"] = engine_overhead
-        c["kv_cache"] = kv_cache
-        rollout_peak = c["train_state_in_rollout"] + engine + c["train_overhead"]
+        c["engine"] = engine.total
+        c["engine_weights"] = engine.weights
+        c["engine_overhead"] = engine.overhead
+        c["kv_cache"] = engine.kv_cache
+        rollout_peak = c["train_state_in_rollout"] + engine.total + c["train_overhead"]
         if best is None or max(train_peak, rollout_peak) > max(best[1], best[2]):
             best = (s, train_peak, rollout_peak, c)
     s, plan.train_peak, plan.rollout_peak, plan.components = best
     plan.worst_stage = s
     # level-1 sleep backs the weights up in host RAM; a disaggregated engine never sleeps
-    plan.components["host_ram_per_node"] = engine_w * cl.gpus_per_node if vllm and ro.sleep_level == 1 else 0
-    if disagg:
-        plan.components["host_ram_per_node"] = 0
+    sleeps_to_host = cfg.engine == "vllm" and cfg.rollout.sleep_level == 1 and not disagg
+    plan.components["host_ram_per_node"] = engine.weights * cl.gpus_per_node if sleeps_to_host else 0
+    plan.reasons.extend(_misfit_reasons(plan, engine))
+    return plan
 
+
+@dataclass
+class _EngineBudget:
+    """Bytes per GPU of one rollout engine's rank."""
+
+    weights: float
+    """The engine's copy of the model weights."""
+    overhead: float
+    """vLLM's fixed overhead (CUDA graphs, workspace); 0 for the transformers engine."""
+    kv_cache: float
+    """The KV cache (negative when vLLM's share does not even hold its weights)."""
+    total: float
+    """Everything the awake engine holds."""
+    in_training: float
+    """What stays on a colocated GPU while training: vLLM asleep, or the transformers engine's weights."""
+    kv_per_token: int
+    """K and V of one token over all layers."""
+
+
+def _engine_budget(cfg: PlanConfig) -> _EngineBudget:
+    """The rollout engine's memory: vLLM claims ``gpu_memory_utilization`` x GPU (or weights + overhead +
+    ``rollout.kv_cache_gb``) and sleeps while training; the transformers engine keeps its weights throughout and a
+    cache of ``max_batch_rows`` full-length rows."""
+    m, par, ro, cl = cfg.model, cfg.parallel, cfg.rollout, cfg.cluster
+    b = cfg.dtype_bytes
+    disagg = par.rollout_ranks > 0
+    # K and V for every layer in the model dtype; an engine keeps max(1, kv_heads / rollout_tp) heads per GPU.
+    kv_per_token = 2 * m.layers * max(1, m.kv_heads // par.rollout_tp) * m.head_dim * b
+    if cfg.engine == "vllm":
+        weights = b * _vllm_weight_params(m, par.rollout_tp)
+        overhead = cl.vllm_overhead_gb * GIB
+        if ro.kv_cache_gb is not None:  # vLLM sizes its cache from this instead of gpu_memory_utilization
+            kv_cache = ro.kv_cache_gb * GIB
+            total = weights + overhead + kv_cache
+        else:
+            total = ro.gpu_memory_utilization * cl.gpu_mem_gb * GIB
+            kv_cache = total - weights - overhead
+        in_training = 0.0 if disagg else cl.vllm_sleep_residual_gb * GIB
+    else:  # the transformers engine: whole model on every rank, never asleep; a cache per batch of rows
+        weights = b * m.param_count()
+        overhead = 0.0
+        kv_cache = ro.max_batch_rows * cfg.max_model_len * kv_per_token
+        total = weights + kv_cache
+        in_training = 0.0 if disagg else weights
+    return _EngineBudget(weights, overhead, kv_cache, total, in_training, kv_per_token)
+
+
+def _state_terms(
+    cfg: PlanConfig, stage: int, params: int, lora_params: int, expert_params: int, dp: int, edp: int
+) -> dict[str, float]:
+    """Bytes of the training state on one GPU of pipeline stage ``stage`` holding ``params`` parameters
+    (``expert_params`` of them routed experts): weights, grads, optimizer, ref_model, and the vision tower's
+    vision_weights and vision_state (included in the first four too)."""
+    m, par, b = cfg.model, cfg.parallel, cfg.dtype_bytes
+    c: dict[str, float] = {}
+    trained = lora_params if cfg.lora else params  # LoRA: the adapters are all the trainer updates
+    c["weights"] = b * (params + (trained if cfg.lora else 0))  # LoRA: the adapters beside the frozen base
+    c["grads"] = 4 * trained
+    # bf16: fp32 master weights + Adam m, v; fp32: the parameters are the master copy, only m and v. The
+    # distributed optimizer shards dense state over DP and the routed experts' over expert-DP.
+    per_param = 8 if b == 4 else 12
+    e = 0 if cfg.lora else expert_params
+    if par.distributed_optimizer:
+        c["optimizer"] = per_param * ((trained - e) / dp + e / edp)
+    else:
+        c["optimizer"] = per_param * trained
+    c["ref_model"] = b * params if cfg.keeps_ref_model and not cfg.lora else 0
+    v = m.vision if stage == 0 else None  # the tower sits on the first pipeline stage
+    pv = v.param_count() if v is not None else 0
+    c["vision_weights"] = b * pv
+    c["vision_state"] = (4 + per_param) * pv if cfg.trains_vision else 0
+    c["weights"] += c["vision_weights"]
+    c["grads"] += 4 * pv if cfg.trains_vision else 0
+    c["optimizer"] += per_param * pv if cfg.trains_vision else 0
+    c["ref_model"] += b * pv if c["ref_model"] else 0
+    return c
+
+
+def _activation_terms(cfg: PlanConfig, stage: int, n_moe: int) -> dict[str, float]:
+    """Bytes of activations and logits on one GPU of pipeline stage ``stage`` (``n_moe`` of its layers MoE):
+    act_none, act_full, vision_activations, activations (the configured recompute mode), logits, logits_chunk."""
+    m, par, tr, b, T = cfg.model, cfg.parallel, cfg.train, cfg.dtype_bytes, cfg.micro_batch_tokens
+    # Megatron trains MoE layers with tp > 1 only under sequence parallelism (the model args switch it on)
+    sp = cfg.sequence_parallel or (m.is_moe and par.tp > 1)
+    a_layer = activation_bytes_per_layer(m, T, par.tp, sp, b)
+    a_moe = moe_activation_bytes_per_layer(m, T, par.tp, par.expert_tp, sp) * b // 2 if m.is_moe else 0
+    n_local = m.layers // par.pp
+    in_flight = par.pp - stage  # 1F1B: stage s holds pp - s micro-batches of activations (Korthikanti Sec. 4.2.3)
+    c: dict[str, float] = {}
+    c["act_none"] = in_flight * ((n_local - n_moe) * a_layer + n_moe * a_moe)
+    # Full recompute stores only each layer's input ([T, h], sharded by SP) and rebuilds one layer.
+    layer_input = b * T * m.hidden // (par.tp if sp else 1)
+    c["act_full"] = in_flight * n_local * layer_input + (max(a_layer, a_moe) if n_moe else a_layer)
+    v = m.vision if stage == 0 else None
+    if v is not None:
+        per_block = v.activation_bytes_per_block(cfg.image_patches_per_micro_batch, b)
+        c["vision_activations"] = in_flight * v.depth * per_block if cfg.trains_vision else per_block
+        c["act_none"] += c["vision_activations"]
+        c["act_full"] += c["vision_activations"]
+    else:
+        c["vision_activations"] = 0
+    c["activations"] = c["act_full"] if tr.recompute == "full" else c["act_none"]
+    last = stage == par.pp - 1
+    vocab_shard = m.padded_vocab(par.tp) // par.tp
+    c["logits"] = T * vocab_shard * (b + b) if last else 0  # logits + their grad, in the model dtype
+    c["logits_chunk"] = min(tr.logits_chunk, T) * vocab_shard * 4 * LOGITS_CHUNK_FACTOR if last else 0
+    return c
+
+
+def _misfit_reasons(plan: MemoryPlan, engine: _EngineBudget) -> list[str]:
+    """Why the estimated peaks do not fit (an engine without room for one sequence, a phase over the limit), each
+    with the settings that would help."""
+    cfg = plan.config
+    par, ro, tr, cl = cfg.parallel, cfg.rollout, cfg.train, cfg.cluster
+    vllm, disagg = cfg.engine == "vllm", plan.disaggregated
+    reasons = []
     limit = plan.limit
     lim_txt = f"{limit / GIB:.1f} GiB usable ({cl.gpu_mem_gb:g} x {cl.usable_fraction:g})"
     raise_kv = "rollout.kv_cache_gb" if ro.kv_cache_gb is not None else "rollout.gpu_memory_utilization"
-    if vllm and kv_cache <= 0:
-        plan.reasons.append(
+    if vllm and engine.kv_cache <= 0:
+        reasons.append(
             f"vLLM: rollout.gpu_memory_utilization={ro.gpu_memory_utilization:g} gives "
-            f"{engine / GIB:.1f} GiB, less than its weights ({engine_w / GIB:.1f} GiB at rollout_tp="
+            f"{engine.total / GIB:.1f} GiB, less than its weights ({engine.weights / GIB:.1f} GiB at rollout_tp="
             f"{par.rollout_tp}) + overhead ({cl.vllm_overhead_gb:g} GiB): no room for a KV cache; raise "
             "gpu_memory_utilization or rollout_tp"
         )
     elif vllm and plan.kv_tokens < cfg.max_model_len:
-        plan.reasons.append(
+        reasons.append(
             f"vLLM: KV cache holds {plan.kv_tokens} tokens, less than one sequence of max_model_len="
             f"{cfg.max_model_len} (vLLM refuses to start); raise {raise_kv} or parallel.rollout_tp"
         )
     if plan.train_peak > limit:
         hint = "set train.recompute=full, " if tr.recompute != "full" else ""
         who = "a training rank" if disagg else "training phase"
-        plan.reasons.append(
-            f"{who} needs {plan.train_peak / GIB:.1f} GiB on pipeline stage {s}, over {lim_txt}; "
+        reasons.append(
+            f"{who} needs {plan.train_peak / GIB:.1f} GiB on pipeline stage {plan.worst_stage}, over {lim_txt}; "
             f"{hint}lower train.micro_batch_tokens, raise tp/pp, or add nodes (shards the optimizer further)"
         )
+    name, lower = ("vLLM", raise_kv) if vllm else ("transformers engine", "rollout.max_batch_rows")
     if disagg and plan.rollout_peak > limit:
-        name, lower = ("vLLM", raise_kv) if vllm else ("transformers engine", "rollout.max_batch_rows")
-        plan.reasons.append(
-            f"a rollout rank needs {plan.rollout_peak / GIB:.1f} GiB ({name} {engine / GIB:.1f} + overhead), over "
-            f"{lim_txt}; lower {lower} or raise parallel.rollout_tp"
+        reasons.append(
+            f"a rollout rank needs {plan.rollout_peak / GIB:.1f} GiB ({name} {engine.total / GIB:.1f} + overhead), "
+            f"over {lim_txt}; lower {lower} or raise parallel.rollout_tp"
         )
     elif plan.rollout_peak > limit:
-        name, lower = ("vLLM", raise_kv) if vllm else ("transformers engine", "rollout.max_batch_rows")
-        plan.reasons.append(
+        reasons.append(
             f"rollout phase needs {plan.rollout_peak / GIB:.1f} GiB (training state "
-            f"{plan.components['train_state_in_rollout'] / GIB:.1f} + {name} {engine / GIB:.1f} + overhead), "
+            f"{plan.components['train_state_in_rollout'] / GIB:.1f} + {name} {engine.total / GIB:.1f} + overhead), "
             f"over {lim_txt}; lower {lower}, set cluster.offload_during_rollout=true, or raise tp"
         )
-    return plan
+    return reasons

@@ -20,13 +20,41 @@ def _g(x: float) -> str:
     return f"{x / GIB:8.2f}"
 
 
+_DTYPE_SHORT = {"bfloat16": "bf16", "float32": "fp32"}
+
+
 def format_plan(plan: MemoryPlan) -> str:
     """Human-readable table (GiB per GPU) with the verdict and reasons."""
+    lines = _header_lines(plan)
+    if plan.errors:
+        lines.append("INVALID LAYOUT:")
+        lines += [f"  - {e}" for e in plan.errors]
+        return "\n".join(lines)
     cfg = plan.config
-    m, par, ro, tr, cl = cfg.model, cfg.parallel, cfg.rollout, cfg.train, cfg.cluster
-    vllm = cfg.engine == "vllm"
-    engine = "vLLM" if vllm else "transformers"
-    dt = {"bfloat16": "bf16", "float32": "fp32"}[cfg.dtype]
+    m, par, tr = cfg.model, cfg.parallel, cfg.train
+    lines.append(
+        f"sizes   micro-batch {cfg.micro_batch_tokens} tokens (max seq {cfg.max_model_len}), vocab {m.vocab} -> "
+        f"padded {m.padded_vocab(par.tp)} (multiple of {MEGATRON_VOCAB_DIVISIBLE_BY} x TP), recompute={tr.recompute}"
+    )
+    lines.append("")
+    lines.append(f"{'GiB per GPU':<58}{'':>8}")
+    phase = f"training ranks: {plan.train_ranks} GPUs" if plan.disaggregated else "training phase"
+    lines.append(f"-- {phase} (pipeline stage {plan.worst_stage} of {par.pp}, the largest) " + "-" * 12)
+    lines += [f"  {label:<56}{_g(v)}" for label, v in _training_rows(plan)]
+    lines.append(
+        f"  {'= training peak' + (' per training rank' if plan.disaggregated else ''):<56}{_g(plan.train_peak)}"
+    )
+    lines += _rollout_lines(plan)
+    lines.append("")
+    lines += _verdict_lines(plan)
+    return "\n".join(lines)
+
+
+def _header_lines(plan: MemoryPlan) -> list[str]:
+    """The model, cluster and layout lines (with the MoE, vision-tower and disaggregation details) and warnings."""
+    cfg = plan.config
+    m, par, ro, cl = cfg.model, cfg.parallel, cfg.rollout, cfg.cluster
+    engine = "vLLM" if cfg.engine == "vllm" else "transformers"
     lines = [
         f"model   {m.name} ({cfg.dtype}): {m.param_count() / 1e9:.2f} B params, L={m.layers} h={m.hidden} f={m.ffn} "
         f"heads={m.heads} kv_heads={m.kv_heads} d={m.head_dim} V={m.vocab}",
@@ -55,25 +83,20 @@ def format_plan(plan: MemoryPlan) -> str:
             f"f={v.ffn}), {'trained' if cfg.trains_vision else 'frozen'}, whole on each GPU of pipeline stage 0; "
             f"{cfg.image_patches_per_micro_batch} patches per micro-batch"
         )
-    for w in plan.warnings:
-        lines.append(f"warning: {w}")
-    if plan.errors:
-        lines.append("INVALID LAYOUT:")
-        lines += [f"  - {e}" for e in plan.errors]
-        return "\n".join(lines)
+    lines += [f"warning: {w}" for w in plan.warnings]
+    return lines
+
+
+def _training_rows(plan: MemoryPlan) -> list[tuple[str, float]]:
+    """(label, bytes) of each term of the training peak on the worst pipeline stage."""
+    cfg = plan.config
+    m, par, ro, tr = cfg.model, cfg.parallel, cfg.rollout, cfg.train
     c = plan.components
+    dt = _DTYPE_SHORT[cfg.dtype]
     T = cfg.micro_batch_tokens
     vp = m.padded_vocab(par.tp)
     p = plan.stage_param_counts[plan.worst_stage]
     dp_div = plan.dp if par.distributed_optimizer else 1
-    lines.append(
-        f"sizes   micro-batch {T} tokens (max seq {cfg.max_model_len}), vocab {m.vocab} -> padded {vp} "
-        f"(multiple of {MEGATRON_VOCAB_DIVISIBLE_BY} x TP), recompute={tr.recompute}"
-    )
-    lines.append("")
-    lines.append(f"{'GiB per GPU':<58}{'':>8}")
-    phase = f"training ranks: {plan.train_ranks} GPUs" if plan.disaggregated else "training phase"
-    lines.append(f"-- {phase} (pipeline stage {plan.worst_stage} of {par.pp}, the largest) " + "-" * 12)
     opt = "Adam m,v (8 B/param" if cfg.dtype == "float32" else "fp32 master + Adam m,v (12 B/param"
     rows = [
         (f"weights {dt} ({p / 1e9:.3f} B params on this GPU)", c["weights"]),
@@ -103,12 +126,20 @@ def format_plan(plan: MemoryPlan) -> str:
         vision_total = c["vision_weights"] + c["vision_state"] + c["vision_activations"]
         rows.append(("  of which the vision tower (weights, grads + Adam, act.)", vision_total))
     if not plan.disaggregated:  # a disaggregated training rank holds no engine
-        engine_row = f"vLLM asleep (level {ro.sleep_level}, residual)" if vllm else f"transformers engine weights {dt}"
-        rows.append((engine_row if vllm else engine_row + " (resident)", c["engine_in_training"]))
-    lines += [f"  {label:<56}{_g(v)}" for label, v in rows]
-    lines.append(
-        f"  {'= training peak' + (' per training rank' if plan.disaggregated else ''):<56}{_g(plan.train_peak)}"
-    )
+        if cfg.engine == "vllm":
+            rows.append((f"vLLM asleep (level {ro.sleep_level}, residual)", c["engine_in_training"]))
+        else:
+            rows.append((f"transformers engine weights {dt} (resident)", c["engine_in_training"]))
+    return rows
+
+
+def _rollout_lines(plan: MemoryPlan) -> list[str]:
+    """The rollout section: its heading, each term of the rollout peak, and the peak."""
+    cfg = plan.config
+    par, ro = cfg.parallel, cfg.rollout
+    c = plan.components
+    dt = _DTYPE_SHORT[cfg.dtype]
+    vllm = cfg.engine == "vllm"
     if not vllm:
         head = f"transformers engine, max_batch_rows={ro.max_batch_rows}"
     elif ro.kv_cache_gb is not None:
@@ -116,7 +147,7 @@ def format_plan(plan: MemoryPlan) -> str:
     else:
         head = f"vLLM TP={par.rollout_tp}, gpu_memory_utilization={ro.gpu_memory_utilization:g}"
     where = f"rollout ranks: {par.rollout_ranks} GPUs, never asleep" if plan.disaggregated else "rollout phase"
-    lines.append(f"-- {where} ({head}) " + "-" * 8)
+    lines = [f"-- {where} ({head}) " + "-" * 8]
     kv_seqs = plan.kv_tokens / cfg.max_model_len
     off = " (offloaded)" if cfg.cluster.offload_during_rollout else ""
     rows = [] if plan.disaggregated else [(f"training state kept on GPU{off}", c["train_state_in_rollout"])]
@@ -140,9 +171,17 @@ def format_plan(plan: MemoryPlan) -> str:
     lines.append(
         f"  {'= rollout peak' + (' per rollout rank' if plan.disaggregated else ''):<56}{_g(plan.rollout_peak)}"
     )
-    lines.append("")
-    if vllm and ro.sleep_level == 1 and not plan.disaggregated:
-        lines.append(f"host RAM per node for vLLM sleep level 1 weight backup: {c['host_ram_per_node'] / GIB:.1f} GiB")
+    return lines
+
+
+def _verdict_lines(plan: MemoryPlan) -> list[str]:
+    """Host RAM for vLLM's sleep, the peak against the usable memory, FITS / DOES NOT FIT and the reasons."""
+    cfg = plan.config
+    ro, cl = cfg.rollout, cfg.cluster
+    lines = []
+    if cfg.engine == "vllm" and ro.sleep_level == 1 and not plan.disaggregated:
+        ram = plan.components["host_ram_per_node"] / GIB
+        lines.append(f"host RAM per node for vLLM sleep level 1 weight backup: {ram:.1f} GiB")
     verdict = "FITS" if plan.fits else "DOES NOT FIT"
     if plan.disaggregated:
         lines.append(
@@ -154,7 +193,7 @@ def format_plan(plan: MemoryPlan) -> str:
         f"({cl.gpu_mem_gb:g} GiB x {cl.usable_fraction:g}): {verdict}"
     )
     lines += [f"  - {r}" for r in plan.reasons]
-    return "\n".join(lines)
+    return lines
 
 
 def _with_nodes(cfg: PlanConfig, nodes: int) -> PlanConfig:

@@ -28,6 +28,13 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from megatron_rlvr.megatron.cpu_shims import apply_cpu_shims
+from megatron_rlvr.megatron.parallel import init_model_parallel
+from megatron_rlvr.rundir.local_ranks import rank_environment
 from megatron_rlvr.slurm_env import free_port
 
 
@@ -70,9 +77,6 @@ def _destroy_groups(keep: frozenset = frozenset()) -> None:
     """Destroy every process group but WORLD and ``keep``. Why: each gloo group owns a TCP pair and run-loop
     threads per peer that live as long as the group; a long-lived rank that re-initialises megatron for many layouts
     (and runs code that makes its own groups) otherwise accumulates hundreds of busy threads and slows the machine."""
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
-
     world = dist.group.WORLD
     for pg in list(c10d._world.pg_map):
         if pg is not world and pg not in keep:
@@ -84,31 +88,19 @@ def init_megatron_parallel(tp: int, pp: int, seed: int = 1234, ep: int = 1, etp:
     seed every RNG, as the trainer does
     (trainer.distributed.init_model_parallel), destroying a previous layout's extra groups. Returns the process
     groups that exist afterwards (the layout's own), so groups a task creates beyond them can be destroyed after it."""
-    from torch.distributed import distributed_c10d as c10d
-
-    from megatron_rlvr.megatron.parallel import init_model_parallel
-
     init_model_parallel(tp, pp, seed, on_rebuild=_destroy_groups, ep=ep, etp=etp)
     return frozenset(c10d._world.pg_map)
 
 
 def _worker(rank: int, world_size: int, port: int, tasks, results, parent_pid: int, pg_timeout_s: float) -> None:
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
-    from megatron_rlvr.rundir.local_ranks import rank_environment
-
     # 2 cores shared by up to 4 ranks: more intra-op threads only thrash.
     threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
     os.environ.update(rank_environment(rank, world_size, "127.0.0.1", port, threads))
     try:
-        import torch
-
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-        from megatron_rlvr.megatron.cpu_shims import apply_cpu_shims
-
         apply_cpu_shims()
-        torch.distributed.init_process_group(
-            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s)
-        )
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s))
     except BaseException:
         results.put((None, rank, False, pickle.dumps(traceback.format_exc())))
         return
@@ -126,7 +118,7 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, parent_pid: i
         except BaseException:
             results.put((task_id, rank, False, pickle.dumps(traceback.format_exc())))
     try:
-        torch.distributed.destroy_process_group()
+        dist.destroy_process_group()
     except Exception:
         pass
 
