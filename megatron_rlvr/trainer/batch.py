@@ -52,7 +52,7 @@ def group_rewards(groups: list[Group], algo: AlgorithmConfig) -> GroupRewards:
     with native_torch():  # tiny CPU tensor ops, no CUDA call: skip the CPU shims' per-call handler
         raw = torch.tensor([g.rewards for g in groups], dtype=torch.float64)
         lengths = torch.tensor([[len(r) for r in g.response_ids] for g in groups], dtype=torch.long)
-        correct = raw >= 0.5 * (algo.advantage.reward_correct + algo.advantage.reward_wrong)
+        correct = raw >= algo.advantage.correct_threshold
         return GroupRewards(shape_rewards(algo.dapo, raw, lengths), correct, lengths)
 
 

@@ -136,8 +136,7 @@ def _resample(side, rolled, chosen: list[int], step: int, gather) -> Tensor:
         round_idx=PROBE_ROUND,
     )
     probed, _ = generate_groups(gen, rnd)
-    a = cfg.algorithm.advantage
-    thr = 0.5 * (a.reward_correct + a.reward_wrong)
+    thr = cfg.algorithm.advantage.correct_threshold
     return torch.tensor([[r >= thr for r in g.rewards] for g in probed], dtype=torch.bool)
 
 

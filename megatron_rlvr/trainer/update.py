@@ -16,7 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from megatron_rlvr.algorithms import AlgorithmConfig, LossNormalizers
+from megatron_rlvr.algorithms.aggregation import normalizer_counts_from_lengths
 from megatron_rlvr.data import shard_range
+from megatron_rlvr.megatron.cpu_shims import native_torch
 from megatron_rlvr.megatron.optimizer_step import apply_gradients, zero_grads
 from megatron_rlvr.megatron.parallel import all_gather_objects, all_reduce_max
 from megatron_rlvr.megatron.router_loss import reset_router_loss_tracker, router_loss_metrics
@@ -162,16 +164,13 @@ def _routing(ctx: UpdateSettings, routes, seqs, record: bool, phase: str = "upda
 
 
 def normalizer_counts(seqs) -> torch.Tensor:
-    """[3] float64 (trained response tokens, non-empty trained sequences, of which mastered): what
-    ``local_normalizer_counts`` gives for the sequences' loss masks, counted from their lengths (no per-sequence
-    tensors; tests/test_trainer_units.py checks the two agree)."""
-    tokens = nonempty = mastered = 0
-    for q in seqs:
-        if q.train and q.response_len > 0:
-            tokens += q.response_len
-            nonempty += 1
-            mastered += bool(q.mastered)
-    return torch.tensor([tokens, nonempty, mastered], dtype=torch.float64)
+    """[3] float64 (trained response tokens, non-empty trained sequences, of which mastered) of the trained
+    sequences, from their lengths (algorithms.aggregation.normalizer_counts_from_lengths: no per-sequence masks)."""
+    trained = [q for q in seqs if q.train]
+    with native_torch():  # tiny CPU tensors: skip the CPU shims' per-call handler
+        lengths = torch.tensor([q.response_len for q in trained], dtype=torch.long)
+        mastered = torch.tensor([bool(q.mastered) for q in trained], dtype=torch.bool)
+        return normalizer_counts_from_lengths(lengths, mastered)
 
 
 def recompute_ids(ctx: UpdateSettings, num_seqs: int, old_from_forward: bool) -> list[int]:
