@@ -9,6 +9,12 @@ from typing import Any
 import torch
 
 from megatron_rlvr.config import ModelConfig, OptimizerConfig, ParallelConfig, ScheduleConfig, TrainConfig
+from megatron_rlvr.families.table import vl_family_of, vl_saved_name
+from megatron_rlvr.models.build import build_gpt_model, unwrap
+from megatron_rlvr.models.hf_config import hf_config_object, megatron_model_args
+from megatron_rlvr.models.hf_loading import load_hf_weights
+from megatron_rlvr.models.lora import attach_lora
+from megatron_rlvr.models.mapping import VISION_MODULE
 from megatron_rlvr.models.source import ModelSource
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -16,8 +22,6 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def model_args_for(source: ModelSource, model_cfg: ModelConfig, par: ParallelConfig, train: TrainConfig):
     """megatron_rlvr.models MegatronModelArgs for this run's layout (recompute settings included)."""
-    from megatron_rlvr.models.hf_config import megatron_model_args
-
     overrides: dict[str, Any] = {}
     if train.recompute == "full":
         overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -53,9 +57,6 @@ def random_hf_state_dict(hf_config: dict, seed: int, vision_std: float | None = 
     model's tower drawn from N(0, vision_std^2) instead (see TINY_VISION_STD), with the same seed."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    from megatron_rlvr.families.table import vl_family_of, vl_saved_name
-    from megatron_rlvr.models.hf_config import hf_config_object
-
     vl = vl_family_of(hf_config)
     auto = AutoModelForCausalLM if vl is None else AutoModelForImageTextToText
     state = torch.random.get_rng_state()
@@ -87,9 +88,6 @@ def build_model(
     vision-language model's tower gets no gradient (megatron's DDP and optimizer then leave it out)."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_rlvr.models.build import build_gpt_model, unwrap
-    from megatron_rlvr.models.hf_loading import load_hf_weights
-
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     model = build_gpt_model(args, pg_collection=pg)
@@ -98,16 +96,12 @@ def build_model(
         weights = random_hf_state_dict(source.hf_config, seed, vision_std=TINY_VISION_STD if source.is_tiny else None)
     load_hf_weights(unwrap(model), args, weights, pg_collection=pg)
     if freeze_vision:
-        from megatron_rlvr.models.mapping import VISION_MODULE
-
         tower = getattr(unwrap(model), VISION_MODULE, None)
         if tower is None and args.vision is None:
             raise ValueError("freeze_vision: the model has no vision tower (not a vision-language model)")
         for p in tower.parameters() if tower is not None else ():  # no tower on later pipeline stages
             p.requires_grad_(False)
     if lora is not None and trainable:
-        from megatron_rlvr.models.lora import attach_lora
-
         attach_lora(model, lora, args, pg_collection=pg, seed=seed, base=source.weights_dir)
     if not trainable:
         model.eval()
