@@ -1,8 +1,9 @@
 """Model architectures, torch-free: the one model-family table and the shape specs the planner's memory model uses.
 
-- ``FAMILIES``: every supported HF decoder family (Llama, Qwen2/2.5, Qwen3, and the mixture-of-experts Qwen2-MoE and
-  Qwen3-MoE), keyed by ``architectures[0]``, with what distinguishes it. ``models/hf_config.py`` builds megatron
-  models from it, the planner derives a :class:`ModelSpec` from it, so the two accept exactly the same models.
+- ``FAMILIES``: every supported HF decoder family (Llama, Qwen2/2.5, Qwen3, and the mixture-of-experts Qwen2-MoE,
+  Qwen3-MoE and DeepSeek-V3 with multi-latent attention), keyed by ``architectures[0]``, with what distinguishes it.
+  ``models/hf_config.py`` builds megatron models from it, the planner derives a :class:`ModelSpec` from it, so the
+  two accept exactly the same models.
 - ``ModelSpec``: the shapes of a decoder-only transformer, dense or mixture-of-experts, with a :class:`VisionSpec`
   for a vision-language model's tower; ``BUILTIN_SPECS`` for planning without a checkpoint (values from each model's
   official HF config.json).
@@ -52,6 +53,13 @@ class Family:
     """Each MoE layer also has one shared SwiGLU expert whose output is scaled by a sigmoid gate (Qwen2-MoE)."""
     qkv_bias_field: str | None = None
     """HF config field saying whether q/k/v carry a bias (Qwen2-MoE's ``qkv_bias``); None: ``qkv_bias`` decides."""
+    mla: bool = False
+    """Multi-latent attention (DeepSeek-V2/V3): low-rank q and kv projections, decoupled RoPE dims; see
+    :func:`mla_fields`."""
+    deepseek_moe: bool = False
+    """DeepSeek-V3's MoE: ``n_routed_experts``, the first ``first_k_dense_replace`` layers dense, ungated shared
+    experts, sigmoid scores whose top-k is chosen with the ``e_score_correction_bias`` added (aux-loss-free
+    balancing), group-limited top-k (``n_group`` / ``topk_group``) and ``routed_scaling_factor``."""
 
 
 FAMILIES: dict[str, Family] = {
@@ -80,6 +88,16 @@ FAMILIES: dict[str, Family] = {
         moe=True,
         shared_expert=True,
         qkv_bias_field="qkv_bias",
+    ),
+    # DeepSeek-V3 (also Moonlight-16B-A3B and Kimi-K2, which reuse the architecture)
+    "DeepseekV3ForCausalLM": Family(
+        "deepseek_v3",
+        qkv_bias=False,
+        qk_layernorm=False,
+        bias_fields=("attention_bias",),
+        moe=True,
+        mla=True,
+        deepseek_moe=True,
     ),
 }
 """The supported families, keyed by HF ``architectures[0]`` (the trainer, the exporter and the planner all read it)."""
@@ -198,14 +216,89 @@ class MoeFields:
     moe_layers: tuple[bool, ...]
     """Per layer: True for an MoE layer, False for a dense MLP (``mlp_only_layers``, ``decoder_sparse_step``)."""
     shared_expert_ffn: int = 0
-    """Inner width of the shared expert (Qwen2-MoE ``shared_expert_intermediate_size``); 0: none."""
+    """Inner width of the shared expert (Qwen2-MoE ``shared_expert_intermediate_size``; DeepSeek
+    ``n_shared_experts * moe_intermediate_size``); 0: none."""
+    shared_expert_gate: bool = True
+    """The shared expert's output is scaled by ``sigmoid(shared_expert_gate(x))`` (Qwen2-MoE; DeepSeek: no gate)."""
+    score_function: str = "softmax"
+    """Router scores: ``softmax`` over all experts, or ``sigmoid`` per expert (DeepSeek-V3)."""
+    expert_bias: bool = False
+    """A per-expert bias is added to the scores for the top-k choice only (DeepSeek-V3's ``e_score_correction_bias``,
+    the aux-loss-free balancing of arXiv:2408.15664); the weights are the unbiased scores."""
+    num_groups: int | None = None
+    """Group-limited routing: the experts form this many equal groups (``n_group``); None: no group limit."""
+    group_topk: int | None = None
+    """Groups a token may use (``topk_group``), chosen by the sum of each group's two best biased scores."""
+    scaling_factor: float | None = None
+    """The routed experts' weights are multiplied by this (``routed_scaling_factor``); None: 1."""
+
+
+def _deepseek_moe_fields(cfg: dict, fam: Family, where: str) -> MoeFields:
+    """DeepSeek-V3's MoE settings (transformers' ``DeepseekV3TopkRouter`` / ``DeepseekV3MoE``). Layer ``i`` is an MoE
+    layer when ``i >= first_k_dense_replace`` and ``i % moe_layer_freq == 0``."""
+    experts = cfg.get("n_routed_experts", cfg.get("num_local_experts"))
+    for name, v in (("n_routed_experts", experts), ("num_experts_per_tok", cfg.get("num_experts_per_tok"))):
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"{where}: {fam.model_type} needs {name} > 0, got {v!r}")
+    for name in ("moe_intermediate_size", "first_k_dense_replace"):
+        if name not in cfg:
+            raise ValueError(f"{where}: {fam.model_type} needs {name}")
+    experts, top_k = int(experts), int(cfg["num_experts_per_tok"])
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"{where}: num_experts_per_tok={top_k} must be in 1..n_routed_experts={experts}")
+    # config keys that only the original DeepSeek code (and vLLM) read: refuse values that would route otherwise
+    if cfg.get("scoring_func", "sigmoid") != "sigmoid":
+        raise ValueError(f"{where}: {fam.model_type} scoring_func={cfg['scoring_func']!r}; only sigmoid is supported")
+    if cfg.get("topk_method", "noaux_tc") != "noaux_tc":
+        raise ValueError(f"{where}: {fam.model_type} topk_method={cfg['topk_method']!r}; only noaux_tc is supported")
+    if not cfg.get("norm_topk_prob", True) or top_k == 1:
+        # megatron renormalises sigmoid top-k weights for top_k > 1 and never for top_k == 1
+        raise ValueError(
+            f"{where}: {fam.model_type} with norm_topk_prob={cfg.get('norm_topk_prob')} and num_experts_per_tok="
+            f"{top_k} is not supported (sigmoid routing needs norm_topk_prob=true and num_experts_per_tok > 1)"
+        )
+    n_group, topk_group = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
+    groups = group_topk = None
+    if n_group > 1 and topk_group < n_group:  # otherwise every group is always selected: no limit
+        if experts % n_group or experts // n_group < 2:
+            raise ValueError(f"{where}: n_group={n_group} must split n_routed_experts={experts} into groups of >= 2")
+        if topk_group < 1 or top_k % topk_group or top_k // topk_group != 2:
+            # transformers scores a group by the sum of its 2 best biased scores; megatron's group_limited_topk sums
+            # its best top_k / topk_group: the same rule only when that is 2 (DeepSeek-V3: 8 / 4)
+            raise ValueError(
+                f"{where}: group-limited routing with num_experts_per_tok={top_k}, topk_group={topk_group} is not "
+                "supported (megatron scores a group by its best num_experts_per_tok / topk_group experts, "
+                "transformers by its best 2: they agree only when num_experts_per_tok == 2 * topk_group)"
+            )
+        groups, group_topk = n_group, topk_group
+    layers = int(cfg["num_hidden_layers"])
+    first_dense, freq = int(cfg["first_k_dense_replace"]), int(cfg.get("moe_layer_freq") or 1)
+    pattern = tuple(i >= first_dense and i % freq == 0 for i in range(layers))
+    scale = float(cfg.get("routed_scaling_factor") or 1.0)
+    return MoeFields(
+        experts=experts,
+        top_k=top_k,
+        expert_ffn=int(cfg["moe_intermediate_size"]),
+        norm_topk_prob=True,
+        moe_layers=pattern,
+        shared_expert_ffn=int(cfg.get("n_shared_experts") or 0) * int(cfg["moe_intermediate_size"]),
+        shared_expert_gate=False,
+        score_function="sigmoid",
+        expert_bias=True,
+        num_groups=groups,
+        group_topk=group_topk,
+        scaling_factor=None if scale == 1.0 else scale,
+    )
 
 
 def moe_fields(cfg: dict, fam: Family, where: str = "HF config") -> MoeFields | None:
-    """The MoE settings of an HF config of an MoE family (None for dense families). Layer ``i`` is an MoE layer when it
-    is not in ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0`` (transformers' Qwen2/3-MoE rule)."""
+    """The MoE settings of an HF config of an MoE family (None for dense families). Qwen: layer ``i`` is an MoE layer
+    when it is not in ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0`` (transformers' Qwen2/3-MoE rule);
+    DeepSeek: see ``_deepseek_moe_fields``."""
     if not fam.moe:
         return None
+    if fam.deepseek_moe:
+        return _deepseek_moe_fields(cfg, fam, where)
     experts = cfg.get("num_experts", cfg.get("num_local_experts"))
     if experts is None:
         raise ValueError(f"{where}: {fam.model_type} needs num_experts (or num_local_experts)")
@@ -231,6 +324,48 @@ def moe_fields(cfg: dict, fam: Family, where: str = "HF config") -> MoeFields | 
         moe_layers=pattern,
         shared_expert_ffn=shared,
     )
+
+
+@dataclass(frozen=True)
+class MlaFields:
+    """Multi-latent attention shapes of an HF config (DeepSeek-V2/V3), in transformers' names."""
+
+    q_lora_rank: int | None
+    """Rank of the query's low-rank projection (``q_a_proj``); None: a full ``q_proj`` (DeepSeek-V2-Lite)."""
+    kv_lora_rank: int
+    """Width of the compressed key/value latent (``kv_a_proj_with_mqa`` minus the RoPE part)."""
+    qk_nope_head_dim: int
+    """Per-head query/key width without RoPE (megatron's ``qk_head_dim``)."""
+    qk_rope_head_dim: int
+    """Per-head query width with RoPE, and of the single key RoPE head shared by all heads (megatron's
+    ``qk_pos_emb_head_dim``)."""
+    v_head_dim: int
+    """Per-head value width."""
+
+
+def mla_fields(cfg: dict, fam: Family, where: str = "HF config") -> MlaFields | None:
+    """The multi-latent attention shapes of an HF config of an MLA family (None otherwise). Refuses
+    ``rope_interleave=false``: megatron's MLA always reads the RoPE dims as interleaved pairs (transformers' hub
+    default)."""
+    if not fam.mla:
+        return None
+    dims = {}
+    for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        v = cfg.get(name)
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"{where}: {fam.model_type} needs {name} > 0, got {v!r}")
+        dims[name] = v
+    q = cfg.get("q_lora_rank")
+    if q is not None and (not isinstance(q, int) or isinstance(q, bool) or q <= 0):
+        raise ValueError(f"{where}: q_lora_rank must be a positive int or null, got {q!r}")
+    if dims["qk_rope_head_dim"] % 2:
+        raise ValueError(f"{where}: qk_rope_head_dim={dims['qk_rope_head_dim']} must be even (RoPE rotates pairs)")
+    if cfg.get("rope_interleave", True) is not True:
+        raise ValueError(
+            f"{where}: rope_interleave={cfg.get('rope_interleave')!r} is not supported (megatron's multi-latent "
+            "attention reads the RoPE dims as interleaved pairs, rope_interleave=true)"
+        )
+    return MlaFields(q_lora_rank=q, **dims)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -642,6 +777,8 @@ def model_spec_from_hf_config(source: str | Path | dict, name: str | None = None
         cfg = text
     _, fam = family_of(cfg, where)
     mtype = fam.model_type
+    if fam.mla:
+        raise ValueError(f"{where}: the planner has no memory model for multi-latent attention ({mtype}) yet")
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"{where}: hidden_act {act!r}; only SwiGLU (silu) MLPs are supported")

@@ -19,7 +19,7 @@ import torch
 from megatron_rlvr.models.hf_config import MegatronModelArgs
 from megatron_rlvr.models.hf_loading import SAFE_INDEX, SAFE_SINGLE
 from megatron_rlvr.models.lora import is_lora_param, merged_weight
-from megatron_rlvr.models.mapping import ExpertLayout, WeightMapping, layer_offset
+from megatron_rlvr.models.mapping import FP32_HF_TENSORS, ExpertLayout, WeightMapping, layer_offset, mapped_tensors
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 
@@ -67,7 +67,7 @@ def iter_hf_tensors(model, args: MegatronModelArgs, *, pg_collection=None) -> It
     mapping = WeightMapping(args.dims)
     offset = layer_offset(args.config, pg_collection.pp.rank())
     experts = ExpertLayout.of(pg_collection)
-    for name, param in model.named_parameters():
+    for name, param in mapped_tensors(model):
         if is_lora_param(param):  # LoRA: exported merged into the weight it adapts
             continue
         p = mapping.resolve(name, layer_offset=offset, expert_offset=experts.expert_offset(args.dims))
@@ -178,7 +178,8 @@ def export_hf(
     for name, tensor in iter_hf_tensors(model, args, pg_collection=pg_collection):
         if not writer:
             continue
-        t = tensor.to(device="cpu", dtype=dtype).contiguous().clone()
+        keep = torch.float32 if name.endswith(FP32_HF_TENSORS) else dtype  # transformers' fp32 router bias
+        t = tensor.to(device="cpu", dtype=keep).contiguous().clone()
         nbytes = t.numel() * t.element_size()
         if pending and pending_bytes + nbytes > max_shard_bytes:
             flush()
