@@ -456,3 +456,28 @@ def test_deepseek_v3_mapping_round_trips_at_any_layout(dsv3, tp):
     assert p.hf_names == ("model.layers.2.mlp.gate.e_score_correction_bias",)
     with pytest.raises(KeyError):  # the dense first layer has no router
         mapping.resolve("decoder.layers.0.mlp.router.expert_bias", layer_offset=0)
+
+
+def test_plan_spec_counts_every_parameter_and_the_published_totals(dsv3):
+    """The planner's ModelSpec of a DeepSeek-V3 config counts exactly the tensors transformers holds (the tiny
+    model: parameters + the router bias buffers; active = total minus the idle routed experts), and the built-in
+    specs reproduce the published sizes: DeepSeek-V3 671 B / 37 B active, Moonlight-16B-A3B 15.29 B / 2.24 B
+    without its two embedding matrices (the paper's count; marketed as 16 B / 3 B). MLA caches the latent and the
+    RoPE key: 61 x 576 elements per token for DeepSeek-V3 at any rollout TP."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_rlvr.families.table import get_model_spec, model_spec_from_hf_config
+
+    cfg, _, folder, *_ = dsv3
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    bias = sum(b.numel() for n, b in hf.named_buffers() if n.endswith("e_score_correction_bias"))
+    total = sum(p.numel() for p in hf.parameters()) + bias
+    spec = model_spec_from_hf_config(cfg)
+    assert spec.param_count() == total
+    idle = 2 * (8 - 2) * 3 * 64 * 32  # 2 MoE layers x 6 idle experts x (gate, up, down) of 64 x 32
+    assert spec.active_param_count() == total - idle
+    v3, moon = get_model_spec("deepseek-ai/DeepSeek-V3"), get_model_spec("moonshotai/Moonlight-16B-A3B-Instruct")
+    assert round(v3.param_count() / 1e9) == 671 and 37.5e9 < v3.active_param_count() < 37.6e9
+    emb = 2 * 163840 * 2048
+    assert round((moon.param_count() - emb) / 1e7) == 1529 and round((moon.active_param_count() - emb) / 1e7) == 224
+    assert v3.kv_cache_elems_per_token(1) == v3.kv_cache_elems_per_token(8) == 61 * 576

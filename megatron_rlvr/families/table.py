@@ -514,7 +514,14 @@ class ModelSpec:
     moe_layers: tuple[bool, ...] = ()
     """Per layer: True for an MoE layer, False for a dense MLP of width ``ffn``; empty: every layer when ``experts``."""
     shared_expert_ffn: int = 0
-    """Inner width of a shared SwiGLU expert in every MoE layer, with a sigmoid gate (Qwen2-MoE); 0: none."""
+    """Inner width of a shared SwiGLU expert in every MoE layer (Qwen2-MoE: one; DeepSeek: n_shared_experts as one
+    MLP); 0: none."""
+    shared_expert_gate: bool = True
+    """The shared expert has a [1, h] sigmoid gate (Qwen2-MoE); DeepSeek's shared experts have none."""
+    router_bias: bool = False
+    """Each router has a per-expert score-correction bias of E values (DeepSeek-V3's ``e_score_correction_bias``)."""
+    mla: MlaFields | None = None
+    """Multi-latent attention shapes (DeepSeek); None: grouped-query attention of ``heads`` x ``head_dim``."""
     vision: VisionSpec | None = None
     """The vision tower of a vision-language model (on the first pipeline stage); None: text only."""
 
@@ -567,24 +574,56 @@ class ModelSpec:
         return self.kv_heads * self.head_dim
 
     def layer_params(self) -> dict[str, int]:
-        """Parameters of ONE transformer layer, split into TP-sharded matrices/biases and replicated norms."""
+        """Parameters of ONE transformer layer, split into TP-sharded matrices/biases and replicated norms.
+
+        Multi-latent attention: ``qkv_w`` holds the TP-split up projections (``q_b_proj`` or ``q_proj`` [a (n + r),
+        ...] and ``kv_b_proj`` [a (n + v), c_kv]), ``out_w`` the output projection [h, a v]; ``attn_rep`` the down
+        projections (``q_a_proj`` [c_q, h], ``kv_a_proj_with_mqa`` [c_kv + r, h]) and the two latent norms, whole
+        on every TP rank (n, r, v: the nope, rope and value head widths; c_q, c_kv: the q and kv LoRA ranks)."""
         h, f = self.hidden, self.ffn
+        mlp_w = (3 if self.gated_mlp else 2) * h * f
+        norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        m = self.mla
+        if m is not None:
+            qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+            q_up = (m.q_lora_rank or h) * self.heads * qk
+            kv_up = m.kv_lora_rank * self.heads * (m.qk_nope_head_dim + m.v_head_dim)
+            down = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
+            down += (h + 1) * m.q_lora_rank if m.q_lora_rank else 0
+            out_w = self.heads * m.v_head_dim * h
+            return {"qkv_w": q_up + kv_up, "qkv_b": 0, "out_w": out_w, "mlp_w": mlp_w, "norms": norms, "attn_rep": down}
         qkv_w = h * (self.q_dim + 2 * self.kv_dim)
         qkv_b = (self.q_dim + 2 * self.kv_dim) if self.qkv_bias else 0
         out_w = self.q_dim * h
-        mlp_w = (3 if self.gated_mlp else 2) * h * f
-        norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
-        return {"qkv_w": qkv_w, "qkv_b": qkv_b, "out_w": out_w, "mlp_w": mlp_w, "norms": norms}
+        return {"qkv_w": qkv_w, "qkv_b": qkv_b, "out_w": out_w, "mlp_w": mlp_w, "norms": norms, "attn_rep": 0}
+
+    def attn_activation_width(self) -> int:
+        """Elements per token one layer's attention saves for backward and splits over TP: q, k, v and the attention
+        output (GQA: q_dim + 2 kv_dim + q_dim; MLA: each head's q and k of width n + r, v and output of width v)."""
+        m = self.mla
+        if m is None:
+            return 2 * self.q_dim + 2 * self.kv_dim
+        return self.heads * (2 * (m.qk_nope_head_dim + m.qk_rope_head_dim) + 2 * m.v_head_dim)
+
+    def kv_cache_elems_per_token(self, rollout_tp: int) -> int:
+        """KV-cache elements per token of one engine GPU over all layers: K and V of max(1, kv_heads / rollout_tp)
+        heads; multi-latent attention caches the compressed latent and the shared RoPE key instead (c_kv + r per
+        layer, on every rank), as vLLM and transformers do."""
+        if self.mla is not None:
+            return self.layers * (self.mla.kv_lora_rank + self.mla.qk_rope_head_dim)
+        return 2 * self.layers * max(1, self.kv_heads // rollout_tp) * self.head_dim
 
     def moe_layer_params(self) -> dict[str, int]:
         """Parameters of the MLP of ONE MoE layer (zeros for a dense model): the router [E, h] (replicated over TP),
         the routed experts (3 h f_e each: gate, up, down; split over EP x expert TP) and the shared expert with its
-        [1, h] gate (split over TP like a dense MLP)."""
+        [1, h] gate where it has one (split over TP like a dense MLP); the router's score-correction bias counts
+        with the router."""
         if not self.experts:
             return {"router": 0, "experts": 0, "shared": 0}
         h = self.hidden
-        shared = 3 * h * self.shared_expert_ffn + h if self.shared_expert_ffn else 0
-        return {"router": h * self.experts, "experts": self.experts * 3 * h * self.expert_ffn, "shared": shared}
+        shared = 3 * h * self.shared_expert_ffn + (h if self.shared_expert_gate else 0) if self.shared_expert_ffn else 0
+        router = h * self.experts + (self.experts if self.router_bias else 0)
+        return {"router": router, "experts": self.experts * 3 * h * self.expert_ffn, "shared": shared}
 
     def param_count(self) -> int:
         """Total parameters of the HF checkpoint (unpadded vocab), embeddings + L layers + final norm + LM head (+ the
@@ -734,6 +773,52 @@ BUILTIN_SPECS: dict[str, ModelSpec] = {
         top_k=8,
         expert_ffn=1536,
     ),
+    # deepseek-ai/DeepSeek-V3 config.json: hidden_size 7168, intermediate_size 18432 (the first_k_dense_replace 3
+    # dense layers), num_hidden_layers 61, num_attention_heads 128, q_lora_rank 1536, kv_lora_rank 512,
+    # qk_nope_head_dim 128, qk_rope_head_dim 64, v_head_dim 128, n_routed_experts 256, num_experts_per_tok 8,
+    # moe_intermediate_size 2048, n_shared_experts 1, moe_layer_freq 1, n_group 8, topk_group 4, vocab_size 129280,
+    # tie_word_embeddings false (its multi-token-prediction layer, 14 B more in the checkpoint, is not counted).
+    # 671.0 B parameters, 37.6 B active (published: 671 B / 37 B).
+    "deepseek-v3": _spec(
+        name="DeepSeek-V3",
+        hidden=7168,
+        ffn=18432,
+        layers=61,
+        heads=128,
+        kv_heads=128,
+        vocab=129280,
+        experts=256,
+        top_k=8,
+        expert_ffn=2048,
+        moe_layers=(False,) * 3 + (True,) * 58,
+        shared_expert_ffn=2048,
+        shared_expert_gate=False,
+        router_bias=True,
+        mla=MlaFields(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+    ),
+    # moonshotai/Moonlight-16B-A3B config.json (DeepseekV3ForCausalLM): hidden_size 2048, intermediate_size 11264,
+    # num_hidden_layers 27, first_k_dense_replace 1, num_attention_heads 16, q_lora_rank null, kv_lora_rank 512,
+    # qk_nope_head_dim 128, qk_rope_head_dim 64, v_head_dim 128, n_routed_experts 64, num_experts_per_tok 6,
+    # moe_intermediate_size 1408, n_shared_experts 2, n_group 1, topk_group 1, vocab_size 163840, untied.
+    # 15.96 B parameters, 2.91 B active; without the two embedding matrices 15.29 B / 2.24 B, the paper's figures
+    # (arXiv:2502.16982; marketed as 16 B / 3 B).
+    "moonlight-16b-a3b": _spec(
+        name="Moonlight-16B-A3B",
+        hidden=2048,
+        ffn=11264,
+        layers=27,
+        heads=16,
+        kv_heads=16,
+        vocab=163840,
+        experts=64,
+        top_k=6,
+        expert_ffn=1408,
+        moe_layers=(False,) + (True,) * 26,
+        shared_expert_ffn=2816,
+        shared_expert_gate=False,
+        router_bias=True,
+        mla=MlaFields(q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+    ),
 }
 
 
@@ -777,8 +862,6 @@ def model_spec_from_hf_config(source: str | Path | dict, name: str | None = None
         cfg = text
     _, fam = family_of(cfg, where)
     mtype = fam.model_type
-    if fam.mla:
-        raise ValueError(f"{where}: the planner has no memory model for multi-latent attention ({mtype}) yet")
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"{where}: hidden_act {act!r}; only SwiGLU (silu) MLPs are supported")
@@ -788,15 +871,16 @@ def model_spec_from_hf_config(source: str | Path | dict, name: str | None = None
         raise ValueError(f"{where}: missing field(s) {', '.join(missing)}")
     heads = cfg["num_attention_heads"]
     moe = moe_fields(cfg, fam, where)
+    mla = mla_fields(cfg, fam, where)
     return ModelSpec(
         name=name or cfg.get("_name_or_path") or Path(where).parent.name or mtype,
         hidden=cfg["hidden_size"],
         ffn=cfg["intermediate_size"],
         layers=cfg["num_hidden_layers"],
         heads=heads,
-        kv_heads=cfg.get("num_key_value_heads") or heads,
+        kv_heads=heads if mla else cfg.get("num_key_value_heads") or heads,
         vocab=cfg["vocab_size"],
-        head_dim=cfg.get("head_dim") or 0,
+        head_dim=0 if mla else cfg.get("head_dim") or 0,
         # transformers' Llama/Qwen2/Qwen3/Mistral config classes default tie_word_embeddings to False.
         tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=has_qkv_bias(cfg, fam),
@@ -806,5 +890,8 @@ def model_spec_from_hf_config(source: str | Path | dict, name: str | None = None
         expert_ffn=moe.expert_ffn if moe else 0,
         moe_layers=moe.moe_layers if moe else (),
         shared_expert_ffn=moe.shared_expert_ffn if moe else 0,
+        shared_expert_gate=moe.shared_expert_gate if moe else True,
+        router_bias=moe.expert_bias if moe else False,
+        mla=mla,
         vision=vision,
     )
