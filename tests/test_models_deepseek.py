@@ -481,3 +481,28 @@ def test_plan_spec_counts_every_parameter_and_the_published_totals(dsv3):
     emb = 2 * 163840 * 2048
     assert round((moon.param_count() - emb) / 1e7) == 1529 and round((moon.active_param_count() - emb) / 1e7) == 224
     assert v3.kv_cache_elems_per_token(1) == v3.kv_cache_elems_per_token(8) == 61 * 576
+
+
+def _rank_to_megatron(folder: str, root: str) -> None:
+    from megatron_rlvr.models.convert import to_megatron_on_rank
+
+    to_megatron_on_rank(folder, os.path.join(root, "ckpt"))
+
+
+def _rank_to_hf(root: str) -> None:
+    from megatron_rlvr.models.convert import to_hf_on_rank
+
+    to_hf_on_rank(os.path.join(root, "ckpt"), os.path.join(root, "hf"), max_shard_bytes=200_000)
+
+
+@pytest.mark.slow
+def test_deepseek_v3_checkpoint_reshards_and_converts_back_bit_identical(dist_pool, dsv3, tmp_path):
+    """HF -> megatron dist checkpoint at TP=1 x EP=2 -> loaded at TP=2 x EP=4 x expert TP 1 (the replicated MLA down
+    projections, the column-parallel up projections, the router bias buffers and the experts reshard) -> HF:
+    every tensor bit-identical to transformers' checkpoint."""
+    _, _, folder, *_ = dsv3
+    dist_pool.run(_rank_to_megatron, tp=1, ep=2, args=(folder, str(tmp_path)), timeout=300)
+    dist_pool.run(_rank_to_hf, tp=2, ep=4, etp=1, args=(str(tmp_path),), timeout=300)
+    src, dst = _saved_tensors(folder), _saved_tensors(str(tmp_path / "hf"))
+    assert sorted(src) == sorted(dst)
+    assert [k for k in src if not torch.equal(src[k], dst[k])] == []
