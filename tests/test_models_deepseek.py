@@ -73,6 +73,32 @@ def _config():
     )
 
 
+def _config_v2():
+    """DeepSeek-V2-Lite's layout: a full q_proj (q_lora_rank null), softmax greedy routing never renormalised, two
+    shared experts, YaRN with mscale = mscale_all_dim = 0.707 (V2-Lite's values)."""
+    from transformers import DeepseekV2Config
+
+    v3 = _config().to_dict()
+    keep = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers")
+    keep += ("num_attention_heads", "num_key_value_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim")
+    keep += ("v_head_dim", "rms_norm_eps", "max_position_embeddings", "first_k_dense_replace", "num_experts_per_tok")
+    return DeepseekV2Config(
+        **{k: v3[k] for k in keep},
+        q_lora_rank=None,
+        n_routed_experts=8,
+        n_shared_experts=2,
+        topk_method="greedy",
+        norm_topk_prob=False,
+        routed_scaling_factor=1.5,
+        rope_parameters=v3["rope_parameters"] | {"mscale": 0.707, "mscale_all_dim": 0.707},
+        tie_word_embeddings=False,
+        pad_token_id=None,
+        bos_token_id=1,
+        eos_token_id=2,
+        architectures=["DeepseekV2ForCausalLM"],
+    )
+
+
 def _make_model(cfg, seed):
     from transformers import AutoModelForCausalLM
 
@@ -146,6 +172,22 @@ def dsv3(tmp_path_factory):
     return cfg.to_dict() | {"num_nextn_predict_layers": 1}, state, str(folder), str(mtp), batches, logits, grads
 
 
+@pytest.fixture(scope="module")
+def dsv2(tmp_path_factory):
+    """As ``dsv3`` for the DeepSeek-V2-Lite-style model (no multi-token-prediction layer: both folders the same)."""
+    cfg = _config_v2()
+    model = _make_model(cfg, seed=32)
+    folder = tmp_path_factory.mktemp("dsv2")
+    model.save_pretrained(folder)
+    g = torch.Generator().manual_seed(6)
+    batches = [torch.randint(3, VOCAB, (2, SEQ), generator=g) for _ in range(BATCHES)]
+    with torch.no_grad():
+        logits = model(batches[0]).logits.float()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    grads = {d: _hf_grads(model, batches[:d]) for d in (2, 4)}
+    return cfg.to_dict(), state, str(folder), str(folder), batches, logits, grads
+
+
 def _positions(ids):
     return torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1)
 
@@ -163,7 +205,8 @@ def _controls(model, args, ids, ref, pg) -> dict[str, float]:
     layers = list(gpt.decoder.layers)
     routers = [ly.mlp.router for ly in layers if hasattr(ly.mlp, "router")]
     cores = [ly.self_attention.core_attention for ly in layers]
-    norms = [n for ly in layers for n in (ly.self_attention.q_layernorm, ly.self_attention.kv_layernorm)]
+    norms = [getattr(ly.self_attention, n, None) for ly in layers for n in ("q_layernorm", "kv_layernorm")]
+    norms = [n for n in norms if n is not None]
     out = {}
 
     def err():
@@ -178,18 +221,26 @@ def _controls(model, args, ids, ref, pg) -> dict[str, float]:
         finally:
             on()
 
-    biases = [r.expert_bias.clone() for r in routers]
-    toggle(
-        "expert bias ignored in the choice",
-        lambda: [r.expert_bias.zero_() for r in routers],
-        lambda: [r.expert_bias.copy_(b) for r, b in zip(routers, biases, strict=True)],
-    )
+    if routers[0].expert_bias is not None:
+        biases = [r.expert_bias.clone() for r in routers]
+        toggle(
+            "expert bias ignored in the choice",
+            lambda: [r.expert_bias.zero_() for r in routers],
+            lambda: [r.expert_bias.copy_(b) for r, b in zip(routers, biases, strict=True)],
+        )
     groups = cfg.moe_router_group_topk
-    toggle(
-        "no group limit",
-        lambda: setattr(cfg, "moe_router_group_topk", None),
-        lambda: setattr(cfg, "moe_router_group_topk", groups),
-    )
+    if groups:
+        toggle(
+            "no group limit",
+            lambda: setattr(cfg, "moe_router_group_topk", None),
+            lambda: setattr(cfg, "moe_router_group_topk", groups),
+        )
+    if cfg.moe_router_score_function == "softmax" and cfg.moe_router_pre_softmax:
+        toggle(
+            "top-k weights renormalised",
+            lambda: setattr(cfg, "moe_router_pre_softmax", False),
+            lambda: setattr(cfg, "moe_router_pre_softmax", True),
+        )
     scale = cfg.moe_router_topk_scaling_factor
     toggle(
         "no routed_scaling_factor",
@@ -221,8 +272,8 @@ def _controls(model, args, ids, ref, pg) -> dict[str, float]:
     return out
 
 
-def _rank_dsv3(data, from_folder: bool, export_root: str | None) -> dict:
-    """Build the tiny DeepSeek-V3 at the pool's layout, load the HF weights, logits (eval), one forward/backward
+def _rank_deepseek(data, from_folder: bool, export_root: str | None) -> dict:
+    """Build the tiny DeepSeek model at the pool's layout, load the HF weights, logits (eval), one forward/backward
     through megatron DDP with this data-parallel rank's batch, gradients reduced and gathered back to HF names, the
     controls, and (export_root) the export; (from_folder) the load of the checkpoint with an MTP layer."""
     from megatron.core.distributed import finalize_model_grads
@@ -283,18 +334,25 @@ def _rank_dsv3(data, from_folder: bool, export_root: str | None) -> dict:
 
 
 LAYOUTS = [
-    # (tp, ep, etp, load from the saved folder with an MTP layer and export)
+    # (tp, ep, etp, load from the saved folder (V3: with an MTP layer) and export)
     (1, 1, 1, False),
     (2, 2, 2, True),
 ]
+CONTROLS = {"dsv3": 6, "dsv2": 5}
+"""Controls per family: V3 bias, groups, scaling, YaRN mscale, YaRN frequencies, latent eps; V2 (no bias, no
+groups, one latent norm) the same without the first two, plus the top-k weights renormalised."""
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("family", ["dsv3", "dsv2"])
 @pytest.mark.parametrize("tp,ep,etp,from_folder", LAYOUTS)
-def test_deepseek_v3_logits_grads_and_controls_match_transformers(dist_pool, dsv3, tmp_path, tp, ep, etp, from_folder):
-    cfg, _, folder, _, _, ref_logits, ref_grads = dsv3
+def test_deepseek_logits_grads_and_controls_match_transformers(
+    request, dist_pool, tmp_path, family, tp, ep, etp, from_folder
+):
+    data = request.getfixturevalue(family)
+    cfg, _, folder, _, _, ref_logits, ref_grads = data
     export_root = str(tmp_path / "export") if from_folder else None
-    results = dist_pool.run(_rank_dsv3, tp=tp, ep=ep, etp=etp, args=(dsv3, from_folder, export_root), timeout=400)
+    results = dist_pool.run(_rank_deepseek, tp=tp, ep=ep, etp=etp, args=(data, from_folder, export_root), timeout=400)
     r0 = results[0]
     _, _, _, dp = r0["layout"]
     abs_err = (r0["logits"] - ref_logits).abs().max().item()
@@ -305,19 +363,22 @@ def test_deepseek_v3_logits_grads_and_controls_match_transformers(dist_pool, dsv
     worst = max(((_rel(grads[k], want[k]), k) for k in want), key=lambda x: x[0])
     controls = r0["controls"]
     print(
-        f"deepseek_v3 tp={tp} ep={ep} etp={etp}: logits max-abs {abs_err:.1e} rel {rel_err:.1e}, worst grad "
+        f"{cfg['model_type']} tp={tp} ep={ep} etp={etp}: logits max-abs {abs_err:.1e} rel {rel_err:.1e}, worst grad "
         f"{worst[0]:.1e} ({worst[1]}), controls " + ", ".join(f"{k}: {v:.2e}" for k, v in controls.items())
     )
     assert abs_err < LOGIT_TOL and rel_err < LOGIT_TOL, (abs_err, rel_err)
     bad = sorted((round(_rel(grads[k], want[k]), 4), k) for k in want if _rel(grads[k], want[k]) >= GRAD_TOL)
     assert worst[0] < GRAD_TOL, bad
-    assert len(controls) == 6 and all(v > CONTROL_MIN for v in controls.values()), controls
+    assert len(controls) == CONTROLS[family] and all(v > CONTROL_MIN for v in controls.values()), controls
     if from_folder:
         mtp_lines = [m for r in results for m in r["logs"] if "multi-token-prediction" in m]
-        assert len(mtp_lines) == 1 and "skipping 2 tensors of 1 multi-token-prediction layer" in mtp_lines[0]
+        if family == "dsv3":
+            assert len(mtp_lines) == 1 and "skipping 2 tensors of 1 multi-token-prediction layer" in mtp_lines[0]
+        else:
+            assert mtp_lines == []
         src, dst = _saved_tensors(folder), _saved_tensors(export_root)
         assert sorted(src) == sorted(dst)
-        assert any(k.endswith("e_score_correction_bias") for k in dst)
+        assert any(k.endswith("e_score_correction_bias") for k in dst) == (family == "dsv3")
         assert [k for k in src if not torch.equal(src[k], dst[k])] == []
         assert all(dst[k].dtype == torch.float32 for k in dst if k.endswith("e_score_correction_bias"))
 
@@ -506,3 +567,36 @@ def test_deepseek_v3_checkpoint_reshards_and_converts_back_bit_identical(dist_po
     src, dst = _saved_tensors(folder), _saved_tensors(str(tmp_path / "hf"))
     assert sorted(src) == sorted(dst)
     assert [k for k in src if not torch.equal(src[k], dst[k])] == []
+
+
+def test_deepseek_v2_config_translation_refusals_and_spec(dsv2):
+    """DeepSeek-V2: softmax greedy routing without renormalisation (megatron's pre-softmax top-k), the scaling
+    factor, ungated shared experts, a full q projection; refused: group-limited greedy that limits, and
+    norm_topk_prob=true (transformers ignores it, vLLM honours it). The plan spec counts every transformers
+    parameter."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_rlvr.families.table import model_spec_from_hf_config
+    from megatron_rlvr.models.hf_config import megatron_model_args
+
+    cfg, _, folder, *_ = dsv2
+    a = megatron_model_args(cfg, tp_size=2, ep_size=2)
+    c = a.config
+    assert (c.moe_router_score_function, c.moe_router_pre_softmax, c.moe_router_topk_scaling_factor) == (
+        "softmax",
+        True,
+        1.5,
+    )
+    assert not c.moe_router_enable_expert_bias and c.moe_router_num_groups is None and c.q_lora_rank is None
+    assert c.moe_shared_expert_intermediate_size == 64 and not c.moe_shared_expert_gate
+    assert (c.mscale, c.mscale_all_dim) == (0.707, 0.707) and not a.dims.expert_bias and a.dims.q_lora_rank == 0
+    limited = cfg | {"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2}
+    with pytest.raises(ValueError, match="group_limited_greedy with n_group=4, topk_group=2"):
+        megatron_model_args(limited)
+    assert megatron_model_args(limited | {"topk_group": 4}).config.moe_router_num_groups is None  # every group
+    with pytest.raises(ValueError, match="norm_topk_prob=true"):
+        megatron_model_args(cfg | {"norm_topk_prob": True})
+    with pytest.raises(ValueError, match="moe_layer_freq=2"):
+        megatron_model_args(cfg | {"moe_layer_freq": 2})
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    assert model_spec_from_hf_config(cfg).param_count() == sum(p.numel() for p in hf.parameters())

@@ -56,10 +56,11 @@ class Family:
     mla: bool = False
     """Multi-latent attention (DeepSeek-V2/V3): low-rank q and kv projections, decoupled RoPE dims; see
     :func:`mla_fields`."""
-    deepseek_moe: bool = False
-    """DeepSeek-V3's MoE: ``n_routed_experts``, the first ``first_k_dense_replace`` layers dense, ungated shared
-    experts, sigmoid scores whose top-k is chosen with the ``e_score_correction_bias`` added (aux-loss-free
-    balancing), group-limited top-k (``n_group`` / ``topk_group``) and ``routed_scaling_factor``."""
+    deepseek_moe: str = ""
+    """DeepSeek's MoE (``n_routed_experts``, the first ``first_k_dense_replace`` layers dense, ungated shared experts,
+    ``routed_scaling_factor``) with its router: ``sigmoid`` (V3: sigmoid scores whose top-k is chosen with the
+    ``e_score_correction_bias`` added, the aux-loss-free balancing, and group-limited top-k by ``n_group`` /
+    ``topk_group``) or ``softmax`` (V2: softmax over all experts, greedy top-k, never renormalised); empty: none."""
 
 
 FAMILIES: dict[str, Family] = {
@@ -97,7 +98,17 @@ FAMILIES: dict[str, Family] = {
         bias_fields=("attention_bias",),
         moe=True,
         mla=True,
-        deepseek_moe=True,
+        deepseek_moe="sigmoid",
+    ),
+    # DeepSeek-V2 and V2-Lite (greedy top-k; V2's group_limited_greedy is refused, see _deepseek_moe_fields)
+    "DeepseekV2ForCausalLM": Family(
+        "deepseek_v2",
+        qkv_bias=False,
+        qk_layernorm=False,
+        bias_fields=("attention_bias", "mlp_bias"),
+        moe=True,
+        mla=True,
+        deepseek_moe="softmax",
     ),
 }
 """The supported families, keyed by HF ``architectures[0]`` (the trainer, the exporter and the planner all read it)."""
@@ -234,8 +245,9 @@ class MoeFields:
 
 
 def _deepseek_moe_fields(cfg: dict, fam: Family, where: str) -> MoeFields:
-    """DeepSeek-V3's MoE settings (transformers' ``DeepseekV3TopkRouter`` / ``DeepseekV3MoE``). Layer ``i`` is an MoE
-    layer when ``i >= first_k_dense_replace`` and ``i % moe_layer_freq == 0``."""
+    """DeepSeek's MoE settings (transformers' ``DeepseekV3TopkRouter`` / ``DeepseekV2TopkRouter`` and ``*MoE``).
+    Layer ``i`` is an MoE layer when ``i >= first_k_dense_replace`` (transformers ignores ``moe_layer_freq``; a value
+    other than 1 is refused)."""
     experts = cfg.get("n_routed_experts", cfg.get("num_local_experts"))
     for name, v in (("n_routed_experts", experts), ("num_experts_per_tok", cfg.get("num_experts_per_tok"))):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
@@ -246,6 +258,10 @@ def _deepseek_moe_fields(cfg: dict, fam: Family, where: str) -> MoeFields:
     experts, top_k = int(experts), int(cfg["num_experts_per_tok"])
     if not 1 <= top_k <= experts:
         raise ValueError(f"{where}: num_experts_per_tok={top_k} must be in 1..n_routed_experts={experts}")
+    if int(cfg.get("moe_layer_freq") or 1) != 1:
+        raise ValueError(f"{where}: {fam.model_type} moe_layer_freq={cfg['moe_layer_freq']} is not supported (1 only)")
+    if fam.deepseek_moe == "softmax":
+        return _deepseek_v2_router(cfg, fam, where, experts, top_k)
     # config keys that only the original DeepSeek code (and vLLM) read: refuse values that would route otherwise
     if cfg.get("scoring_func", "sigmoid") != "sigmoid":
         raise ValueError(f"{where}: {fam.model_type} scoring_func={cfg['scoring_func']!r}; only sigmoid is supported")
@@ -271,22 +287,58 @@ def _deepseek_moe_fields(cfg: dict, fam: Family, where: str) -> MoeFields:
                 "transformers by its best 2: they agree only when num_experts_per_tok == 2 * topk_group)"
             )
         groups, group_topk = n_group, topk_group
-    layers = int(cfg["num_hidden_layers"])
-    first_dense, freq = int(cfg["first_k_dense_replace"]), int(cfg.get("moe_layer_freq") or 1)
-    pattern = tuple(i >= first_dense and i % freq == 0 for i in range(layers))
     scale = float(cfg.get("routed_scaling_factor") or 1.0)
     return MoeFields(
         experts=experts,
         top_k=top_k,
         expert_ffn=int(cfg["moe_intermediate_size"]),
         norm_topk_prob=True,
-        moe_layers=pattern,
+        moe_layers=_deepseek_moe_layers(cfg),
         shared_expert_ffn=int(cfg.get("n_shared_experts") or 0) * int(cfg["moe_intermediate_size"]),
         shared_expert_gate=False,
         score_function="sigmoid",
         expert_bias=True,
         num_groups=groups,
         group_topk=group_topk,
+        scaling_factor=None if scale == 1.0 else scale,
+    )
+
+
+def _deepseek_moe_layers(cfg: dict) -> tuple[bool, ...]:
+    first_dense = int(cfg["first_k_dense_replace"])
+    return tuple(i >= first_dense for i in range(int(cfg["num_hidden_layers"])))
+
+
+def _deepseek_v2_router(cfg: dict, fam: Family, where: str, experts: int, top_k: int) -> MoeFields:
+    """DeepSeek-V2's router as transformers computes it: softmax over all experts, greedy top-k, the k weights never
+    renormalised (transformers ignores ``norm_topk_prob``), times ``routed_scaling_factor``: megatron's
+    ``moe_router_pre_softmax=True`` with the scaling factor. ``group_limited_greedy`` scores a group by its best
+    expert, which megatron cannot do; it is accepted only where it selects every group (then it is greedy)."""
+    method = cfg.get("topk_method") or "greedy"
+    n_group, topk_group = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
+    if method not in ("greedy", "group_limited_greedy"):
+        raise ValueError(f"{where}: {fam.model_type} topk_method={method!r} is not supported (greedy)")
+    if method == "group_limited_greedy" and n_group > 1 and topk_group < n_group:
+        raise ValueError(
+            f"{where}: {fam.model_type} topk_method=group_limited_greedy with n_group={n_group}, topk_group="
+            f"{topk_group} is not supported (megatron cannot score a group by its best expert)"
+        )
+    if cfg.get("norm_topk_prob"):
+        raise ValueError(
+            f"{where}: {fam.model_type} norm_topk_prob=true is not supported (transformers never renormalises "
+            "DeepSeek-V2's top-k weights, vLLM does: the engines would disagree)"
+        )
+    if cfg.get("scoring_func", "softmax") != "softmax":
+        raise ValueError(f"{where}: {fam.model_type} scoring_func={cfg['scoring_func']!r}; only softmax is supported")
+    scale = float(cfg.get("routed_scaling_factor") or 1.0)
+    return MoeFields(
+        experts=experts,
+        top_k=top_k,
+        expert_ffn=int(cfg["moe_intermediate_size"]),
+        norm_topk_prob=False,
+        moe_layers=_deepseek_moe_layers(cfg),
+        shared_expert_ffn=int(cfg.get("n_shared_experts") or 0) * int(cfg["moe_intermediate_size"]),
+        shared_expert_gate=False,
         scaling_factor=None if scale == 1.0 else scale,
     )
 
