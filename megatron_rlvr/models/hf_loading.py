@@ -149,7 +149,7 @@ def _note_mtp(names, args: MegatronModelArgs, source) -> None:
     them, so they are not loaded (and an export does not write them)."""
     mtp = mtp_tensor_names(names, args.dims.num_layers)
     if mtp and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
-        n = int(args.hf_config.get("num_nextn_predict_layers") or 0)
+        n = len({name.split(".")[2] for name in mtp})
         log.warning(
             "%s: skipping %d tensors of %d multi-token-prediction layer(s) (model.layers.%d.*): the policy is the "
             "causal LM only",

@@ -42,6 +42,9 @@ Layouts (megatron-core 0.16, ``SelfAttention.get_query_key_value_tensors``)
 - Tied embeddings: HF stores only ``model.embed_tokens.weight``. Megatron with PP > 1 keeps a copy as
   ``output_layer.weight`` on the last stage (synchronised by megatron's embedding group); its rule maps to the same
   HF name with ``skip_on_export=True``.
+- Multi-latent attention (DeepSeek): the down projections (``q_a_proj``, ``kv_a_proj_with_mqa``) are whole on every
+  TP rank, the up projections (``q_b_proj`` / ``q_proj``, ``kv_b_proj``) split by heads, all in transformers' row
+  order; the router's ``e_score_correction_bias`` is megatron's ``router.expert_bias`` buffer (``mapped_tensors``).
 - Norm weights: megatron's local (torch) spec names them ``input_layernorm`` / ``pre_mlp_layernorm``; the
   Transformer-Engine spec fuses them into the next linear (``linear_qkv.layer_norm_weight`` /
   ``linear_fc1.layer_norm_weight``). Both names resolve to the same rule.
@@ -100,7 +103,7 @@ class ModelDims:
     """Each router has a score-correction bias (DeepSeek-V3's ``e_score_correction_bias``, megatron's
     ``router.expert_bias`` buffer)."""
     mla: bool = False
-    """Multi-latent attention (DeepSeek): the ``mla_*`` fields replace the fused QKV projection."""
+    """Multi-latent attention (DeepSeek): the five fields below describe it; there is no fused QKV projection."""
     q_lora_rank: int = 0
     """MLA: rank of the query's low-rank projection; 0: a full query projection (``q_proj``)."""
     kv_lora_rank: int = 0
