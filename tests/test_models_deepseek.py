@@ -8,7 +8,8 @@ feature switched off (bias ignored in the choice, no group limit, no scaling, no
 frequencies instead of YaRN's, latent norms at ``rms_norm_eps``) must miss transformers' logits by 100 x the
 tolerance or more. The export back to HF is bit-identical (the fp32 router bias included), a checkpoint's
 multi-token-prediction layer is skipped with one log line, and the mapping round-trips every tensor at any
-TP / expert TP / EP / PP (pure torch).
+TP / expert TP / EP / PP (pure torch). DeepSeek-V2 (V2-Lite's layout: no q LoRA, softmax greedy routing never
+renormalised) gets the same parity checks with its own controls.
 """
 
 from __future__ import annotations
