@@ -1,8 +1,9 @@
 """Model architectures, torch-free: the one model-family table and the shape specs the planner's memory model uses.
 
-- ``FAMILIES``: every supported HF decoder family (Llama, Qwen2/2.5, Qwen3, and the mixture-of-experts Qwen2-MoE and
-  Qwen3-MoE), keyed by ``architectures[0]``, with what distinguishes it. ``models/hf_config.py`` builds megatron
-  models from it, the planner derives a :class:`ModelSpec` from it, so the two accept exactly the same models.
+- ``FAMILIES``: every supported HF decoder family (Llama, Qwen2/2.5, Qwen3, and the mixture-of-experts Qwen2-MoE,
+  Qwen3-MoE and DeepSeek-V2/V3 with multi-latent attention), keyed by ``architectures[0]``, with what distinguishes it.
+  ``models/hf_config.py`` builds megatron models from it, the planner derives a :class:`ModelSpec` from it, so the
+  two accept exactly the same models.
 - ``ModelSpec``: the shapes of a decoder-only transformer, dense or mixture-of-experts, with a :class:`VisionSpec`
   for a vision-language model's tower; ``BUILTIN_SPECS`` for planning without a checkpoint (values from each model's
   official HF config.json).
@@ -52,6 +53,14 @@ class Family:
     """Each MoE layer also has one shared SwiGLU expert whose output is scaled by a sigmoid gate (Qwen2-MoE)."""
     qkv_bias_field: str | None = None
     """HF config field saying whether q/k/v carry a bias (Qwen2-MoE's ``qkv_bias``); None: ``qkv_bias`` decides."""
+    mla: bool = False
+    """Multi-latent attention (DeepSeek-V2/V3): low-rank q and kv projections, decoupled RoPE dims; see
+    :func:`mla_fields`."""
+    deepseek_moe: str = ""
+    """DeepSeek's MoE (``n_routed_experts``, the first ``first_k_dense_replace`` layers dense, ungated shared experts,
+    ``routed_scaling_factor``) with its router: ``sigmoid`` (V3: sigmoid scores whose top-k is chosen with the
+    ``e_score_correction_bias`` added, the aux-loss-free balancing, and group-limited top-k by ``n_group`` /
+    ``topk_group``) or ``softmax`` (V2: softmax over all experts, greedy top-k, never renormalised); empty: none."""
 
 
 FAMILIES: dict[str, Family] = {
@@ -80,6 +89,26 @@ FAMILIES: dict[str, Family] = {
         moe=True,
         shared_expert=True,
         qkv_bias_field="qkv_bias",
+    ),
+    # DeepSeek-V3 (also Moonlight-16B-A3B and Kimi-K2, which reuse the architecture)
+    "DeepseekV3ForCausalLM": Family(
+        "deepseek_v3",
+        qkv_bias=False,
+        qk_layernorm=False,
+        bias_fields=("attention_bias",),
+        moe=True,
+        mla=True,
+        deepseek_moe="sigmoid",
+    ),
+    # DeepSeek-V2 and V2-Lite (greedy top-k; V2's group_limited_greedy is refused, see _deepseek_moe_fields)
+    "DeepseekV2ForCausalLM": Family(
+        "deepseek_v2",
+        qkv_bias=False,
+        qk_layernorm=False,
+        bias_fields=("attention_bias", "mlp_bias"),
+        moe=True,
+        mla=True,
+        deepseek_moe="softmax",
     ),
 }
 """The supported families, keyed by HF ``architectures[0]`` (the trainer, the exporter and the planner all read it)."""
@@ -198,14 +227,130 @@ class MoeFields:
     moe_layers: tuple[bool, ...]
     """Per layer: True for an MoE layer, False for a dense MLP (``mlp_only_layers``, ``decoder_sparse_step``)."""
     shared_expert_ffn: int = 0
-    """Inner width of the shared expert (Qwen2-MoE ``shared_expert_intermediate_size``); 0: none."""
+    """Inner width of the shared expert (Qwen2-MoE ``shared_expert_intermediate_size``; DeepSeek
+    ``n_shared_experts * moe_intermediate_size``); 0: none."""
+    shared_expert_gate: bool = True
+    """The shared expert's output is scaled by ``sigmoid(shared_expert_gate(x))`` (Qwen2-MoE; DeepSeek: no gate)."""
+    score_function: str = "softmax"
+    """Router scores: ``softmax`` over all experts, or ``sigmoid`` per expert (DeepSeek-V3)."""
+    expert_bias: bool = False
+    """A per-expert bias is added to the scores for the top-k choice only (DeepSeek-V3's ``e_score_correction_bias``,
+    the aux-loss-free balancing of arXiv:2408.15664); the weights are the unbiased scores."""
+    num_groups: int | None = None
+    """Group-limited routing: the experts form this many equal groups (``n_group``); None: no group limit."""
+    group_topk: int | None = None
+    """Groups a token may use (``topk_group``), chosen by the sum of each group's two best biased scores."""
+    scaling_factor: float | None = None
+    """The routed experts' weights are multiplied by this (``routed_scaling_factor``); None: 1."""
+
+
+def _deepseek_moe_fields(cfg: dict, fam: Family, where: str) -> MoeFields:
+    """DeepSeek's MoE settings (transformers' ``DeepseekV3TopkRouter`` / ``DeepseekV2TopkRouter`` and ``*MoE``).
+    Layer ``i`` is an MoE layer when ``i >= first_k_dense_replace`` (transformers ignores ``moe_layer_freq``; a value
+    other than 1 is refused)."""
+    experts = cfg.get("n_routed_experts", cfg.get("num_local_experts"))
+    for name, v in (("n_routed_experts", experts), ("num_experts_per_tok", cfg.get("num_experts_per_tok"))):
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"{where}: {fam.model_type} needs {name} > 0, got {v!r}")
+    for name in ("moe_intermediate_size", "first_k_dense_replace"):
+        if name not in cfg:
+            raise ValueError(f"{where}: {fam.model_type} needs {name}")
+    experts, top_k = int(experts), int(cfg["num_experts_per_tok"])
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"{where}: num_experts_per_tok={top_k} must be in 1..n_routed_experts={experts}")
+    if int(cfg.get("moe_layer_freq") or 1) != 1:
+        raise ValueError(f"{where}: {fam.model_type} moe_layer_freq={cfg['moe_layer_freq']} is not supported (1 only)")
+    if fam.deepseek_moe == "softmax":
+        return _deepseek_v2_router(cfg, fam, where, experts, top_k)
+    # config keys that only the original DeepSeek code (and vLLM) read: refuse values that would route otherwise
+    if cfg.get("scoring_func", "sigmoid") != "sigmoid":
+        raise ValueError(f"{where}: {fam.model_type} scoring_func={cfg['scoring_func']!r}; only sigmoid is supported")
+    if cfg.get("topk_method", "noaux_tc") != "noaux_tc":
+        raise ValueError(f"{where}: {fam.model_type} topk_method={cfg['topk_method']!r}; only noaux_tc is supported")
+    if not cfg.get("norm_topk_prob", True) or top_k == 1:
+        # megatron renormalises sigmoid top-k weights for top_k > 1 and never for top_k == 1
+        raise ValueError(
+            f"{where}: {fam.model_type} with norm_topk_prob={cfg.get('norm_topk_prob')} and num_experts_per_tok="
+            f"{top_k} is not supported (sigmoid routing needs norm_topk_prob=true and num_experts_per_tok > 1)"
+        )
+    n_group, topk_group = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
+    groups = group_topk = None
+    if n_group > 1 and topk_group < n_group:  # otherwise every group is always selected: no limit
+        if experts % n_group or experts // n_group < 2:
+            raise ValueError(f"{where}: n_group={n_group} must split n_routed_experts={experts} into groups of >= 2")
+        if topk_group < 1 or top_k % topk_group or top_k // topk_group != 2:
+            # transformers scores a group by the sum of its 2 best biased scores; megatron's group_limited_topk sums
+            # its best top_k / topk_group: the same rule only when that is 2 (DeepSeek-V3: 8 / 4)
+            raise ValueError(
+                f"{where}: group-limited routing with num_experts_per_tok={top_k}, topk_group={topk_group} is not "
+                "supported (megatron scores a group by its best num_experts_per_tok / topk_group experts, "
+                "transformers by its best 2: they agree only when num_experts_per_tok == 2 * topk_group)"
+            )
+        groups, group_topk = n_group, topk_group
+    scale = float(cfg.get("routed_scaling_factor") or 1.0)
+    return MoeFields(
+        experts=experts,
+        top_k=top_k,
+        expert_ffn=int(cfg["moe_intermediate_size"]),
+        norm_topk_prob=True,
+        moe_layers=_deepseek_moe_layers(cfg),
+        shared_expert_ffn=int(cfg.get("n_shared_experts") or 0) * int(cfg["moe_intermediate_size"]),
+        shared_expert_gate=False,
+        score_function="sigmoid",
+        expert_bias=True,
+        num_groups=groups,
+        group_topk=group_topk,
+        scaling_factor=None if scale == 1.0 else scale,
+    )
+
+
+def _deepseek_moe_layers(cfg: dict) -> tuple[bool, ...]:
+    first_dense = int(cfg["first_k_dense_replace"])
+    return tuple(i >= first_dense for i in range(int(cfg["num_hidden_layers"])))
+
+
+def _deepseek_v2_router(cfg: dict, fam: Family, where: str, experts: int, top_k: int) -> MoeFields:
+    """DeepSeek-V2's router as transformers computes it: softmax over all experts, greedy top-k, the k weights never
+    renormalised (transformers ignores ``norm_topk_prob``), times ``routed_scaling_factor``: megatron's
+    ``moe_router_pre_softmax=True`` with the scaling factor. ``group_limited_greedy`` scores a group by its best
+    expert, which megatron cannot do; it is accepted only where it selects every group (then it is greedy)."""
+    method = cfg.get("topk_method") or "greedy"
+    n_group, topk_group = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
+    if method not in ("greedy", "group_limited_greedy"):
+        raise ValueError(f"{where}: {fam.model_type} topk_method={method!r} is not supported (greedy)")
+    if method == "group_limited_greedy" and n_group > 1 and topk_group < n_group:
+        raise ValueError(
+            f"{where}: {fam.model_type} topk_method=group_limited_greedy with n_group={n_group}, topk_group="
+            f"{topk_group} is not supported (megatron cannot score a group by its best expert)"
+        )
+    if cfg.get("norm_topk_prob"):
+        raise ValueError(
+            f"{where}: {fam.model_type} norm_topk_prob=true is not supported (transformers never renormalises "
+            "DeepSeek-V2's top-k weights, vLLM does: the engines would disagree)"
+        )
+    if cfg.get("scoring_func", "softmax") != "softmax":
+        raise ValueError(f"{where}: {fam.model_type} scoring_func={cfg['scoring_func']!r}; only softmax is supported")
+    scale = float(cfg.get("routed_scaling_factor") or 1.0)
+    return MoeFields(
+        experts=experts,
+        top_k=top_k,
+        expert_ffn=int(cfg["moe_intermediate_size"]),
+        norm_topk_prob=False,
+        moe_layers=_deepseek_moe_layers(cfg),
+        shared_expert_ffn=int(cfg.get("n_shared_experts") or 0) * int(cfg["moe_intermediate_size"]),
+        shared_expert_gate=False,
+        scaling_factor=None if scale == 1.0 else scale,
+    )
 
 
 def moe_fields(cfg: dict, fam: Family, where: str = "HF config") -> MoeFields | None:
-    """The MoE settings of an HF config of an MoE family (None for dense families). Layer ``i`` is an MoE layer when it
-    is not in ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0`` (transformers' Qwen2/3-MoE rule)."""
+    """The MoE settings of an HF config of an MoE family (None for dense families). Qwen: layer ``i`` is an MoE layer
+    when it is not in ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0`` (transformers' Qwen2/3-MoE rule);
+    DeepSeek: see ``_deepseek_moe_fields``."""
     if not fam.moe:
         return None
+    if fam.deepseek_moe:
+        return _deepseek_moe_fields(cfg, fam, where)
     experts = cfg.get("num_experts", cfg.get("num_local_experts"))
     if experts is None:
         raise ValueError(f"{where}: {fam.model_type} needs num_experts (or num_local_experts)")
@@ -231,6 +376,48 @@ def moe_fields(cfg: dict, fam: Family, where: str = "HF config") -> MoeFields | 
         moe_layers=pattern,
         shared_expert_ffn=shared,
     )
+
+
+@dataclass(frozen=True)
+class MlaFields:
+    """Multi-latent attention shapes of an HF config (DeepSeek-V2/V3), in transformers' names."""
+
+    q_lora_rank: int | None
+    """Rank of the query's low-rank projection (``q_a_proj``); None: a full ``q_proj`` (DeepSeek-V2-Lite)."""
+    kv_lora_rank: int
+    """Width of the compressed key/value latent (``kv_a_proj_with_mqa`` minus the RoPE part)."""
+    qk_nope_head_dim: int
+    """Per-head query/key width without RoPE (megatron's ``qk_head_dim``)."""
+    qk_rope_head_dim: int
+    """Per-head query width with RoPE, and of the single key RoPE head shared by all heads (megatron's
+    ``qk_pos_emb_head_dim``)."""
+    v_head_dim: int
+    """Per-head value width."""
+
+
+def mla_fields(cfg: dict, fam: Family, where: str = "HF config") -> MlaFields | None:
+    """The multi-latent attention shapes of an HF config of an MLA family (None otherwise). Refuses
+    ``rope_interleave=false``: megatron's MLA always reads the RoPE dims as interleaved pairs (transformers' hub
+    default)."""
+    if not fam.mla:
+        return None
+    dims = {}
+    for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        v = cfg.get(name)
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"{where}: {fam.model_type} needs {name} > 0, got {v!r}")
+        dims[name] = v
+    q = cfg.get("q_lora_rank")
+    if q is not None and (not isinstance(q, int) or isinstance(q, bool) or q <= 0):
+        raise ValueError(f"{where}: q_lora_rank must be a positive int or null, got {q!r}")
+    if dims["qk_rope_head_dim"] % 2:
+        raise ValueError(f"{where}: qk_rope_head_dim={dims['qk_rope_head_dim']} must be even (RoPE rotates pairs)")
+    if cfg.get("rope_interleave", True) is not True:
+        raise ValueError(
+            f"{where}: rope_interleave={cfg.get('rope_interleave')!r} is not supported (megatron's multi-latent "
+            "attention reads the RoPE dims as interleaved pairs, rope_interleave=true)"
+        )
+    return MlaFields(q_lora_rank=q, **dims)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -379,7 +566,14 @@ class ModelSpec:
     moe_layers: tuple[bool, ...] = ()
     """Per layer: True for an MoE layer, False for a dense MLP of width ``ffn``; empty: every layer when ``experts``."""
     shared_expert_ffn: int = 0
-    """Inner width of a shared SwiGLU expert in every MoE layer, with a sigmoid gate (Qwen2-MoE); 0: none."""
+    """Inner width of a shared SwiGLU expert in every MoE layer (Qwen2-MoE: one; DeepSeek: n_shared_experts as one
+    MLP); 0: none."""
+    shared_expert_gate: bool = True
+    """The shared expert has a [1, h] sigmoid gate (Qwen2-MoE); DeepSeek's shared experts have none."""
+    router_bias: bool = False
+    """Each router has a per-expert score-correction bias of E values (DeepSeek-V3's ``e_score_correction_bias``)."""
+    mla: MlaFields | None = None
+    """Multi-latent attention shapes (DeepSeek); None: grouped-query attention of ``heads`` x ``head_dim``."""
     vision: VisionSpec | None = None
     """The vision tower of a vision-language model (on the first pipeline stage); None: text only."""
 
@@ -432,24 +626,56 @@ class ModelSpec:
         return self.kv_heads * self.head_dim
 
     def layer_params(self) -> dict[str, int]:
-        """Parameters of ONE transformer layer, split into TP-sharded matrices/biases and replicated norms."""
+        """Parameters of ONE transformer layer, split into TP-sharded matrices/biases and replicated norms.
+
+        Multi-latent attention: ``qkv_w`` holds the TP-split up projections (``q_b_proj`` or ``q_proj`` [a (n + r),
+        ...] and ``kv_b_proj`` [a (n + v), c_kv]), ``out_w`` the output projection [h, a v]; ``attn_rep`` the down
+        projections (``q_a_proj`` [c_q, h], ``kv_a_proj_with_mqa`` [c_kv + r, h]) and the two latent norms, whole
+        on every TP rank (n, r, v: the nope, rope and value head widths; c_q, c_kv: the q and kv LoRA ranks)."""
         h, f = self.hidden, self.ffn
+        mlp_w = (3 if self.gated_mlp else 2) * h * f
+        norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        m = self.mla
+        if m is not None:
+            qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+            q_up = (m.q_lora_rank or h) * self.heads * qk
+            kv_up = m.kv_lora_rank * self.heads * (m.qk_nope_head_dim + m.v_head_dim)
+            down = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
+            down += (h + 1) * m.q_lora_rank if m.q_lora_rank else 0
+            out_w = self.heads * m.v_head_dim * h
+            return {"qkv_w": q_up + kv_up, "qkv_b": 0, "out_w": out_w, "mlp_w": mlp_w, "norms": norms, "attn_rep": down}
         qkv_w = h * (self.q_dim + 2 * self.kv_dim)
         qkv_b = (self.q_dim + 2 * self.kv_dim) if self.qkv_bias else 0
         out_w = self.q_dim * h
-        mlp_w = (3 if self.gated_mlp else 2) * h * f
-        norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
-        return {"qkv_w": qkv_w, "qkv_b": qkv_b, "out_w": out_w, "mlp_w": mlp_w, "norms": norms}
+        return {"qkv_w": qkv_w, "qkv_b": qkv_b, "out_w": out_w, "mlp_w": mlp_w, "norms": norms, "attn_rep": 0}
+
+    def attn_activation_width(self) -> int:
+        """Elements per token one layer's attention saves for backward and splits over TP: q, k, v and the attention
+        output (GQA: q_dim + 2 kv_dim + q_dim; MLA: each head's q and k of width n + r, v and output of width v)."""
+        m = self.mla
+        if m is None:
+            return 2 * self.q_dim + 2 * self.kv_dim
+        return self.heads * (2 * (m.qk_nope_head_dim + m.qk_rope_head_dim) + 2 * m.v_head_dim)
+
+    def kv_cache_elems_per_token(self, rollout_tp: int) -> int:
+        """KV-cache elements per token of one engine GPU over all layers: K and V of max(1, kv_heads / rollout_tp)
+        heads; multi-latent attention caches the compressed latent and the shared RoPE key instead (c_kv + r per
+        layer, on every rank), as vLLM and transformers do."""
+        if self.mla is not None:
+            return self.layers * (self.mla.kv_lora_rank + self.mla.qk_rope_head_dim)
+        return 2 * self.layers * max(1, self.kv_heads // rollout_tp) * self.head_dim
 
     def moe_layer_params(self) -> dict[str, int]:
         """Parameters of the MLP of ONE MoE layer (zeros for a dense model): the router [E, h] (replicated over TP),
         the routed experts (3 h f_e each: gate, up, down; split over EP x expert TP) and the shared expert with its
-        [1, h] gate (split over TP like a dense MLP)."""
+        [1, h] gate where it has one (split over TP like a dense MLP); the router's score-correction bias counts
+        with the router."""
         if not self.experts:
             return {"router": 0, "experts": 0, "shared": 0}
         h = self.hidden
-        shared = 3 * h * self.shared_expert_ffn + h if self.shared_expert_ffn else 0
-        return {"router": h * self.experts, "experts": self.experts * 3 * h * self.expert_ffn, "shared": shared}
+        shared = 3 * h * self.shared_expert_ffn + (h if self.shared_expert_gate else 0) if self.shared_expert_ffn else 0
+        router = h * self.experts + (self.experts if self.router_bias else 0)
+        return {"router": router, "experts": self.experts * 3 * h * self.expert_ffn, "shared": shared}
 
     def param_count(self) -> int:
         """Total parameters of the HF checkpoint (unpadded vocab), embeddings + L layers + final norm + LM head (+ the
@@ -599,6 +825,52 @@ BUILTIN_SPECS: dict[str, ModelSpec] = {
         top_k=8,
         expert_ffn=1536,
     ),
+    # deepseek-ai/DeepSeek-V3 config.json: hidden_size 7168, intermediate_size 18432 (the first_k_dense_replace 3
+    # dense layers), num_hidden_layers 61, num_attention_heads 128, q_lora_rank 1536, kv_lora_rank 512,
+    # qk_nope_head_dim 128, qk_rope_head_dim 64, v_head_dim 128, n_routed_experts 256, num_experts_per_tok 8,
+    # moe_intermediate_size 2048, n_shared_experts 1, moe_layer_freq 1, n_group 8, topk_group 4, vocab_size 129280,
+    # tie_word_embeddings false (its multi-token-prediction layer, 14 B more in the checkpoint, is not counted).
+    # 671.0 B parameters, 37.6 B active (published: 671 B / 37 B).
+    "deepseek-v3": _spec(
+        name="DeepSeek-V3",
+        hidden=7168,
+        ffn=18432,
+        layers=61,
+        heads=128,
+        kv_heads=128,
+        vocab=129280,
+        experts=256,
+        top_k=8,
+        expert_ffn=2048,
+        moe_layers=(False,) * 3 + (True,) * 58,
+        shared_expert_ffn=2048,
+        shared_expert_gate=False,
+        router_bias=True,
+        mla=MlaFields(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+    ),
+    # moonshotai/Moonlight-16B-A3B config.json (DeepseekV3ForCausalLM): hidden_size 2048, intermediate_size 11264,
+    # num_hidden_layers 27, first_k_dense_replace 1, num_attention_heads 16, q_lora_rank null, kv_lora_rank 512,
+    # qk_nope_head_dim 128, qk_rope_head_dim 64, v_head_dim 128, n_routed_experts 64, num_experts_per_tok 6,
+    # moe_intermediate_size 1408, n_shared_experts 2, n_group 1, topk_group 1, vocab_size 163840, untied.
+    # 15.96 B parameters, 2.91 B active; without the two embedding matrices 15.29 B / 2.24 B, the paper's figures
+    # (arXiv:2502.16982; marketed as 16 B / 3 B).
+    "moonlight-16b-a3b": _spec(
+        name="Moonlight-16B-A3B",
+        hidden=2048,
+        ffn=11264,
+        layers=27,
+        heads=16,
+        kv_heads=16,
+        vocab=163840,
+        experts=64,
+        top_k=6,
+        expert_ffn=1408,
+        moe_layers=(False,) + (True,) * 26,
+        shared_expert_ffn=2816,
+        shared_expert_gate=False,
+        router_bias=True,
+        mla=MlaFields(q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+    ),
 }
 
 
@@ -651,15 +923,16 @@ def model_spec_from_hf_config(source: str | Path | dict, name: str | None = None
         raise ValueError(f"{where}: missing field(s) {', '.join(missing)}")
     heads = cfg["num_attention_heads"]
     moe = moe_fields(cfg, fam, where)
+    mla = mla_fields(cfg, fam, where)
     return ModelSpec(
         name=name or cfg.get("_name_or_path") or Path(where).parent.name or mtype,
         hidden=cfg["hidden_size"],
         ffn=cfg["intermediate_size"],
         layers=cfg["num_hidden_layers"],
         heads=heads,
-        kv_heads=cfg.get("num_key_value_heads") or heads,
+        kv_heads=heads if mla else cfg.get("num_key_value_heads") or heads,
         vocab=cfg["vocab_size"],
-        head_dim=cfg.get("head_dim") or 0,
+        head_dim=0 if mla else cfg.get("head_dim") or 0,
         # transformers' Llama/Qwen2/Qwen3/Mistral config classes default tie_word_embeddings to False.
         tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=has_qkv_bias(cfg, fam),
@@ -669,5 +942,8 @@ def model_spec_from_hf_config(source: str | Path | dict, name: str | None = None
         expert_ffn=moe.expert_ffn if moe else 0,
         moe_layers=moe.moe_layers if moe else (),
         shared_expert_ffn=moe.shared_expert_ffn if moe else 0,
+        shared_expert_gate=moe.shared_expert_gate if moe else True,
+        router_bias=moe.expert_bias if moe else False,
+        mla=mla,
         vision=vision,
     )

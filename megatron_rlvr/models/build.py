@@ -31,17 +31,30 @@ def layer_spec(args: MegatronModelArgs, use_te: bool | None = None, pp_rank: int
     MoE and dense layers per ``moe_layer_freq``). ``use_te=None`` picks TE when available.
 
     MoE experts: Transformer Engine's grouped GEMM (``TEGroupedMLP``) where TE runs, else megatron's
-    ``SequentialMLP`` (one GEMM per local expert; CPU)."""
+    ``SequentialMLP`` (one GEMM per local expert; CPU).
+
+    Multi-latent attention always uses megatron's local spec, amended (``_mla_local_spec``)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if use_te is None:
-        use_te = te_available()
     cfg = args.config
+    if use_te is None:
+        use_te = te_available() and not getattr(cfg, "multi_latent_attention", False)
+    if getattr(cfg, "multi_latent_attention", False):
+        if use_te:
+            raise ValueError("multi-latent attention is built from megatron's local layer spec (use_te=False)")
+        _mla_without_te()
     if cfg.num_moe_experts:
         if cfg.moe_grouped_gemm and not use_te:
             raise ValueError("moe_grouped_gemm needs the Transformer Engine layer spec (use_te)")
-        return gpt_layer_specs.get_gpt_decoder_block_spec(
+        spec = gpt_layer_specs.get_gpt_decoder_block_spec(
             cfg, use_transformer_engine=use_te, normalization="RMSNorm", pp_rank=pp_rank
+        )
+        return _mla_local_spec(spec) if getattr(cfg, "multi_latent_attention", False) else spec
+    if getattr(cfg, "multi_latent_attention", False):
+        return _mla_local_spec(
+            gpt_layer_specs.get_gpt_layer_local_spec(
+                num_experts=None, multi_latent_attention=True, qk_layernorm=True, normalization="RMSNorm"
+            )
         )
     if use_te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
@@ -50,6 +63,80 @@ def layer_spec(args: MegatronModelArgs, use_te: bool | None = None, pp_rank: int
     return gpt_layer_specs.get_gpt_layer_local_spec(
         num_experts=None, moe_grouped_gemm=False, qk_layernorm=args.config.qk_layernorm, normalization="RMSNorm"
     )
+
+
+def _mla_without_te() -> None:
+    """megatron-core 0.16's multi_latent_attention.py imports megatron.core.extensions.transformer_engine, which
+    imports even without Transformer Engine (it puts a MagicMock in TE's place), so the module believes TE is there
+    and ``MultiLatentAttention.__init__`` fails on ``isinstance(self.linear_proj, TELinear)`` (a mock, not a type).
+    attention.py checks ``import transformer_engine`` first; do the same."""
+    import importlib.util
+
+    from megatron.core.transformer import multi_latent_attention
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        multi_latent_attention.HAVE_TE = False
+
+
+def _mla_core_attention():
+    """megatron's local ``DotProductAttention`` for MLA layers. ``MLASelfAttention`` passes ``k_channels`` /
+    ``v_channels`` (the q/k head width nope + rope differs from the value head width), which only TE's attention
+    accepts; the local forward is shape-generic in the q/k width, only its output width must be v_head_dim * heads.
+    """
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    global _MLA_CORE
+    if _MLA_CORE is None:
+
+        class MLADotProductAttention(DotProductAttention):
+            def __init__(self, *a, k_channels=None, v_channels=None, **kw):
+                super().__init__(*a, **kw)
+                if v_channels is not None:
+                    self.hidden_size_per_attention_head = v_channels
+                    self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+
+        _MLA_CORE = MLADotProductAttention
+    return _MLA_CORE
+
+
+_MLA_CORE = None
+
+
+def _mla_local_spec(spec):
+    """The local layer (or block) spec with MLA's core attention swapped for ``_mla_core_attention`` and its two down
+    projections (``linear_q_down_proj``, ``linear_kv_down_proj``) whole on every TP rank, as in TE's spec.
+
+    The local spec makes them column-parallel and all-gathers their outputs over TP; the backward of that gather
+    keeps each rank's own slice of the gradient, but the gradient of the shared RoPE key (``k_pos_emb``) differs
+    between ranks (each holds other heads' contribution), so the other ranks' parts are lost: measured, the
+    gradient of every layer below the last one is then off by 1-20 % at TP=2. With whole projections the RoPE key is
+    all-gathered over the sequence, whose backward reduce-scatters (sums) the heads' contributions; the weights are
+    flagged ``sequence_parallel`` so megatron sums their gradients over TP."""
+    from megatron.core.transformer import multi_latent_attention
+
+    linear = multi_latent_attention.Linear  # the plain replicated linear MLASelfAttention accepts
+    if linear is None:
+        raise RuntimeError("megatron.core.post_training.modelopt.layers.Linear did not import: MLA cannot be built")
+    for layer in getattr(spec, "layer_specs", None) or [spec]:
+        attn = layer.submodules.self_attention
+        if type(attn.submodules).__name__ == "MLASelfAttentionSubmodules":
+            attn.submodules.core_attention = _mla_core_attention()
+            attn.submodules.linear_q_down_proj = linear
+            attn.submodules.linear_kv_down_proj = linear
+    return spec
+
+
+MLA_LATENT_NORM_EPS = 1e-6
+"""transformers (and DeepSeek's own code) build ``q_a_layernorm`` / ``kv_a_layernorm`` with the RMSNorm default eps
+1e-6, not ``rms_norm_eps`` (Moonlight: 1e-5); megatron gives every norm ``layernorm_epsilon``."""
+
+
+def _set_mla_latent_norm_eps(gpt) -> None:
+    for layer in getattr(gpt.decoder, "layers", []) if hasattr(gpt, "decoder") else []:
+        attn = layer.self_attention
+        for norm in (getattr(attn, "q_layernorm", None), getattr(attn, "kv_layernorm", None)):
+            if norm is not None and hasattr(norm, "eps"):
+                norm.eps = MLA_LATENT_NORM_EPS
 
 
 def _apply_rope_scaling(gpt, args: MegatronModelArgs) -> None:
@@ -133,6 +220,8 @@ def build_gpt_model(
         **extra,
     )
     _apply_rope_scaling(model, args)
+    if getattr(cfg, "multi_latent_attention", False):
+        _set_mla_latent_norm_eps(model)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     if wrap_float16 and (cfg.bf16 or cfg.fp16):
@@ -158,7 +247,8 @@ def takes_block_attention_mask(model) -> bool:
     if getattr(cfg, "masked_softmax_fusion", False) or getattr(cfg, "window_size", None) is not None:
         return False
     cores = [m.core_attention for m in gpt.modules() if hasattr(m, "core_attention")]
-    return all(type(c) is DotProductAttention for c in cores)
+    local = (DotProductAttention, _MLA_CORE) if _MLA_CORE is not None else (DotProductAttention,)
+    return all(type(c) in local for c in cores)
 
 
 def gather_vocab_parallel(logits: torch.Tensor, tp_group, vocab_size: int | None = None) -> torch.Tensor:

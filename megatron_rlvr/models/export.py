@@ -19,7 +19,7 @@ import torch
 from megatron_rlvr.models.hf_config import MegatronModelArgs
 from megatron_rlvr.models.hf_loading import SAFE_INDEX, SAFE_SINGLE
 from megatron_rlvr.models.lora import lora_container
-from megatron_rlvr.models.mapping import ExpertLayout, WeightMapping, layer_offset
+from megatron_rlvr.models.mapping import FP32_HF_TENSORS, ExpertLayout, WeightMapping, layer_offset, mapped_tensors
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 
@@ -70,7 +70,7 @@ def iter_hf_tensors(model, args: MegatronModelArgs, *, pg_collection=None) -> It
     offset = layer_offset(args.config, pg_collection.pp.rank())
     experts = ExpertLayout.of(pg_collection)
     lora = lora_container(model)
-    for name, param in model.named_parameters():
+    for name, param in mapped_tensors(model):
         if lora is not None and lora.is_adapter_param(param):  # exported merged into the weight it adapts
             continue
         p = mapping.resolve(name, layer_offset=offset, expert_offset=experts.expert_offset(args.dims))
@@ -207,7 +207,8 @@ def _write_temp_shards(tensors, out_dir: str, pp_rank: int, dtype, max_shard_byt
     for name, tensor in tensors:
         if not writer:
             continue
-        t = tensor.to(device="cpu", dtype=dtype).contiguous().clone()
+        keep = torch.float32 if name.endswith(FP32_HF_TENSORS) else dtype  # transformers' fp32 router bias
+        t = tensor.to(device="cpu", dtype=keep).contiguous().clone()
         nbytes = t.numel() * t.element_size()
         if pending and pending_bytes + nbytes > max_shard_bytes:
             flush()

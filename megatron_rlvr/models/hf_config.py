@@ -1,10 +1,12 @@
 """Hugging Face config -> megatron-core ``TransformerConfig`` + ``GPTModel`` arguments, per model family.
 
-Supported families live in one registry (``FAMILIES``): Llama (incl. Llama-3 rope scaling), Qwen2/2.5 (QKV bias),
-Qwen3 (per-head q/k RMSNorm) and the mixture-of-experts Qwen3-MoE and Qwen2-MoE (shared expert with a sigmoid
-gate). Anything else, or any config feature these models do not implement exactly (sliding window, attention/MLP
-biases on Llama, partial rotary, non-SiLU activations, unsupported rope types), is a ValueError naming the field, so
-a model never silently computes something different from its HF reference.
+Supported families live in one registry (``FAMILIES``): Llama (incl. Llama-3 rope scaling), Qwen2/2.5 (QKV bias), Qwen3
+(per-head q/k RMSNorm), the mixture-of-experts Qwen3-MoE and Qwen2-MoE (shared expert with a sigmoid gate), and
+DeepSeek-V3 (multi-latent attention with YaRN, sigmoid routing with the aux-loss-free expert bias, group-limited top-k,
+ungated shared experts, dense first layers; V2 with its softmax router). Anything else, or any config feature these
+models do not implement exactly (sliding window, attention/MLP biases on Llama, partial rotary, non-SiLU activations,
+unsupported rope types), is a ValueError naming the field, so a model never silently computes something different from
+its HF reference.
 """
 
 from __future__ import annotations
@@ -16,7 +18,16 @@ from typing import Any
 
 import torch
 
-from megatron_rlvr.families.table import FAMILIES, VL_FAMILIES, has_qkv_bias, moe_fields, padded_vocab, vl_text_config
+from megatron_rlvr.families.table import (
+    FAMILIES,
+    VL_FAMILIES,
+    MlaFields,
+    has_qkv_bias,
+    mla_fields,
+    moe_fields,
+    padded_vocab,
+    vl_text_config,
+)
 from megatron_rlvr.models.fusions import detect as detect_fusions
 from megatron_rlvr.models.fusions import fusion_flags
 from megatron_rlvr.models.mapping import ModelDims
@@ -30,9 +41,10 @@ class RopeSpec:
     theta: float
     """Base period (HF rope_theta)."""
     kind: str = "default"
-    """'default', 'linear' (position interpolation) or 'llama3'."""
+    """'default', 'linear' (position interpolation), 'llama3', or 'yarn' (multi-latent attention only: its
+    settings are in the MLA config, see ``mla_settings``)."""
     factor: float = 1.0
-    """Scaling factor for 'linear' / 'llama3'."""
+    """Scaling factor for 'linear' / 'llama3' / 'yarn'."""
     low_freq_factor: float = 1.0
     """llama3 only."""
     high_freq_factor: float = 4.0
@@ -89,14 +101,20 @@ def _get(cfg: dict, name: str, default=None):
     return cfg[name] if cfg.get(name) is not None else default
 
 
-def _rope_spec(cfg: dict) -> RopeSpec:
-    # transformers >= 5 stores everything in rope_parameters; older config.json files use rope_theta + rope_scaling.
+def _rope_params(cfg: dict) -> tuple[dict, float, str]:
+    """(rope parameters, theta, rope type) of an HF config: transformers >= 5 stores everything in rope_parameters;
+    older config.json files use rope_theta + rope_scaling (``type`` for ``rope_type``)."""
     params = dict(cfg.get("rope_parameters") or {})
     legacy = cfg.get("rope_scaling") or {}
     for k, v in legacy.items():
         params.setdefault(k, v)
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     kind = params.get("rope_type", params.get("type", "default")) or "default"
+    return params, float(theta), kind
+
+
+def _rope_spec(cfg: dict) -> RopeSpec:
+    params, theta, kind = _rope_params(cfg)
     if params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ValueError("HF config: partial_rotary_factor != 1 is not supported")
     if kind == "default":
@@ -115,6 +133,62 @@ def _rope_spec(cfg: dict) -> RopeSpec:
     raise ValueError(f"HF config: rope type {kind!r} is not supported (supported: default, linear, llama3)")
 
 
+def mla_settings(cfg: dict, mla: MlaFields) -> tuple[dict[str, Any], RopeSpec]:
+    """megatron ``MLATransformerConfig`` fields of a multi-latent-attention config, and its RopeSpec.
+
+    Names: megatron's ``qk_head_dim`` is transformers' ``qk_nope_head_dim`` and ``qk_pos_emb_head_dim`` its
+    ``qk_rope_head_dim``. ``qk_layernorm`` builds the q / kv latent RMSNorms (``q_a_layernorm`` /
+    ``kv_a_layernorm``). RoPE: ``default`` or ``yarn``; YaRN's attention factor (on cos / sin) and the softmax scale
+    ``mscale(factor, mscale_all_dim)^2 / sqrt(nope + rope)`` are transformers' (``_compute_yarn_parameters``,
+    ``yarn_apply_mscale``) for the settings accepted here; the others are refused by name.
+    """
+    params, theta, kind = _rope_params(cfg)
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("HF config: partial_rotary_factor != 1 is not supported")
+    out: dict[str, Any] = dict(
+        multi_latent_attention=True,
+        q_lora_rank=mla.q_lora_rank,
+        kv_lora_rank=mla.kv_lora_rank,
+        qk_head_dim=mla.qk_nope_head_dim,
+        qk_pos_emb_head_dim=mla.qk_rope_head_dim,
+        v_head_dim=mla.v_head_dim,
+        kv_channels=mla.v_head_dim,
+        qk_layernorm=True,
+        rotary_base=theta,
+        apply_rope_fusion=False,  # megatron's fused MLA RoPE is a CUDA kernel for YaRN only
+    )
+    if kind == "default":
+        out.update(rope_type="rope", rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
+        return out, RopeSpec(theta=theta)
+    if kind != "yarn":
+        raise ValueError(f"HF config: rope type {kind!r} is not supported with multi-latent attention (default, yarn)")
+    if params.get("attention_factor") is not None:
+        raise ValueError("HF config: rope_parameters.attention_factor is not supported (it is derived from mscale)")
+    if params.get("truncate", True) is not True:
+        raise ValueError("HF config: rope_parameters.truncate=false is not supported with multi-latent attention")
+    orig = params.get("original_max_position_embeddings")
+    if not orig:
+        raise ValueError("HF config: yarn rope scaling needs original_max_position_embeddings")
+    factor = params.get("factor") or cfg["max_position_embeddings"] / orig
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if not (mscale and mscale_all_dim):
+        # transformers then uses the attention factor 0.1 ln(factor) + 1 (megatron: mscale=1 over mscale_all_dim=0)
+        # and scales the softmax by mscale_all_dim only when it is set
+        if mscale_all_dim:
+            raise ValueError("HF config: yarn with mscale_all_dim but no mscale is not supported")
+        mscale, mscale_all_dim = 1.0, 0.0
+    out.update(
+        rope_type="yarn",
+        rotary_scaling_factor=float(factor),
+        original_max_position_embeddings=int(orig),
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
+        mscale=float(mscale),
+        mscale_all_dim=float(mscale_all_dim),
+    )
+    return out, RopeSpec(theta=theta, kind="yarn", factor=float(factor), original_max_position_embeddings=int(orig))
+
+
 def megatron_model_args(
     hf_config,
     *,
@@ -131,6 +205,7 @@ def megatron_model_args(
     moe_dispatcher: str | None = None,
     moe_aux_loss_coeff: float = 0.0,
     moe_z_loss_coeff: float = 0.0,
+    moe_expert_bias_update_rate: float = 0.0,
     **config_overrides,
 ) -> MegatronModelArgs:
     """Translate an HF causal-LM config into megatron's TransformerConfig and GPTModel arguments.
@@ -146,6 +221,10 @@ def megatron_model_args(
     ``tp_size``); ``moe_dispatcher`` is the token dispatcher (``alltoall``, ``allgather``; None: alltoall);
     ``moe_aux_loss_coeff`` / ``moe_z_loss_coeff`` turn on the router's load-balancing and z-loss terms (0: off, the
     RL default). With TP > 1 megatron trains MoE layers only under sequence parallelism, so it is switched on.
+    ``moe_expert_bias_update_rate``: for routers with an expert bias (DeepSeek-V3), the step of megatron's
+    aux-loss-free bias update after each optimizer step (0: the checkpoint's bias stays as it is).
+
+    Multi-latent attention families (DeepSeek-V3) get an ``MLATransformerConfig`` (``mla_settings``).
     """
     from megatron.core.transformer import TransformerConfig
 
@@ -160,7 +239,8 @@ def megatron_model_args(
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
 
     moe = moe_fields(cfg, fam)
-    dims = _model_dims(cfg, fam, moe, vision, tp_size, pp_size, vocab_multiple, padded_vocab_size)
+    mla = mla_fields(cfg, fam)
+    dims = _model_dims(cfg, fam, moe, mla, vision, tp_size, pp_size, vocab_multiple, padded_vocab_size)
     dims.check_tp(tp_size)
     etp_size = tp_size if etp_size is None else etp_size
     dims.check_ep(ep_size, etp_size if dims.is_moe else 1)
@@ -173,13 +253,24 @@ def megatron_model_args(
             dispatcher=moe_dispatcher,
             aux_loss_coeff=moe_aux_loss_coeff,
             z_loss_coeff=moe_z_loss_coeff,
-            grouped_gemm=fusions is not False and detect_fusions().grouped_gemm,
+            # MLA layers are built from megatron's local spec (models/build.py), whose experts are SequentialMLP
+            grouped_gemm=fusions is not False and detect_fusions().grouped_gemm and mla is None,
+            expert_bias_update_rate=moe_expert_bias_update_rate,
         )
         sequence_parallel = sequence_parallel or tp_size > 1
-    rope = _rope_spec(cfg)
+    if mla is not None:  # the whole down projections' gradients are right only under sequence parallelism
+        sequence_parallel = sequence_parallel or tp_size > 1
+    config_cls = TransformerConfig
+    if mla is not None:
+        from megatron.core.transformer import MLATransformerConfig
+
+        mla_kwargs, rope = mla_settings(cfg, mla)
+        config_cls = MLATransformerConfig
+    else:
+        mla_kwargs, rope = {}, _rope_spec(cfg)
 
     kwargs = _transformer_kwargs(cfg, dims, fusions, tp_size, pp_size, dtype, sequence_parallel, perform_initialization)
-    config = TransformerConfig(**{**kwargs, **moe_kwargs, **config_overrides})
+    config = config_cls(**{**kwargs, **moe_kwargs, **mla_kwargs, **config_overrides})
     return MegatronModelArgs(
         config=config,
         dims=dims,
@@ -211,12 +302,17 @@ def _text_family(cfg: dict):
 
 
 def _model_dims(
-    cfg: dict, fam, moe, vision, tp_size: int, pp_size: int, vocab_multiple: int, padded_vocab_size: int | None
+    cfg: dict, fam, moe, mla, vision, tp_size: int, pp_size: int, vocab_multiple: int, padded_vocab_size: int | None
 ) -> ModelDims:
-    """The model's shapes from a text HF config (``moe``: its MoE fields or None; ``vision``: its VisionSpec or
-    None); the layers must divide over ``pp_size`` stages, the vocabulary is padded for ``tp_size``."""
+    """The model's shapes from a text HF config (``moe``: its MoE fields or None; ``mla``: its multi-latent
+    attention fields or None; ``vision``: its VisionSpec or None); the layers must divide over ``pp_size`` stages,
+    the vocabulary is padded for ``tp_size``."""
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
+    kv_heads = int(_get(cfg, "num_key_value_heads", heads))
+    head_dim = int(_get(cfg, "head_dim", hidden // heads))
+    if mla is not None:  # every head has its own keys and values (expanded from the shared latent)
+        kv_heads, head_dim = heads, mla.v_head_dim
     layers = int(cfg["num_hidden_layers"])
     vocab = int(cfg["vocab_size"])
     if pp_size <= 0 or layers % pp_size:
@@ -227,8 +323,8 @@ def _model_dims(
         num_layers=layers,
         hidden_size=hidden,
         num_attention_heads=heads,
-        num_query_groups=int(_get(cfg, "num_key_value_heads", heads)),
-        head_dim=int(_get(cfg, "head_dim", hidden // heads)),
+        num_query_groups=kv_heads,
+        head_dim=head_dim,
         ffn_hidden_size=int(cfg["intermediate_size"]),
         vocab_size=vocab,
         padded_vocab_size=int(padded_vocab_size),
@@ -239,6 +335,9 @@ def _model_dims(
         moe_ffn_hidden_size=moe.expert_ffn if moe else 0,
         shared_expert_ffn=moe.shared_expert_ffn if moe else 0,
         moe_layers=moe.moe_layers if moe else (),
+        shared_expert_gate=moe.shared_expert_gate if moe else True,
+        expert_bias=moe.expert_bias if moe else False,
+        **(_mla_dims(mla) if mla is not None else {}),
         **(_vision_dims(vision, vision_param_names(vision)) if vision is not None else {}),
     )
 
@@ -289,6 +388,18 @@ def _transformer_kwargs(
     )
 
 
+def _mla_dims(mla: MlaFields) -> dict[str, Any]:
+    """ModelDims fields of a multi-latent-attention model."""
+    return dict(
+        mla=True,
+        q_lora_rank=mla.q_lora_rank or 0,
+        kv_lora_rank=mla.kv_lora_rank,
+        qk_nope_head_dim=mla.qk_nope_head_dim,
+        qk_rope_head_dim=mla.qk_rope_head_dim,
+        v_head_dim=mla.v_head_dim,
+    )
+
+
 def _vision_dims(vision, names: tuple[str, ...]) -> dict[str, Any]:
     """ModelDims fields of a vision-language model: where its tensors are in the checkpoint, the tower's names."""
     fam = VL_FAMILIES[next(a for a, f in VL_FAMILIES.items() if f.kind == vision.kind)]
@@ -308,6 +419,7 @@ def moe_settings(
     aux_loss_coeff: float = 0.0,
     z_loss_coeff: float = 0.0,
     grouped_gemm: bool = False,
+    expert_bias_update_rate: float = 0.0,
 ) -> dict[str, Any]:
     """megatron TransformerConfig fields of an MoE family (``moe``: ``families.table.MoeFields``).
 
@@ -316,13 +428,23 @@ def moe_settings(
     the logits followed by a softmax over the k (``moe_router_pre_softmax=False``); without renormalisation it is
     megatron's ``moe_router_pre_softmax=True`` (softmax first, then top-k, no rescaling).
     Dense layers (``mlp_only_layers`` / ``decoder_sparse_step``) become megatron's per-layer ``moe_layer_freq`` list.
+
+    DeepSeek-V3 (sigmoid scores): megatron's ``moe_router_score_function="sigmoid"`` with the expert bias added for
+    the choice only (``moe_router_enable_expert_bias``), renormalised top-k weights (transformers'
+    ``norm_topk_prob=True``, the only setting ``families.table`` accepts), ``moe_router_num_groups`` /
+    ``moe_router_group_topk`` and ``moe_router_topk_scaling_factor`` (megatron applies it with sigmoid scores too,
+    moe_utils.topk_routing_with_score_function); the shared experts have no gate.
     Load balancing: megatron's aux loss (``moe_aux_loss_coeff``) and z-loss are added to the GRADIENT only (an
     autograd hook scales them in backward); the loss the step returns does not include them.
     """
     dispatcher = dispatcher or "alltoall"
     if dispatcher not in MOE_DISPATCHERS:
         raise ValueError(f"MoE token dispatcher must be one of {MOE_DISPATCHERS}, got {dispatcher!r}")
-    for name, v in (("moe_aux_loss_coeff", aux_loss_coeff), ("moe_z_loss_coeff", z_loss_coeff)):
+    for name, v in (
+        ("moe_aux_loss_coeff", aux_loss_coeff),
+        ("moe_z_loss_coeff", z_loss_coeff),
+        ("moe_expert_bias_update_rate", expert_bias_update_rate),
+    ):
         if not v >= 0:
             raise ValueError(f"{name} must be >= 0, got {v}")
     layer_freq = 1 if all(moe.moe_layers) else [int(x) for x in moe.moe_layers]
@@ -331,8 +453,8 @@ def moe_settings(
         moe_router_topk=moe.top_k,
         moe_ffn_hidden_size=moe.expert_ffn,
         moe_layer_freq=layer_freq,
-        moe_router_pre_softmax=not moe.norm_topk_prob,
-        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not moe.norm_topk_prob and moe.score_function == "softmax",
+        moe_router_score_function=moe.score_function,
         moe_router_dtype="fp32",
         moe_router_load_balancing_type="aux_loss" if aux_loss_coeff > 0 else "none",
         moe_aux_loss_coeff=float(aux_loss_coeff),
@@ -345,7 +467,15 @@ def moe_settings(
         expert_tensor_parallel_size=etp_size,
     )
     if moe.shared_expert_ffn:
-        out.update(moe_shared_expert_intermediate_size=moe.shared_expert_ffn, moe_shared_expert_gate=True)
+        out.update(
+            moe_shared_expert_intermediate_size=moe.shared_expert_ffn, moe_shared_expert_gate=moe.shared_expert_gate
+        )
+    if moe.expert_bias:
+        out.update(moe_router_enable_expert_bias=True, moe_router_bias_update_rate=float(expert_bias_update_rate))
+    if moe.num_groups:
+        out.update(moe_router_num_groups=moe.num_groups, moe_router_group_topk=moe.group_topk)
+    if moe.scaling_factor is not None:
+        out.update(moe_router_topk_scaling_factor=moe.scaling_factor)
     return out
 
 

@@ -8,6 +8,7 @@ Each rank opens the safetensors files lazily and reads only the rows / columns o
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Mapping
 
@@ -20,11 +21,15 @@ from megatron_rlvr.models.mapping import (
     WeightMapping,
     fused_expert_reader,
     layer_offset,
+    mapped_tensors,
+    mtp_tensor_names,
     read_local_shard,
 )
 
 SAFE_SINGLE = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
+
+log = logging.getLogger(__name__)
 
 
 class HFCheckpointReader:
@@ -120,7 +125,9 @@ def load_hf_weights(model, args: MegatronModelArgs, source, *, pg_collection=Non
             missing = sorted(_missing(mapping.hf_names(), closer.names()))
             if missing:
                 raise ValueError(f"HF checkpoint {source} lacks {len(missing)} tensors, e.g. {missing[:5]}")
-        for name, param in model.named_parameters():
+        if closer is not None:
+            _note_mtp(closer.names(), args, source)
+        for name, param in mapped_tensors(model):
             p = mapping.resolve(name, layer_offset=offset, expert_offset=expert_offset)
             rank, size = (experts.etp_rank, experts.etp_size) if p.per_expert else (tp_rank, tp_size)
             shard = read_local_shard(p, reader, rank, size)
@@ -135,6 +142,22 @@ def load_hf_weights(model, args: MegatronModelArgs, source, *, pg_collection=Non
         if closer is not None:
             closer.close()
     return read
+
+
+def _note_mtp(names, args: MegatronModelArgs, source) -> None:
+    """One line (first rank) when the checkpoint carries multi-token-prediction layers: the causal LM does not use
+    them, so they are not loaded (and an export does not write them)."""
+    mtp = mtp_tensor_names(names, args.dims.num_layers)
+    if mtp and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+        n = len({name.split(".")[2] for name in mtp})
+        log.warning(
+            "%s: skipping %d tensors of %d multi-token-prediction layer(s) (model.layers.%d.*): the policy is the "
+            "causal LM only",
+            source,
+            len(mtp),
+            n,
+            args.dims.num_layers,
+        )
 
 
 def _missing(needed, present) -> set[str]:

@@ -42,6 +42,9 @@ Layouts (megatron-core 0.16, ``SelfAttention.get_query_key_value_tensors``)
 - Tied embeddings: HF stores only ``model.embed_tokens.weight``. Megatron with PP > 1 keeps a copy as
   ``output_layer.weight`` on the last stage (synchronised by megatron's embedding group); its rule maps to the same
   HF name with ``skip_on_export=True``.
+- Multi-latent attention (DeepSeek): the down projections (``q_a_proj``, ``kv_a_proj_with_mqa``) are whole on every
+  TP rank, the up projections (``q_b_proj`` / ``q_proj``, ``kv_b_proj``) split by heads, all in transformers' row
+  order; the router's ``e_score_correction_bias`` is megatron's ``router.expert_bias`` buffer (``mapped_tensors``).
 - Norm weights: megatron's local (torch) spec names them ``input_layernorm`` / ``pre_mlp_layernorm``; the
   Transformer-Engine spec fuses them into the next linear (``linear_qkv.layer_norm_weight`` /
   ``linear_fc1.layer_norm_weight``). Both names resolve to the same rule.
@@ -92,7 +95,25 @@ class ModelDims:
     moe_ffn_hidden_size: int = 0
     """Inner width of one routed expert."""
     shared_expert_ffn: int = 0
-    """Inner width of the shared expert of each MoE layer (Qwen2-MoE); 0: none."""
+    """Inner width of the shared expert of each MoE layer (Qwen2-MoE; DeepSeek's shared experts as one); 0: none."""
+    shared_expert_gate: bool = True
+    """The shared expert has a sigmoid gate and HF names it ``mlp.shared_expert`` (Qwen2-MoE); False: no gate,
+    ``mlp.shared_experts`` (DeepSeek)."""
+    expert_bias: bool = False
+    """Each router has a score-correction bias (DeepSeek-V3's ``e_score_correction_bias``, megatron's
+    ``router.expert_bias`` buffer)."""
+    mla: bool = False
+    """Multi-latent attention (DeepSeek): the five fields below describe it; there is no fused QKV projection."""
+    q_lora_rank: int = 0
+    """MLA: rank of the query's low-rank projection; 0: a full query projection (``q_proj``)."""
+    kv_lora_rank: int = 0
+    """MLA: width of the compressed key/value latent."""
+    qk_nope_head_dim: int = 0
+    """MLA: per-head query/key width without RoPE."""
+    qk_rope_head_dim: int = 0
+    """MLA: per-head RoPE width (queries) and width of the one shared RoPE key."""
+    v_head_dim: int = 0
+    """MLA: per-head value width."""
     moe_layers: tuple[bool, ...] = ()
     """Per global layer: True for an MoE MLP, False for a dense one (empty: every layer dense)."""
     hf_lm_prefix: str = "model."
@@ -127,6 +148,8 @@ class ModelDims:
             raise ValueError(f"ModelDims: moe_layers has {len(self.moe_layers)} entries for {self.num_layers} layers")
         if any(self.moe_layers) and (self.num_experts <= 0 or self.moe_ffn_hidden_size <= 0):
             raise ValueError("ModelDims: MoE layers need num_experts > 0 and moe_ffn_hidden_size > 0")
+        if self.mla and min(self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim) <= 0:
+            raise ValueError("ModelDims: multi-latent attention needs positive kv_lora_rank and head dims")
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether global layer ``layer`` has an MoE MLP."""
@@ -434,6 +457,54 @@ RULES: tuple[Rule, ...] = (
         _L + "self_attention.linear_qkv.weight",
         (_H + "self_attn.q_proj.weight", _H + "self_attn.k_proj.weight", _H + "self_attn.v_proj.weight"),
         "qkv",
+        when=lambda d: not d.mla,
+    ),
+    # multi-latent attention (megatron's MLASelfAttention as models/build.py builds it: the down projections whole
+    # on every TP rank, the up projections column-parallel by heads). Row layouts are transformers' own:
+    # q_b_proj / q_proj per head [nope | rope], kv_a_proj_with_mqa [latent | rope], kv_b_proj per head [nope | v].
+    Rule(
+        _L + "self_attention.linear_q_down_proj.weight",
+        (_H + "self_attn.q_a_proj.weight",),
+        "replicated",
+        when=lambda d: d.mla and d.q_lora_rank > 0,
+    ),
+    Rule(
+        _L + "self_attention.q_layernorm.weight",
+        (_H + "self_attn.q_a_layernorm.weight",),
+        "replicated",
+        aliases=(_L + "self_attention.linear_q_up_proj.layer_norm_weight",),
+        when=lambda d: d.mla and d.q_lora_rank > 0,
+    ),
+    Rule(
+        _L + "self_attention.linear_q_up_proj.weight",
+        (_H + "self_attn.q_b_proj.weight",),
+        "column",
+        when=lambda d: d.mla and d.q_lora_rank > 0,
+    ),
+    Rule(
+        _L + "self_attention.linear_q_proj.weight",
+        (_H + "self_attn.q_proj.weight",),
+        "column",
+        when=lambda d: d.mla and d.q_lora_rank == 0,
+    ),
+    Rule(
+        _L + "self_attention.linear_kv_down_proj.weight",
+        (_H + "self_attn.kv_a_proj_with_mqa.weight",),
+        "replicated",
+        when=lambda d: d.mla,
+    ),
+    Rule(
+        _L + "self_attention.kv_layernorm.weight",
+        (_H + "self_attn.kv_a_layernorm.weight",),
+        "replicated",
+        aliases=(_L + "self_attention.linear_kv_up_proj.layer_norm_weight",),
+        when=lambda d: d.mla,
+    ),
+    Rule(
+        _L + "self_attention.linear_kv_up_proj.weight",
+        (_H + "self_attn.kv_b_proj.weight",),
+        "column",
+        when=lambda d: d.mla,
     ),
     Rule(
         _L + "self_attention.linear_qkv.bias",
@@ -469,6 +540,14 @@ RULES: tuple[Rule, ...] = (
     Rule(_L + "mlp.linear_fc2.weight", (_H + "mlp.down_proj.weight",), "row", layers="dense"),
     # mixture of experts: router, routed experts (local index in megatron, global index in HF), shared expert
     Rule(_L + "mlp.router.weight", (_H + "mlp.gate.weight",), "replicated", layers="moe"),
+    # a buffer in megatron (not trained by gradient), kept in fp32 by both (see FP32_HF_TENSORS)
+    Rule(
+        _L + "mlp.router.expert_bias",
+        (_H + "mlp.gate.e_score_correction_bias",),
+        "replicated",
+        when=lambda d: d.expert_bias,
+        layers="moe",
+    ),
     Rule(
         _L + "mlp.experts.local_experts.{expert}.linear_fc1.weight",
         (_H + "mlp.experts.{expert}.gate_proj.weight", _H + "mlp.experts.{expert}.up_proj.weight"),
@@ -487,21 +566,36 @@ RULES: tuple[Rule, ...] = (
         _L + "mlp.shared_experts.linear_fc1.weight",
         (_H + "mlp.shared_expert.gate_proj.weight", _H + "mlp.shared_expert.up_proj.weight"),
         "shared_fc1",
-        when=lambda d: d.shared_expert_ffn > 0,
+        when=lambda d: d.shared_expert_ffn > 0 and d.shared_expert_gate,
         layers="moe",
     ),
     Rule(
         _L + "mlp.shared_experts.linear_fc2.weight",
         (_H + "mlp.shared_expert.down_proj.weight",),
         "row",
-        when=lambda d: d.shared_expert_ffn > 0,
+        when=lambda d: d.shared_expert_ffn > 0 and d.shared_expert_gate,
         layers="moe",
     ),
     Rule(
         _L + "mlp.shared_experts.gate_weight",
         (_H + "mlp.shared_expert_gate.weight",),
         "replicated",
-        when=lambda d: d.shared_expert_ffn > 0,
+        when=lambda d: d.shared_expert_ffn > 0 and d.shared_expert_gate,
+        layers="moe",
+    ),
+    # DeepSeek: the n_shared_experts shared experts are one MLP of width n_shared_experts * moe_intermediate_size
+    Rule(
+        _L + "mlp.shared_experts.linear_fc1.weight",
+        (_H + "mlp.shared_experts.gate_proj.weight", _H + "mlp.shared_experts.up_proj.weight"),
+        "shared_fc1",
+        when=lambda d: d.shared_expert_ffn > 0 and not d.shared_expert_gate,
+        layers="moe",
+    ),
+    Rule(
+        _L + "mlp.shared_experts.linear_fc2.weight",
+        (_H + "mlp.shared_experts.down_proj.weight",),
+        "row",
+        when=lambda d: d.shared_expert_ffn > 0 and not d.shared_expert_gate,
         layers="moe",
     ),
     Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"),
@@ -514,8 +608,35 @@ RULES: tuple[Rule, ...] = (
         skip_on_export=lambda d: True,
     ),
 )
-"""Every parameter of a Llama / Qwen2 / Qwen3 / Qwen2-MoE / Qwen3-MoE GPTModel. Family differences are the ``when``
-conditions; which MLP a layer has is ``layers``."""
+"""Every parameter (and the router's expert-bias buffer) of a Llama / Qwen2 / Qwen3 / Qwen2-MoE / Qwen3-MoE /
+DeepSeek-V3 GPTModel. Family differences are the ``when`` conditions; which MLP a layer has is ``layers``."""
+
+FP32_HF_TENSORS = ("e_score_correction_bias",)
+"""HF tensor names ending so are stored in fp32 whatever the checkpoint's dtype (transformers keeps DeepSeek-V3's
+router bias in fp32: a bf16 copy would move which experts are chosen)."""
+
+MAPPED_BUFFERS = ("mlp.router.expert_bias",)
+"""Megatron buffers (not parameters) that a checkpoint holds: their names end so."""
+
+
+def mapped_tensors(model):
+    """``(name, tensor)`` of every parameter of ``model`` and the buffers a checkpoint holds (``MAPPED_BUFFERS``):
+    what loading, export and the weight stream walk."""
+    yield from model.named_parameters()
+    for name, buf in model.named_buffers():
+        if buf is not None and name.endswith(MAPPED_BUFFERS):
+            yield name, buf
+
+
+def mtp_tensor_names(names, num_layers: int) -> list[str]:
+    """The tensors of a checkpoint's multi-token-prediction layers (DeepSeek-V3 stores them as decoder layers
+    ``num_hidden_layers ..``; ``num_nextn_predict_layers`` of them): not part of the causal LM."""
+    out = []
+    for n in names:
+        m = re.match(r"^model\.layers\.(\d+)\.", n)
+        if m and int(m.group(1)) >= num_layers:
+            out.append(n)
+    return out
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -199,7 +199,7 @@ def stage_params(model: ModelSpec, par: ParallelConfig) -> list[int]:
     split over expert TP (``stage_expert_params``) instead of the dense MLP.
     """
     lp = model.layer_params()
-    per_layer = (lp["qkv_w"] + lp["qkv_b"] + lp["out_w"] + lp["mlp_w"]) // par.tp + lp["norms"]
+    per_layer = (lp["qkv_w"] + lp["qkv_b"] + lp["out_w"] + lp["mlp_w"]) // par.tp + lp["norms"] + lp["attn_rep"]
     mp = model.moe_layer_params()
     per_moe_layer = per_layer - lp["mlp_w"] // par.tp + mp["router"] + mp["shared"] // par.tp
     emb = model.padded_vocab(par.tp) * model.hidden // par.tp
@@ -223,6 +223,8 @@ def lora_stage_params(model: ModelSpec, par: ParallelConfig, lora: LoRAConfig) -
     target keeps A [P*r, in] whole and B [out/tp, r]; a row-parallel one A [r, in/tp] and B [out, r] whole; P is
     3 for the fused qkv, 2 for a gated fc1)."""
     r, h, f = lora.rank, model.hidden, model.ffn
+    if model.mla is not None and set(lora.targets) & {"qkv", "proj"}:
+        raise ValueError("LoRA on multi-latent attention projections is not supported (lora.targets)")
     qkv_out = model.q_dim + 2 * model.kv_dim
     gates = 2 if model.gated_mlp else 1
     per_target = {
@@ -257,7 +259,7 @@ def activation_bytes_per_layer(
     h, f = model.hidden, model.ffn
     b = dtype_bytes
     replicated = 4 * h * b
-    sharded = (2 * model.q_dim + 2 * model.kv_dim + (3 * f if model.gated_mlp else 2 * f)) * b
+    sharded = (model.attn_activation_width() + (3 * f if model.gated_mlp else 2 * f)) * b
     if sequence_parallel:
         return tokens * (replicated + sharded) // tp
     return tokens * (replicated + sharded // tp)
@@ -277,7 +279,7 @@ def moe_activation_bytes_per_layer(model: ModelSpec, tokens: int, tp: int, etp: 
     holds T k etp / tp copies with 6 f_e / etp SwiGLU bytes each: T k / tp (4h etp + 6 f_e) in all."""
     h = model.hidden
     # the dense layer's terms without the MLP: 8h replicated (unless SP), 4 q_dim + 4 kv_dim sharded
-    attn_sharded = 4 * model.q_dim + 4 * model.kv_dim
+    attn_sharded = 2 * model.attn_activation_width()
     if sequence_parallel:
         attn = tokens * (8 * h + attn_sharded) // tp
     else:
@@ -361,9 +363,12 @@ def _vllm_weight_params(model: ModelSpec, rtp: int) -> int:
     h, d = model.hidden, model.head_dim
     kv_local = max(1, model.kv_heads // rtp)
     q_local = model.heads // rtp
-    qkv_w = h * d * (q_local + 2 * kv_local)
-    qkv_b = d * (q_local + 2 * kv_local) if model.qkv_bias else 0
     lp = model.layer_params()
+    if model.mla is not None:  # vLLM: the down projections replicated, the up projections split by heads
+        qkv_w, qkv_b = lp["qkv_w"] // rtp + lp["attn_rep"], 0
+    else:
+        qkv_w = h * d * (q_local + 2 * kv_local)
+        qkv_b = d * (q_local + 2 * kv_local) if model.qkv_bias else 0
     per_layer = qkv_w + qkv_b + (lp["out_w"] + lp["mlp_w"]) // rtp + lp["norms"]
     vocab_shard = -(-model.vocab // rtp)  # vLLM pads the vocab shard; the difference is negligible here
     emb = vocab_shard * h * (1 if model.tied_embeddings else 2)
@@ -476,7 +481,9 @@ def _engine_budget(cfg: PlanConfig) -> _EngineBudget:
     b = cfg.dtype_bytes
     disagg = par.rollout_ranks > 0
     # K and V for every layer in the model dtype; an engine keeps max(1, kv_heads / rollout_tp) heads per GPU.
-    kv_per_token = 2 * m.layers * max(1, m.kv_heads // par.rollout_tp) * m.head_dim * b
+    # K and V for every layer in the model dtype; an engine keeps max(1, kv_heads / rollout_tp) heads per GPU
+    # (multi-latent attention: the latent and the RoPE key, on every GPU)
+    kv_per_token = m.kv_cache_elems_per_token(par.rollout_tp) * b
     if cfg.engine == "vllm":
         weights = b * _vllm_weight_params(m, par.rollout_tp)
         overhead = cl.vllm_overhead_gb * GIB
