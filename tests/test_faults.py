@@ -12,6 +12,7 @@ import textwrap
 import time
 from types import SimpleNamespace
 
+import process_helpers
 import pytest
 import trainer_helpers
 
@@ -625,16 +626,12 @@ def test_a_hangup_checkpoints_like_sigterm_and_nohup_is_respected(tmp_path):
     from megatron_rlvr.rundir.signals import StopSignals
 
     done = tmp_path / "stopped_by"
-    launcher = subprocess.Popen(
-        [sys.executable, "-c", _HUP_LAUNCHER, _HUP_RANK, str(done)], stdout=subprocess.PIPE, text=True, env=PY_ENV
-    )
-    try:
+    cmd = [sys.executable, "-c", _HUP_LAUNCHER, _HUP_RANK, str(done)]
+    with process_helpers.launched(cmd, stdout=subprocess.PIPE, text=True, env=PY_ENV) as launcher:
         assert launcher.stdout.readline().strip() == "ready"
         launcher.stdout.close()
         launcher.send_signal(signal.SIGHUP)
         assert launcher.wait(timeout=30) == 128 + signal.SIGHUP
-    finally:
-        launcher.kill()
     assert done.read_text() == "SIGHUP"
     old = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # what nohup does
     try:
@@ -673,7 +670,7 @@ def test_nothing_a_dead_rank_started_outlives_the_run(tmp_path, how):
     writer and its resource tracker) running for good, holding memory and the console's pipe, so `train | tee log`
     never returned. Each rank's whole process group is ended: the pipe closes, no child is left."""
     pids = str(tmp_path / "pids")
-    launcher = subprocess.Popen(
+    launcher = process_helpers.start(
         [sys.executable, "-c", _LEAKY_LAUNCHER, _LEAKY_RANK, pids, "die" if how == "a rank is killed" else "live"],
         stdout=subprocess.PIPE,
         text=True,
@@ -691,10 +688,7 @@ def test_nothing_a_dead_rank_started_outlives_the_run(tmp_path, how):
             time.sleep(0.1)
         assert not [p for p in started if _alive(p)]
     finally:
-        launcher.kill()
-        for p in started:
-            if _alive(p):
-                os.kill(p, signal.SIGKILL)
+        process_helpers.end_session(launcher)
 
 
 def _alive(pid: int) -> bool:
