@@ -476,7 +476,8 @@ def test_first_failure_of_each_kind_is_reported_once_with_traceback_and_prompt_i
 
 
 def test_a_hanging_function_is_reported_at_its_first_timeout():
-    """Item 5: the warning comes at the first timeout (with the option to change), not after the whole batch."""
+    """Item 5: the warning comes at the first timeout (with the option to change), not after the whole batch (whose
+    other three items time out together, one timeout later)."""
     from megatron_rlvr.rewards import RewardConfig, RewardManager
 
     seen = []
@@ -488,7 +489,7 @@ def test_a_hanging_function_is_reported_at_its_first_timeout():
         done = time.monotonic()
     assert stats["reward/n_timeout"] == 4 and len(seen) == 1
     first_at, text = seen[0]
-    assert done - t0 >= 1.9 and first_at - t0 < 0.5 * (done - t0)  # reported at the first of four timeouts
+    assert done - t0 >= 0.95 and first_at - t0 < done - t0 - 0.4  # reported at the first timeout, not the last
     assert "prompt a" in text and "reward.timeout_s=0.5" in text
 
 

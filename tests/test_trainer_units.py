@@ -5,6 +5,7 @@ import math
 import os
 import random
 import signal
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -441,6 +442,51 @@ def test_every_rank_of_a_rollout_tp_group_calls_generate():
         gather=lambda obj: [obj],
     )
     assert calls == [[0, 1]] and groups == []
+
+
+def test_a_stop_during_a_ranks_scoring_stops_every_rank_after_the_gather():
+    """A stop signal during scoring must end the rollout on every rank together: a rank that raised alone would
+    leave the others waiting in the all-gather. The rank whose ``should_stop`` fires abandons its scoring and still
+    enters the gather; every rank (here: one whose own check never fires, told by the gathered flag) raises
+    RolloutStopped after it."""
+    from megatron_rlvr.rewards.manager import ScoringStopped
+    from megatron_rlvr.rollout.engine import Completion, RolloutOutput, SamplingParams
+    from megatron_rlvr.rollout.groups import RolloutStopped, engine_info, generate_groups
+
+    class OneSample:
+        def generate(self, prompts, params, prompt_keys=None):
+            return [RolloutOutput(list(p), [Completion([3], [0.0], "stop", None, "3")]) for p in prompts]
+
+    class StopsWhenAsked:
+        report_now = True
+
+        def score(self, texts, gts, metas, ids, max_error_frac, should_stop=None):
+            if should_stop is not None and should_stop():
+                raise ScoringStopped("stop")
+            return [1.0] * len(texts), {"reward/n_items": float(len(texts))}
+
+        def take_pending(self):
+            return []
+
+        def report_gathered(self, items):
+            pass
+
+    example = SimpleNamespace(answer="3", metadata={}, id="p0", images=None)
+    gathered = []
+
+    def gather(obj):
+        gathered.append(obj)
+        return gathered[-2:] if len(gathered) == 2 else [obj]
+
+    kw = dict(seed=0, step=5, round_idx=0, reward_max_error_frac=None)
+    args = (OneSample(), StopsWhenAsked(), None, [example], [[1]], SamplingParams(max_tokens=2))
+    with pytest.raises(RolloutStopped, match="step 5"):  # this rank was signalled: it gathers, then raises
+        generate_groups(*args, engine_info(0, 1, 1), gather=gather, should_stop=lambda: True, **kw)
+    assert gathered[0][4] is True and gathered[0][0] == []
+    with pytest.raises(RolloutStopped):  # a rank not signalled yet raises too, from the gathered flag
+        generate_groups(*args, engine_info(0, 1, 1), gather=gather, should_stop=lambda: False, **kw)
+    groups, _ = generate_groups(*args, engine_info(0, 1, 1), gather=lambda o: [o], should_stop=lambda: False, **kw)
+    assert [g.rewards for g in groups] == [[1.0]]
 
 
 def test_hinge_kl_with_dynamic_sampling_is_refused():

@@ -205,6 +205,10 @@ def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
     return x & ((1 << 63) - 1)
 
 
+class GenerationStopped(Exception):
+    """``generate`` returned nothing because its ``should_stop()`` returned True (a stop signal)."""
+
+
 class RolloutEngine(abc.ABC):
     """Generation plus in-place weight updates. Implementations: HFRolloutEngine (CPU, reference), VLLMRolloutEngine.
 

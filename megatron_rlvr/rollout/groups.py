@@ -14,10 +14,18 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from megatron_rlvr.data import Example, shard_range
-from megatron_rlvr.rollout.engine import SamplingParams, sample_seed
+from megatron_rlvr.rewards.pool import ScoringStopped
+from megatron_rlvr.rollout.engine import GenerationStopped, SamplingParams, sample_seed
+
+
+class RolloutStopped(Exception):
+    """A stop was requested during generation or scoring on some rank; raised on every rank together, after the
+    all-gather (no rank may stop alone: the others would wait in a collective it never enters). The round's samples
+    are dropped: the step has not trained, so the last completed step is the one to checkpoint."""
 
 
 @dataclass
@@ -134,16 +142,22 @@ def generate_groups(
     gather,
     reward_max_error_frac: float | None = None,
     reward_fn: str = "",
+    should_stop: Callable[[], bool] | None = None,
 ) -> tuple[list[Group], dict[str, float]]:
     """Generate and score this engine's share, all-gather: every rank returns all groups in prompt order.
 
     ``gather(obj) -> list`` is an all-gather over the world (rank order); ``params.seed`` is replaced by the
     round's derived seed. ``reward_max_error_frac``: raise RewardFailure (on every rank) when more of the round's
-    rewards failed, or when an engine's scoring stopped early because more of its share had failed."""
+    rewards failed, or when an engine's scoring stopped early because more of its share had failed.
+
+    ``should_stop()`` (a stop signal arrived) is asked during scoring and, by engines that are ``interruptible``,
+    between decode steps; when it returns True on any rank, every rank raises :class:`RolloutStopped` after the
+    all-gather, within seconds instead of after the batch (a hanging reward function held a SIGTERM for minutes)."""
     share = shard_range(len(examples), info.index, info.count)
     mine: list[Group] = []
     stats = {"time/generate_s": 0.0, "time/reward_s": 0.0}
     reward_stats: dict[str, float] = {}
+    stopped = False
     # an engine that runs collectives inside generate (partial rollouts: weight agreement between chunks) is called
     # on every rank, with no prompts where the share is empty
     if len(share) > 0 or getattr(engine, "generate_on_every_rank", False):
@@ -156,9 +170,14 @@ def generate_groups(
         images = [getattr(examples[i], "images", None) or [] for i in share]
         images = images if any(images) else None
         kw = {} if images is None else {"images": images}
-        outputs = engine.generate([prompt_ids[i] for i in share], p, prompt_keys=share, **kw)
+        if should_stop is not None and getattr(engine, "interruptible", False):
+            kw["should_stop"] = should_stop
+        try:
+            outputs = engine.generate([prompt_ids[i] for i in share], p, prompt_keys=share, **kw)
+        except GenerationStopped:
+            stopped = True
         stats["time/generate_s"] = time.perf_counter() - t0
-    if info.leader and len(share) > 0:
+    if info.leader and len(share) > 0 and not stopped:
         texts, gts, metas, item_ids = [], [], [], []
         for i, out in zip(share, outputs):
             g = Group(example=examples[i], prompt_ids=list(out.prompt_token_ids) if images else prompt_ids[i])
@@ -179,7 +198,12 @@ def generate_groups(
             mine.append(g)
         t0 = time.perf_counter()
         # stops early once more than the allowed fraction of this share failed (the step fails below on every rank)
-        rewards, reward_stats = reward_manager.score(texts, gts, metas, item_ids, reward_max_error_frac)
+        try:
+            rewards, reward_stats = reward_manager.score(
+                texts, gts, metas, item_ids, reward_max_error_frac, should_stop=should_stop
+            )
+        except ScoringStopped:
+            stopped, rewards, mine = True, [], []
         stats["time/reward_s"] = time.perf_counter() - t0
         bad = {i for i, r in enumerate(rewards) if not (isinstance(r, (int, float)) and math.isfinite(r))}
         # the manager scores NaN/inf as 0 and counts it; anything else non-finite here is counted too
@@ -191,12 +215,14 @@ def generate_groups(
             k += len(g.texts)
     scoring = info.leader and reward_manager is not None
     pending = reward_manager.take_pending() if scoring else []
-    everything = gather((mine, reward_stats, stats, pending) if info.leader else ([], {}, {}, []))
+    everything = gather((mine, reward_stats, stats, pending, stopped) if info.leader else ([], {}, {}, [], stopped))
+    if any(part[4] for part in everything):
+        raise RolloutStopped(f"step {step}: a stop was requested during its rollout")
     if scoring and reward_manager.report_now:  # rank 0: each failure kind once per job
-        reward_manager.report_gathered([item for *_, p in everything for item in p])
+        reward_manager.report_gathered([item for _, _, _, p, _ in everything for item in p])
     groups: list[Group] = []
     merged: dict[str, float] = {}
-    for part, rstats, tstats, _ in everything:
+    for part, rstats, tstats, _, _ in everything:
         groups.extend(part)
         for key in (
             "reward/n_items",

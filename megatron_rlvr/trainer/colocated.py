@@ -10,6 +10,7 @@ import time
 
 from megatron_rlvr.config import RunConfig
 from megatron_rlvr.megatron.parallel import all_reduce_max
+from megatron_rlvr.rollout.groups import RolloutStopped
 from megatron_rlvr.rundir.checkpointer import export_hf_folder
 from megatron_rlvr.rundir.lock import RunLock
 from megatron_rlvr.rundir.metrics_log import read_metrics
@@ -61,7 +62,12 @@ def train(cfg: RunConfig, run_dir: str | None = None, lock: RunLock | None = Non
     try:
         for step in range(t.start_step + 1, cfg.schedule.steps + 1):
             t.step = step
-            metrics = rl_step(t, step)
+            data_state = t.loader.state_dict()
+            try:
+                metrics = rl_step(t, step)
+            except RolloutStopped:  # a stop signal during generation or scoring: the step has not trained
+                t.loader.load_state_dict(data_state)  # its prompts are drawn again on resume
+                return end_step(t, step - 1, f" (step {step} was stopped during its rollout and runs again on resume)")
             if t.evaluator.due(step):
                 metrics.update(run_eval(t))
             t.logger.log(step, metrics)

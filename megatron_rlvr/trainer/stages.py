@@ -47,6 +47,8 @@ def rollout(t: Trainer, step: int) -> RolloutBatch:
     params = sampling_params(cfg.rollout)
     groups, kept, m = [], [], {"data/prompts_too_long": 0.0, "rollout/rounds": 0.0}
     rewards = None
+    signals = getattr(t, "signals", None)  # the disaggregated rollout worker has none: the trainer stops it
+    should_stop = (lambda: signals.code != 0) if signals is not None else None
     for round_idx in range(cfg.train.dynamic_sampling_max_rounds if dynamic else 1):
         examples = t.loader.next_batch(need)
         examples, ids, too_long = tokenize_prompts(
@@ -67,6 +69,7 @@ def rollout(t: Trainer, step: int) -> RolloutBatch:
             gather=all_gather_objects,
             reward_max_error_frac=cfg.reward.max_error_frac,
             reward_fn=cfg.reward.fn,
+            should_stop=should_stop,
         )
         for k, v in stats.items():
             m[k] = m.get(k, 0.0) + v
