@@ -643,6 +643,43 @@ def test_a_hangup_checkpoints_like_sigterm_and_nohup_is_respected(tmp_path):
         signal.signal(signal.SIGHUP, old)
 
 
+def test_sigterm_during_a_hanging_rewards_scoring_checkpoints_the_last_step_within_seconds(tmp_path):
+    """A SIGTERM (scancel, a pre-emption's grace period) waited for the scoring of the whole step: with a reward
+    function that hangs, 674 s at the defaults, and the step then failed with no checkpoint. Now the ranks abandon
+    the step's scoring within a fraction of a second, agree, checkpoint the last completed step with the data
+    position of that step (the interrupted step's prompts are drawn again on resume) and exit 0, within 60 s of the
+    signal on a loaded machine (reward.timeout_s is 600 s, so nothing times out meanwhile)."""
+    run, hang = tmp_path / "run", tmp_path / "hang"
+    cmd = [
+        sys.executable, "-m", "megatron_rlvr.commands.cli", "train", f"logging.run_dir={run}", "schedule.steps=50",
+        "reward.fn=trainer_helpers:hang_once_told", "reward.timeout_s=600", "checkpoint.save_every=0",
+        "checkpoint.export_hf=false", "logging.plot_at_end=false", "logging.tensorboard=off",
+    ]  # fmt: skip
+    env = dict(PY_ENV, RLVR_HANG_FILE=str(hang), PYTHONPATH=os.pathsep.join([TESTS_DIR, PY_ENV["PYTHONPATH"]]))
+    log = tmp_path / "log"
+    with open(log, "w") as out, process_helpers.launched(cmd, cwd=REPO, env=env, stdout=out, stderr=out) as proc:
+        deadline = time.monotonic() + 600
+        while not (run / "metrics.jsonl").exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        hang.write_text("")  # from now on every reward call hangs
+        while hang.read_text().count("scoring") < 2 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)  # both ranks' workers are inside the reward function
+        assert proc.poll() is None, log.read_text()[-3000:]
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=300)
+        took = time.monotonic() - t0
+    text = log.read_text()
+    last = max(json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines())
+    assert code == 0, text[-3000:]
+    assert f"SIGTERM: checkpoint of step {last} saved" in text, text[-3000:]
+    assert f"(step {last + 1} was stopped during its rollout and runs again on resume)" in text, text[-3000:]
+    assert took < 60, took
+    with open(run / "checkpoints" / f"step_{last:09d}" / "trainer_state.json") as f:
+        position = json.load(f)["data"]["position"]
+    assert position == 32 * last  # train.prompts_per_step of the tiny preset, per completed step
+
+
 _LEAKY_RANK = """
 import os, subprocess, sys, time
 from megatron_rlvr.rundir.local_ranks import start_parent_watchdog
