@@ -476,6 +476,19 @@ def test_should_stop_abandons_a_hanging_batch_within_a_second(one_worker_rm):
         rm.score(["sleep"] * 20, ["1"] * 20, should_stop=lambda: time.monotonic() - t0 > 0.5)
     assert time.monotonic() - t0 < 0.9
     assert rm.score(["1", "2"], ["1", "1"])[0] == [1.0, 0.0]
+    # stopped while scoring at once (after the first timeout): the items' processes, here ones that swallow their
+    # interrupt, die with their replaced worker
+    seen = []
+
+    def stop_once_forked():
+        kids = psutil.Process(rm.worker_pids[0]).children()
+        seen.extend(k for k in kids if k.pid not in {s.pid for s in seen})
+        return len(seen) >= 3
+
+    with pytest.raises(ScoringStopped):
+        rm.score(["sleep"] + ["stubborn"] * 5, ["1"] * 6, should_stop=stop_once_forked)
+    gone, alive = psutil.wait_procs(seen, timeout=5)
+    assert len(seen) >= 3 and not alive
     with RewardManager(RewardConfig(fn=f"{__name__}:misbehaving_reward", num_workers=0)) as inline:
         with pytest.raises(ScoringStopped):
             inline.score(["1"] * 3, ["1"] * 3, should_stop=lambda: True)
