@@ -439,12 +439,15 @@ def test_a_batch_that_hangs_everywhere_ends_in_about_one_timeout_whatever_its_si
     assert rm.score(["1", "2"], ["1", "1"])[0] == [1.0, 0.0]
 
 
-def test_items_that_compute_after_a_timeout_get_the_cpu_in_turn(one_worker_rm):
+def test_items_that_compute_after_a_timeout_get_the_cpu_in_turn():
     """Scoring at once is for items that hang asleep: items that compute, started together after a timeout, would
     share the worker's CPU and each take many times its CPU time in wall time, past the limit (false timeouts). An
     item starts only while no other one computes: 10 items of 0.1 s of CPU each start at least 0.1 s apart (started
-    together they start a fork apart, milliseconds) and all score."""
-    details = one_worker_rm.score_detailed(["sleep"] + ["spin"] * 10, ["1"] * 11)
+    together they start a fork apart, milliseconds) and all score (a 3 s limit: 30x the CPU time, for busy
+    machines)."""
+    cfg = RewardConfig(fn=f"{__name__}:misbehaving_reward", num_workers=1, timeout_s=3.0, kill_grace_s=1.0)
+    with RewardManager(cfg) as rm:
+        details = rm.score_detailed(["sleep"] + ["spin"] * 10, ["1"] * 11)
     assert details[0].status == "timeout"
     assert [d.status for d in details[1:]] == ["ok"] * 10
     starts = sorted(d.reward for d in details[1:])
