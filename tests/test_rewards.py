@@ -434,7 +434,7 @@ def test_a_batch_that_hangs_everywhere_ends_in_about_one_timeout_whatever_its_si
     details = rm.score_detailed(["sleep"] * n, ["1"] * n)
     elapsed = time.monotonic() - t0
     assert [d.status for d in details] == ["timeout"] * n
-    assert elapsed < 1.0 + 2.5 + 0.15 * n, elapsed
+    assert elapsed < 1.0 + 2.5 + 0.3 * n, elapsed  # 64 s in order
     assert rm.worker_pids == pids
     assert rm.score(["1", "2"], ["1", "1"])[0] == [1.0, 0.0]
 
