@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 
+import process_helpers
 import psutil
 import pytest
 
@@ -195,12 +196,12 @@ def _wait_for_step(run_dir, step, proc, timeout=300):
 def test_sigterm_at_k1_saves_the_trained_data_position_and_resume_ends_where_a_run_does(tmp_path):
     k1 = [*DISAGG, "rollout.max_staleness=1", "schedule.steps=8", "checkpoint.save_at_end=true"]
     run = tmp_path / "stopped"
-    proc = subprocess.Popen(
+    with process_helpers.launched(
         _cmd(f"logging.run_dir={run}", *k1), cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    )
-    _wait_for_step(run, 3, proc)
-    proc.send_signal(signal.SIGTERM)
-    out = proc.communicate(timeout=120)[0].decode()
+    ) as proc:
+        _wait_for_step(run, 3, proc)
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=120)[0].decode()
     assert proc.returncode == 0, out[-3000:]
     stopped_at = max(_records(run))
     assert stopped_at < 8 and f"checkpoint of step {stopped_at} saved" in out, out[-3000:]
@@ -213,20 +214,20 @@ def test_sigterm_at_k1_saves_the_trained_data_position_and_resume_ends_where_a_r
 
 def test_a_sigkilled_rollout_rank_ends_the_job_within_60_s(tmp_path):
     run = tmp_path / "killed"
-    proc = subprocess.Popen(
+    with process_helpers.launched(
         _cmd(f"logging.run_dir={run}", *DISAGG, "rollout.max_staleness=1", "schedule.steps=500"),
         cwd=REPO,
         env=_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-    )
-    _wait_for_step(run, 2, proc)
-    ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.environ().get("RANK") == "1"]
-    assert ranks, "no rollout rank process found"
-    t0 = time.monotonic()
-    ranks[0].send_signal(signal.SIGKILL)
-    out = proc.communicate(timeout=90)[0].decode()
-    assert time.monotonic() - t0 < 60
+    ) as proc:
+        _wait_for_step(run, 2, proc)
+        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.environ().get("RANK") == "1"]
+        assert ranks, "no rollout rank process found"
+        t0 = time.monotonic()
+        ranks[0].send_signal(signal.SIGKILL)
+        out = proc.communicate(timeout=90)[0].decode()
+        assert time.monotonic() - t0 < 60
     assert proc.returncode != 0, out[-3000:]
     assert "rank 1" in out and "SIGKILL" in out, out[-3000:]
 
@@ -237,7 +238,7 @@ def test_a_hung_rollout_rank_ends_the_job_after_the_collective_timeout(tmp_path)
     the roles are created with it), the trainer exits naming the lost role, and the launcher kills the stopped rank."""
     timeout_s = 10
     run = tmp_path / "hung"
-    proc = subprocess.Popen(
+    with process_helpers.launched(
         _cmd(
             f"logging.run_dir={run}",
             *DISAGG,
@@ -249,23 +250,24 @@ def test_a_hung_rollout_rank_ends_the_job_after_the_collective_timeout(tmp_path)
         env=_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-    )
-    _wait_for_step(run, 2, proc)
-    ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.environ().get("RANK") == "1"]
-    assert ranks, "no rollout rank process found"
-    t0 = time.monotonic()
-    ranks[0].send_signal(signal.SIGSTOP)
-    try:
-        out = proc.communicate(timeout=timeout_s + 90)[0].decode()
-    finally:
-        if ranks[0].is_running():
-            ranks[0].send_signal(signal.SIGCONT)
-    took = time.monotonic() - t0
+    ) as proc:
+        _wait_for_step(run, 2, proc)
+        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.environ().get("RANK") == "1"]
+        assert ranks, "no rollout rank process found"
+        t0 = time.monotonic()
+        ranks[0].send_signal(signal.SIGSTOP)
+        try:
+            out = proc.communicate(timeout=timeout_s + 90)[0].decode()
+        finally:
+            if ranks[0].is_running():
+                ranks[0].send_signal(signal.SIGCONT)
+        took = time.monotonic() - t0
+        # the launcher killed the stopped rank (checked before leaving the block, which kills whatever is left)
+        assert not ranks[0].is_running() or ranks[0].status() == psutil.STATUS_ZOMBIE
     assert timeout_s - 1 < took < timeout_s + 60, took  # not before the timeout (it was only stopped), not forever
     assert proc.returncode != 0, out[-3000:]
     assert f"a collective waited longer than launch.collective_timeout_s={timeout_s} s" in out, out[-3000:]
     assert "rank 0 (pid" in out and "exited with code 1" in out, out[-3000:]  # the trainer noticed, not the launcher
-    assert not ranks[0].is_running() or ranks[0].status() == psutil.STATUS_ZOMBIE
 
 
 def test_k1_defaults_to_decoupled_ppo_with_truncated_is_and_k0_keeps_the_colocated_loss():

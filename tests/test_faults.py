@@ -12,6 +12,7 @@ import textwrap
 import time
 from types import SimpleNamespace
 
+import process_helpers
 import pytest
 import trainer_helpers
 
@@ -475,7 +476,8 @@ def test_first_failure_of_each_kind_is_reported_once_with_traceback_and_prompt_i
 
 
 def test_a_hanging_function_is_reported_at_its_first_timeout():
-    """Item 5: the warning comes at the first timeout (with the option to change), not after the whole batch."""
+    """Item 5: the warning comes at the first timeout (with the option to change), not after the whole batch (whose
+    other three items time out together, one timeout later)."""
     from megatron_rlvr.rewards import RewardConfig, RewardManager
 
     seen = []
@@ -487,7 +489,7 @@ def test_a_hanging_function_is_reported_at_its_first_timeout():
         done = time.monotonic()
     assert stats["reward/n_timeout"] == 4 and len(seen) == 1
     first_at, text = seen[0]
-    assert done - t0 >= 1.9 and first_at - t0 < 0.5 * (done - t0)  # reported at the first of four timeouts
+    assert done - t0 >= 0.95 and first_at - t0 < done - t0 - 0.4  # reported at the first timeout, not the last
     assert "prompt a" in text and "reward.timeout_s=0.5" in text
 
 
@@ -625,16 +627,12 @@ def test_a_hangup_checkpoints_like_sigterm_and_nohup_is_respected(tmp_path):
     from megatron_rlvr.rundir.signals import StopSignals
 
     done = tmp_path / "stopped_by"
-    launcher = subprocess.Popen(
-        [sys.executable, "-c", _HUP_LAUNCHER, _HUP_RANK, str(done)], stdout=subprocess.PIPE, text=True, env=PY_ENV
-    )
-    try:
+    cmd = [sys.executable, "-c", _HUP_LAUNCHER, _HUP_RANK, str(done)]
+    with process_helpers.launched(cmd, stdout=subprocess.PIPE, text=True, env=PY_ENV) as launcher:
         assert launcher.stdout.readline().strip() == "ready"
         launcher.stdout.close()
         launcher.send_signal(signal.SIGHUP)
         assert launcher.wait(timeout=30) == 128 + signal.SIGHUP
-    finally:
-        launcher.kill()
     assert done.read_text() == "SIGHUP"
     old = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # what nohup does
     try:
@@ -643,6 +641,43 @@ def test_a_hangup_checkpoints_like_sigterm_and_nohup_is_respected(tmp_path):
         s.uninstall()
     finally:
         signal.signal(signal.SIGHUP, old)
+
+
+def test_sigterm_during_a_hanging_rewards_scoring_checkpoints_the_last_step_within_seconds(tmp_path):
+    """A SIGTERM (scancel, a pre-emption's grace period) waited for the scoring of the whole step: with a reward
+    function that hangs, 674 s at the defaults, and the step then failed with no checkpoint. Now the ranks abandon
+    the step's scoring within a fraction of a second, agree, checkpoint the last completed step with the data
+    position of that step (the interrupted step's prompts are drawn again on resume) and exit 0, within 60 s of the
+    signal on a loaded machine (reward.timeout_s is 600 s, so nothing times out meanwhile)."""
+    run, hang = tmp_path / "run", tmp_path / "hang"
+    cmd = [
+        sys.executable, "-m", "megatron_rlvr.commands.cli", "train", f"logging.run_dir={run}", "schedule.steps=50",
+        "reward.fn=trainer_helpers:hang_once_told", "reward.timeout_s=600", "checkpoint.save_every=0",
+        "checkpoint.export_hf=false", "logging.plot_at_end=false", "logging.tensorboard=off",
+    ]  # fmt: skip
+    env = dict(PY_ENV, RLVR_HANG_FILE=str(hang), PYTHONPATH=os.pathsep.join([TESTS_DIR, PY_ENV["PYTHONPATH"]]))
+    log = tmp_path / "log"
+    with open(log, "w") as out, process_helpers.launched(cmd, cwd=REPO, env=env, stdout=out, stderr=out) as proc:
+        deadline = time.monotonic() + 600
+        while not (run / "metrics.jsonl").exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        hang.write_text("")  # from now on every reward call hangs
+        while hang.read_text().count("scoring") < 2 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)  # both ranks' workers are inside the reward function
+        assert proc.poll() is None, log.read_text()[-3000:]
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=300)
+        took = time.monotonic() - t0
+    text = log.read_text()
+    last = max(json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines())
+    assert code == 0, text[-3000:]
+    assert f"SIGTERM: checkpoint of step {last} saved" in text, text[-3000:]
+    assert f"(step {last + 1} was stopped during its rollout and runs again on resume)" in text, text[-3000:]
+    assert took < 60, took
+    with open(run / "checkpoints" / f"step_{last:09d}" / "trainer_state.json") as f:
+        position = json.load(f)["data"]["position"]
+    assert position == 32 * last  # train.prompts_per_step of the tiny preset, per completed step
 
 
 _LEAKY_RANK = """
@@ -673,7 +708,7 @@ def test_nothing_a_dead_rank_started_outlives_the_run(tmp_path, how):
     writer and its resource tracker) running for good, holding memory and the console's pipe, so `train | tee log`
     never returned. Each rank's whole process group is ended: the pipe closes, no child is left."""
     pids = str(tmp_path / "pids")
-    launcher = subprocess.Popen(
+    launcher = process_helpers.start(
         [sys.executable, "-c", _LEAKY_LAUNCHER, _LEAKY_RANK, pids, "die" if how == "a rank is killed" else "live"],
         stdout=subprocess.PIPE,
         text=True,
@@ -691,10 +726,7 @@ def test_nothing_a_dead_rank_started_outlives_the_run(tmp_path, how):
             time.sleep(0.1)
         assert not [p for p in started if _alive(p)]
     finally:
-        launcher.kill()
-        for p in started:
-            if _alive(p):
-                os.kill(p, signal.SIGKILL)
+        process_helpers.end_session(launcher)
 
 
 def _alive(pid: int) -> bool:

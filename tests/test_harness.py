@@ -121,3 +121,80 @@ def test_process_groups_do_not_accumulate(dist_pool):
         last = dist_pool.run(_make_groups_and_count_threads, tp=tp, args=(3,))
     for (t0, _), (t1, _) in zip(first, last):
         assert t1 <= t0 + 8, f"threads per rank grew from {t0} to {t1}"
+
+
+# ------------------------------------------------------------------------------------ processes a test launches
+
+_LAUNCHER_LIKE = """
+import signal, subprocess, sys, time
+# a rank as the local launcher starts it: its own process group, and it does not watch its parent
+rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], process_group=0)
+print(int(signal.getsignal(signal.SIGHUP) == signal.SIG_DFL), rank.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_launched_command_gets_default_signals_and_ending_it_ends_its_ranks_groups():
+    """The SIGHUP fault test's rank, started while SIGHUP was ignored in the test process, ignored the SIGHUP the
+    test sent and kept running after the test, because the test killed only the launcher (the rank leads its own
+    process group). A command started by process_helpers gets SIGHUP at its default although the test process
+    ignores it, and ending it ends every process of its session, the rank in its own group included."""
+    import signal
+    import subprocess
+    import sys
+
+    from process_helpers import SESSION_ENV, end_session, leftover_processes, start
+
+    old = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # what nohup does to the test process
+    try:
+        launcher = start([sys.executable, "-c", _LAUNCHER_LIKE], stdout=subprocess.PIPE, text=True)
+    finally:
+        signal.signal(signal.SIGHUP, old)
+    try:
+        default, rank = map(int, launcher.stdout.readline().split())
+        assert default == 1
+        assert os.getpgid(rank) == rank != os.getpgid(launcher.pid)
+        mine = {p.pid for p in leftover_processes(os.environ[SESSION_ENV])}
+        assert {launcher.pid, rank} <= mine
+    finally:
+        end_session(launcher)
+    mine = {p.pid for p in leftover_processes(os.environ[SESSION_ENV])}
+    assert launcher.pid not in mine and rank not in mine
+
+
+_LEAKY_TEST = """
+import subprocess, sys
+
+
+def test_leaks():
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)  # LEAKED-BY-TEST"], start_new_session=True)
+"""
+
+
+def test_the_session_fails_naming_a_process_a_test_left_running(tmp_path):
+    """The end-of-session check: a pytest session whose only test passes but leaves a process running (in its own
+    session, so no process-group kill reaches it) fails, prints the process's command line, and kills it. Without
+    the check the session passed and the process ran for its whole 600 s."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    (tmp_path / "test_leak.py").write_text(_LEAKY_TEST)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]))
+    env.pop("RLVR_TEST_SESSION", None)
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider", str(tmp_path)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    text = out.stdout + out.stderr
+    assert "1 passed" in text, text[-3000:]
+    assert out.returncode == 1, text[-3000:]
+    assert "process(es) started by the test session are still running" in text and "LEAKED-BY-TEST" in text
+    left = [p for p in psutil.process_iter(["cmdline"]) if "LEAKED-BY-TEST" in " ".join(p.info["cmdline"] or [])]
+    assert not [p for p in left if p.status() != psutil.STATUS_ZOMBIE]

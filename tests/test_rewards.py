@@ -41,6 +41,11 @@ def misbehaving_reward(response: str, ground_truth: str, **metadata) -> float:
                 time.sleep(600)
             except BaseException:
                 pass
+    if response == "spin":  # computes for 0.1 s of CPU time; the reward is when it started (wall clock)
+        start, t0 = time.time(), time.process_time()
+        while time.process_time() - t0 < 0.1:
+            pass
+        return start
     if response == "exit":
         os._exit(7)
     if response == "die":  # a real crash (segfault, OOM kill): the worker is gone
@@ -401,7 +406,8 @@ def one_worker_rm():
 
 def test_items_queued_behind_a_failure_in_a_chunk_are_scored(one_worker_rm):
     """An error, a NaN and an interrupted hang in the middle of a worker's chunk: the items after each are scored
-    by the same worker, in order, and the batch takes the one timeout."""
+    by the same worker (after the timeout, in forked copies of it: no worker is replaced), and the batch takes the
+    one timeout plus the forks (tens of ms each on a busy machine)."""
     rm = one_worker_rm
     pids = rm.worker_pids
     responses = ["1", "raise", "2", "sleep", "1", "nan", "1"] + ["1", "2"] * 20
@@ -410,7 +416,82 @@ def test_items_queued_behind_a_failure_in_a_chunk_are_scored(one_worker_rm):
     elapsed = time.monotonic() - t0
     want = {"raise": ("error", 0.0), "sleep": ("timeout", 0.0), "nan": ("nonfinite", 0.0), "2": ("ok", 0.0)}
     assert [(d.status, d.reward) for d in details] == [want.get(r, ("ok", 1.0)) for r in responses]
-    assert 0.95 < elapsed < 2.5 and rm.worker_pids == pids
+    assert 0.95 < elapsed < 8 and rm.worker_pids == pids
+
+
+def test_a_batch_that_hangs_everywhere_ends_in_about_one_timeout_whatever_its_size(one_worker_rm):
+    """Items used to time out one after another on their worker: 64 hanging items on one worker at timeout_s=1
+    took 64 s (at the defaults, one tiny-preset step with a sleeping reward took 664 s). After the first timeout the
+    rest of the batch is scored at once, each item in its own forked process: every item times out, its worker
+    survives, and the batch ends within the first timeout + one more (timeout + kill grace) + the forks."""
+    rm = one_worker_rm
+    pids = rm.worker_pids
+    n = 64
+    t0 = time.monotonic()
+    details = rm.score_detailed(["sleep"] * n, ["1"] * n)
+    elapsed = time.monotonic() - t0
+    assert [d.status for d in details] == ["timeout"] * n
+    assert elapsed < 1.0 + 2.5 + 0.3 * n, elapsed  # 64 s in order
+    assert rm.worker_pids == pids
+    assert rm.score(["1", "2"], ["1", "1"])[0] == [1.0, 0.0]
+
+
+def test_items_that_compute_after_a_timeout_get_the_cpu_in_turn():
+    """Scoring at once is for items that hang asleep: items that compute, started together after a timeout, would
+    share the worker's CPU and each take many times its CPU time in wall time, past the limit (false timeouts). An
+    item starts only while no other one computes: 10 items of 0.1 s of CPU each start at least 0.1 s apart (started
+    together they start a fork apart, milliseconds) and all score (a 3 s limit: 30x the CPU time, for busy
+    machines)."""
+    cfg = RewardConfig(fn=f"{__name__}:misbehaving_reward", num_workers=1, timeout_s=3.0, kill_grace_s=1.0)
+    with RewardManager(cfg) as rm:
+        details = rm.score_detailed(["sleep"] + ["spin"] * 10, ["1"] * 11)
+    assert details[0].status == "timeout"
+    assert [d.status for d in details[1:]] == ["ok"] * 10
+    starts = sorted(d.reward for d in details[1:])
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert min(gaps) >= 0.1, gaps
+
+
+def test_item_processes_that_ignore_the_interrupt_are_killed_and_leave_nothing(one_worker_rm):
+    """Scoring at once: an item that swallows SIGALRM is killed at timeout_s + kill_grace_s (its process, not the
+    worker), one that kills itself is an error, and no item process is left behind."""
+    rm = one_worker_rm
+    pids = rm.worker_pids
+    details = rm.score_detailed(["sleep", "stubborn", "die", "1", "stubborn", "2"], ["1"] * 6)
+    assert [d.status for d in details] == ["timeout", "timeout", "error", "ok", "timeout", "ok"]
+    assert "killed 2.5 s after its start" in details[1].error and "exit code -9" in details[2].error
+    assert rm.worker_pids == pids
+    assert psutil.Process(pids[0]).children() == []
+
+
+def test_should_stop_abandons_a_hanging_batch_within_a_second(one_worker_rm):
+    """A stop signal (SIGTERM before a Slurm pre-emption) waited for every hanging item of the batch. With
+    ``should_stop`` the pool asks it every 0.2 s: True after 0.5 s raises ScoringStopped well before the 1 s
+    timeout, the busy worker is replaced and the next batch is scored normally."""
+    from megatron_rlvr.rewards.manager import ScoringStopped
+
+    rm = one_worker_rm
+    t0 = time.monotonic()
+    with pytest.raises(ScoringStopped):
+        rm.score(["sleep"] * 20, ["1"] * 20, should_stop=lambda: time.monotonic() - t0 > 0.5)
+    assert time.monotonic() - t0 < 0.9
+    assert rm.score(["1", "2"], ["1", "1"])[0] == [1.0, 0.0]
+    # stopped while scoring at once (after the first timeout): the items' processes, here ones that swallow their
+    # interrupt, die with their replaced worker
+    seen = []
+
+    def stop_once_forked():
+        kids = psutil.Process(rm.worker_pids[0]).children()
+        seen.extend(k for k in kids if k.pid not in {s.pid for s in seen})
+        return len(seen) >= 3
+
+    with pytest.raises(ScoringStopped):
+        rm.score(["sleep"] + ["stubborn"] * 5, ["1"] * 6, should_stop=stop_once_forked)
+    gone, alive = psutil.wait_procs(seen, timeout=5)
+    assert len(seen) >= 3 and not alive
+    with RewardManager(RewardConfig(fn=f"{__name__}:misbehaving_reward", num_workers=0)) as inline:
+        with pytest.raises(ScoringStopped):
+            inline.score(["1"] * 3, ["1"] * 3, should_stop=lambda: True)
 
 
 def test_a_killed_or_dead_workers_unstarted_items_go_back_to_the_queue(one_worker_rm):

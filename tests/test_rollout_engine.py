@@ -399,3 +399,21 @@ def test_moe_routes_are_the_routers_top_k_of_a_full_forward():
     assert plain[0].completions[0].routes is None
     with pytest.raises(ValueError, match="return_routes: the model has no mixture-of-experts router"):
         make_engine(llama_config(), config=HFEngineConfig(return_routes=True))
+
+
+def test_should_stop_interrupts_generation_between_decode_steps():
+    """A stop signal during generation waited for the whole batch (minutes for long responses). ``should_stop`` is
+    asked before every decode step: True on its 4th call ends generate with GenerationStopped after 3 decode steps
+    (not max_tokens=64), and a later generate with the same seed gives the samples of an uninterrupted engine."""
+    from megatron_rlvr.rollout.engine import GenerationStopped
+
+    eng = make_engine(llama_config())
+    sp = SamplingParams(n=2, temperature=1.0, max_tokens=64, seed=3, ignore_eos=True)
+    calls = []
+    with pytest.raises(GenerationStopped):
+        eng.generate(PROMPTS, sp, should_stop=lambda: calls.append(1) or len(calls) > 3)
+    assert len(calls) == 4
+    again = eng.generate(PROMPTS, sp, should_stop=lambda: False)
+    fresh = make_engine(llama_config()).generate(PROMPTS, sp)
+    tokens = [[c.token_ids for c in o.completions] for o in again]
+    assert tokens == [[c.token_ids for c in o.completions] for o in fresh]

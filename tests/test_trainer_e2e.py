@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 
+import process_helpers
 import psutil
 import pytest
 
@@ -182,7 +183,7 @@ def test_sigkill_resume_reproduces_metrics_and_sigterm_saves(reference_run, tmp_
     run = str(tmp_path / "interrupted")
     log_b = tmp_path / "b.log"
     with open(log_b, "w") as log:
-        b = subprocess.Popen(
+        b = process_helpers.start(
             _cmd("train", f"logging.run_dir={run}", f"schedule.steps={STEPS}", f"checkpoint.save_every={SAVE_EVERY}"),
             cwd=REPO,
             env=_env(),
@@ -195,13 +196,14 @@ def test_sigkill_resume_reproduces_metrics_and_sigterm_saves(reference_run, tmp_
             _wait_for(lambda: f"step {SAVE_EVERY + 2}/" in _read(log_b), 120, b, "two more steps")
         finally:
             _kill_tree(b.pid)
+            process_helpers.end_session(b)
     assert b.wait() == -signal.SIGKILL
     resume_from = max(int(m) for m in re.findall(r"step_(\d+)", " ".join(os.listdir(os.path.join(run, "checkpoints")))))
     assert resume_from >= SAVE_EVERY and os.path.isfile(_ckpt(run, resume_from))
 
     log_c = tmp_path / "c.log"
     with open(log_c, "w") as log:
-        c = subprocess.Popen(
+        c = process_helpers.start(
             _cmd("train", os.path.join(run, "config.yaml")),
             cwd=REPO,
             env=_env(),
@@ -214,8 +216,7 @@ def test_sigkill_resume_reproduces_metrics_and_sigterm_saves(reference_run, tmp_
             c.send_signal(signal.SIGTERM)  # to the launcher, which forwards it to both ranks
             code = c.wait(timeout=300)
         finally:
-            if c.poll() is None:
-                _kill_tree(c.pid)
+            process_helpers.end_session(c)
     text = _read(log_c)
     assert code == 0, text[-4000:]
     assert f"resumed from step {resume_from}" in text

@@ -5,6 +5,7 @@ import math
 import os
 import random
 import signal
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -434,6 +435,57 @@ def test_every_rank_of_a_rollout_tp_group_calls_generate():
     assert calls == [[0, 1]] and groups == []
 
 
+def test_a_stop_during_a_ranks_scoring_stops_every_rank_after_the_gather():
+    """A stop signal during scoring must end the rollout on every rank together: a rank that raised alone would
+    leave the others waiting in the all-gather. The rank whose ``should_stop`` fires abandons its scoring and still
+    enters the gather; every rank (here: one whose own check never fires, told by the gathered flag) raises
+    RolloutStopped after it."""
+    from megatron_rlvr.data import Example
+    from megatron_rlvr.rewards.manager import ScoringStopped
+    from megatron_rlvr.rollout.engine import Completion, RolloutOutput, SamplingParams
+    from megatron_rlvr.rollout.groups import Generator, RolloutStopped, Round, engine_info, generate_groups
+
+    class OneSample:
+        interruptible = False  # generation is not where this stop arrives
+
+        def generate(self, prompts, params, prompt_keys=None):
+            return [RolloutOutput(list(p), [Completion([3], [0.0], "stop", None, "3")]) for p in prompts]
+
+    class StopsWhenAsked:
+        report_now = True
+
+        def score(self, texts, gts, metas, ids, max_error_frac, should_stop=None):
+            if should_stop is not None and should_stop():
+                raise ScoringStopped("stop")
+            return [1.0] * len(texts), {"reward/n_items": float(len(texts))}
+
+        def take_pending(self):
+            return []
+
+        def report_gathered(self, items):
+            pass
+
+    example = Example(prompt="3=", answer="3", source="t", id="p0")
+    gathered = []
+
+    def gather(obj):
+        gathered.append(obj)
+        return gathered[-2:] if len(gathered) == 2 else [obj]
+
+    rnd = Round([example], [[1]], SamplingParams(max_tokens=2), seed=0, step=5, round_idx=0)
+
+    def gen(g, stop):
+        return Generator(OneSample(), StopsWhenAsked(), None, engine_info(0, 1, 1), g, stop)
+
+    with pytest.raises(RolloutStopped, match="step 5"):  # this rank was signalled: it gathers, then raises
+        generate_groups(gen(gather, lambda: True), rnd)
+    assert gathered[0][4] is True and gathered[0][0] == []
+    with pytest.raises(RolloutStopped):  # a rank not signalled yet raises too, from the gathered flag
+        generate_groups(gen(gather, lambda: False), rnd)
+    groups, _ = generate_groups(gen(lambda o: [o], lambda: False), rnd)
+    assert [g.rewards for g in groups] == [[1.0]]
+
+
 def test_hinge_kl_with_dynamic_sampling_is_refused():
     """Dynamic sampling drops every mastered group, so the hinge-KL would silently never act: refused, naming both
     options (found reading trainer/batch.py: informative)."""
@@ -450,7 +502,6 @@ def test_grads_finite_is_exact_through_the_sum_shortcut():
     """grads_finite tests sums first: a NaN or inf anywhere is caught, and finite values whose sum
     overflows fp32 are still finite (the per-element fallback); megatron DDP's flat buffers are read when present,
     never nn.Module.buffers (a method on a plain module)."""
-    from types import SimpleNamespace
 
     from megatron_rlvr.megatron.optimizer_step import grads_finite as _grads_finite
 

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 
+import process_helpers
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -71,17 +72,14 @@ def _wait_for(predicate, timeout, proc, what):
 
 def _run_until_sigterm(args, log_path, after_step, cwd=REPO):
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            _cmd(*args), cwd=cwd, env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        proc = process_helpers.start(_cmd(*args), cwd=cwd, env=_env(), stdout=log, stderr=subprocess.STDOUT)
         try:
             if after_step is not None:
                 _wait_for(lambda: f"step {after_step}/" in _read(log_path), 600, proc, f"step {after_step}")
                 proc.send_signal(signal.SIGTERM)  # to the launcher, which forwards it to both ranks
             return proc.wait(timeout=600)
         finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+            process_helpers.end_session(proc)
 
 
 def test_vllm_engine_sigterm_save_and_resume(tmp_path):

@@ -40,6 +40,17 @@ def flaky_reward(response: str, ground_truth: str, **metadata) -> float:
     return 1.0 if response.strip() == ground_truth else 0.0
 
 
+def hang_once_told(response: str, ground_truth: str, **metadata) -> float:
+    """Exact answer; once the file $RLVR_HANG_FILE exists, every call marks it (appends a line) and hangs asleep far
+    past any test timeout."""
+    path = os.environ.get("RLVR_HANG_FILE")
+    if path and os.path.exists(path):
+        with open(path, "a") as f:
+            f.write("scoring\n")
+        time.sleep(3600)
+    return 1.0 if response.strip() == ground_truth else 0.0
+
+
 def zero_reward(response: str, ground_truth: str, **metadata) -> float:
     """Every response is wrong: every group has zero variance (nothing for dynamic sampling to keep)."""
     return 0.0

@@ -6,13 +6,13 @@ import math
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from megatron_rlvr.rewards.builtin import REWARD_FNS
-from megatron_rlvr.rewards.pool import ItemResult, ScoringPool, score_inline
+from megatron_rlvr.rewards.pool import ItemResult, ScoringPool, ScoringStopped, score_inline
 from megatron_rlvr.rewards.reward_config import RewardConfig
 
-__all__ = ["RewardFailure", "RewardManager", "check_failure_fraction"]
+__all__ = ["RewardFailure", "RewardManager", "ScoringStopped", "check_failure_fraction"]
 
 
 class RewardFailure(RuntimeError):
@@ -133,11 +133,13 @@ class RewardManager:
         metas: Sequence[dict | None] | None = None,
         ids: Sequence | None = None,
         max_error_frac: float | None = None,
+        should_stop: Callable[[], bool] | None = None,
     ) -> list[ItemResult]:
         """Per-item results (reward, status "ok"/"timeout"/"error"/"nonfinite"/"unscored", error text), in input
         order. ``ids``: the items' prompt ids, named when a failure is reported. ``max_error_frac``: stop scoring once
         more than this fraction of the batch has failed; the rest is "unscored" (the step fails anyway: a hanging
-        function must not hold it for one timeout per item)."""
+        function must not hold it for one timeout per item). ``should_stop``: asked every fraction of a second;
+        when it returns True the batch is abandoned and ScoringStopped is raised."""
         if self._closed:
             raise RuntimeError("RewardManager is closed")
         if len(responses) != len(ground_truths):
@@ -157,8 +159,8 @@ class RewardManager:
         self._batch_ids = ids
         try:
             if self._pool is not None:
-                return self._pool.score(items, max_error_frac)
-            results = score_inline(self._scorer, self.cfg.timeout_s, items, max_error_frac)
+                return self._pool.score(items, max_error_frac, should_stop)
+            results = score_inline(self._scorer, self.cfg.timeout_s, items, max_error_frac, should_stop)
             for i, r in enumerate(results):
                 if r.status not in ("ok", "unscored"):
                     self._on_failure(i, r)
@@ -173,8 +175,10 @@ class RewardManager:
         metas: Sequence[dict | None] | None = None,
         ids: Sequence | None = None,
         max_error_frac: float | None = None,
+        should_stop: Callable[[], bool] | None = None,
     ) -> tuple[list[float], dict[str, float]]:
-        """Rewards for a batch and namespaced stats; ``max_error_frac`` as in :meth:`score_detailed`.
+        """Rewards for a batch and namespaced stats; ``max_error_frac`` and ``should_stop`` as in
+        :meth:`score_detailed`.
 
         Stats: ``reward/mean``, ``reward/n_items``, ``reward/n_timeout``, ``reward/n_error``, ``reward/n_nonfinite``
         (NaN / inf returned; all three scored 0), ``reward/n_unscored`` (not scored: stopped early),
@@ -184,7 +188,7 @@ class RewardManager:
         """
         t0 = time.perf_counter()
         restarts_before = self._pool.restarts if self._pool is not None else 0
-        results = self.score_detailed(responses, ground_truths, metas, ids, max_error_frac)
+        results = self.score_detailed(responses, ground_truths, metas, ids, max_error_frac, should_stop)
         rewards = [r.reward for r in results]
         n_no_answer = 0
         if self.cfg.fn in REWARD_FNS:

@@ -27,9 +27,19 @@ message per item each way made a worker wait for the parent after every item: a 
 round trips (tens of ms on a busy CPU, more than the scoring). Chunks follow guided self-scheduling: a chunk is
 ``ceil(pending / (2 * num_workers))`` items, so they shrink as the batch drains and the workers finish together;
 a worker gets its next chunk while it still has one item to go (idle workers are served first), so it never waits
-for the parent. An item queued behind a hanging one waits for that one's timeout (its own timer starts when it
-starts), so a batch with a hanging item takes the timeout plus the scoring of the items behind it on that worker;
-when a worker is killed or dies, its unstarted items go back to the queue.
+for the parent. When a worker is killed or dies, its unstarted items go back to the queue.
+
+Hanging functions: in order, every hanging item would cost one timeout after another on its worker (a sleeping
+reward held one step of the tiny preset for 664 s). So once an item of a batch has timed out, the rest of the batch
+is scored at once: a worker forks one process per item (a copy with the function already imported: milliseconds,
+not the seconds of a new worker), each with its own timer and kill deadline, and a worker scoring in order switches
+to that for the rest of its chunk right after its timeout. A new item starts only while no running item's process
+computes (Linux /proc state "R"), so items that hang asleep wait out their limits together while items that compute
+still get the worker's CPU in turn; a batch whose every item hangs asleep ends after about two timeouts plus the
+forks. An item that hangs while computing (C code) still costs its timeout in turn, as before.
+
+``should_stop`` (a stop signal) is asked every STOP_POLL_S while a batch is scored: a SIGTERM does not wait for
+the batch.
 
 Workers are plain ``python -c`` subprocesses talking over a socketpair (a multiprocessing Connection), not
 multiprocessing children: the caller's ``__main__`` is not re-imported in every worker (a training script's
@@ -55,14 +65,25 @@ import time
 import traceback
 import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 
-__all__ = ["ItemResult", "ItemTimeout", "ScoringPool", "score_inline"]
+__all__ = ["ItemResult", "ItemTimeout", "ScoringPool", "ScoringStopped", "score_inline"]
 
 
 class ItemTimeout(BaseException):
     """Raised inside a worker by SIGALRM when an item exceeds its time limit."""
+
+
+class ScoringStopped(Exception):
+    """Scoring was abandoned because the caller's ``should_stop()`` returned True (a stop signal)."""
+
+
+STOP_POLL_S = 0.2
+"""How often a scoring loop asks ``should_stop()``."""
+CONCURRENT_SLACK_S = 10.0
+"""Extra seconds a worker scoring at once has, beyond an item's limit, to report (its own forks and kills)."""
 
 
 @dataclass
@@ -190,7 +211,126 @@ def _end_output(threads: list[threading.Thread]) -> None:
         t.join(timeout=2.0)
 
 
-def _worker_main(conn: Connection, fn: str, extraction: str, timeout_s: float, parent_pid: int) -> None:
+CONCURRENT_ITEMS = 64
+"""Items a worker scores at once, each in its own forked process, once an item of the batch has timed out."""
+
+
+CPU_POLL_S = 0.01
+"""How often a worker scoring at once looks whether its items' processes still compute."""
+
+
+def _computing(pid: int) -> bool:
+    """Whether process ``pid`` is running or runnable (Linux /proc state "R"; a freshly forked item process counts
+    until it computes no more or sleeps); True where /proc cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "R"
+    except (OSError, IndexError):
+        return True
+
+
+def _kill_with_parent() -> None:
+    """Linux: SIGKILL this process when the thread that forked it (the worker's main thread) ends, e.g. when the
+    worker is killed as hung: an item's process stuck in C code must not outlive it."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the worker kills its item processes itself when it exits
+        pass
+
+
+def _fork_item(scorer, timeout_s: float, item) -> tuple[int, Connection]:
+    """Score ``item`` (idx, response, ground_truth, meta) in a forked copy of this worker, which has the reward
+    function imported and warmed up already (a fork costs milliseconds, a new worker seconds); returns (pid, the read
+    end its result comes back on)."""
+    read_fd, write_fd = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the item's process: score, send, exit (never return into the worker's loop)
+        code = 0
+        try:
+            os.close(read_fd)
+            _kill_with_parent()
+            global _WORKER_PID
+            _WORKER_PID = os.getpid()  # os._exit in the reward function raises here too
+            _idx, response, ground_truth, meta = item
+            result = _score_one(scorer, timeout_s, response, ground_truth, meta)
+            Connection(write_fd, readable=False).send(result)
+        except BaseException:
+            code = 1
+        finally:
+            _REAL_EXIT(code)
+    os.close(write_fd)
+    return pid, Connection(read_fd, writable=False)
+
+
+def _score_concurrently(conn: Connection, scorer, queue: deque, timeout_s: float, kill_grace_s: float) -> bool:
+    """Score the items of ``queue`` at once (at most CONCURRENT_ITEMS at a time), each in a forked process with its
+    own deadline, sending each result as soon as it is known; chunks that arrive meanwhile join ``queue``. Returns
+    False when the parent asked the worker to exit (or went away)."""
+    running: dict[Connection, tuple[int, int, float]] = {}  # read end -> (item index, pid, kill deadline)
+    alive = True
+
+    def finish(r: Connection, result: ItemResult | None) -> None:
+        idx, pid, _ = running.pop(r)
+        r.close()
+        _, status = os.waitpid(pid, 0)
+        if result is None:
+            code = os.waitstatus_to_exitcode(status)
+            result = ItemResult(0.0, "error", f"the item's scoring process died (exit code {code})")
+        conn.send((idx, result))
+
+    try:
+        while alive and (queue or running):
+            # A new item starts only while no item's process computes: items that hang asleep (a lock, the
+            # network, a sleep) all wait out their limits together, while items that compute still get this
+            # worker's one CPU in turn (dozens at once would stretch each past its limit: false timeouts).
+            while queue and len(running) < CONCURRENT_ITEMS and not any(_computing(p) for _, p, _ in running.values()):
+                item = queue.popleft()
+                try:
+                    pid, r = _fork_item(scorer, timeout_s, item)
+                except OSError as e:  # no process could be started (process or memory limit)
+                    conn.send((item[0], ItemResult(0.0, "error", f"could not fork a process for the item: {e}")))
+                    continue
+                running[r] = (item[0], pid, time.monotonic() + timeout_s + kill_grace_s)
+            wait_s = max(0.0, min(d for _, _, d in running.values()) - time.monotonic()) if running else None
+            if queue and running:  # waiting for the CPU: look again soon
+                wait_s = min(wait_s, CPU_POLL_S)
+            for r in wait([conn, *running], timeout=wait_s):
+                if r is not conn:
+                    try:
+                        result = r.recv()
+                    except (EOFError, OSError):  # it died without a result (segfault, OOM kill)
+                        result = None
+                    finish(r, result)
+                    continue
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):
+                    msg = None
+                if msg is None:  # shut down
+                    alive = False
+                    break
+                queue.extend(msg[1])
+            now = time.monotonic()
+            for r, (_, pid, deadline) in list(running.items()):
+                if now >= deadline:  # C code, a swallowed interrupt: the item's process is killed, not the worker
+                    os.kill(pid, signal.SIGKILL)
+                    limit = timeout_s + kill_grace_s
+                    finish(r, ItemResult(0.0, "timeout", f"its process was killed {limit:g} s after its start"))
+    finally:
+        for r, (_, pid, _) in running.items():
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            r.close()
+    return alive
+
+
+def _worker_main(
+    conn: Connection, fn: str, extraction: str, timeout_s: float, kill_grace_s: float, parent_pid: int
+) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Slurm signals every process of a job step (USR1 before the time limit, TERM on scancel): the trainer decides
     # when to stop and shuts its workers down; a worker dying here would score a step's items 0 and break resume.
@@ -218,16 +358,25 @@ def _worker_main(conn: Connection, fn: str, extraction: str, timeout_s: float, p
             msg = conn.recv()
         except (EOFError, OSError):
             return
-        if msg is None:
+        alive = msg is not None
+        try:
+            if alive and msg[0] == "concurrent":
+                alive = _score_concurrently(conn, scorer, deque(msg[1]), timeout_s, kill_grace_s)
+            elif alive:  # a chunk scored in order: each result goes back at once
+                chunk = deque(msg[1])
+                while chunk:
+                    idx, response, ground_truth, meta = chunk.popleft()
+                    result = _score_one(scorer, timeout_s, response, ground_truth, meta)
+                    conn.send((idx, result))
+                    if result.status == "timeout" and chunk:  # the function hangs: the rest at once
+                        alive = _score_concurrently(conn, scorer, chunk, timeout_s, kill_grace_s)
+                        break
+        except (BrokenPipeError, OSError):
+            return
+        if not alive:
             # Skip interpreter teardown (seconds with sympy loaded): nothing to clean up but the std streams.
             _end_output(forwarders)
             _REAL_EXIT(0)
-        for idx, response, ground_truth, meta in msg:  # a chunk: each result goes back at once
-            result = _score_one(scorer, timeout_s, response, ground_truth, meta)
-            try:
-                conn.send((idx, result))
-            except (BrokenPipeError, OSError):
-                return
 
 
 # The worker's entry point: sys.path comes from the parent before anything of ours is imported, so the worker finds
@@ -239,7 +388,7 @@ conn = Connection(int(sys.argv[1]))
 init = conn.recv()
 sys.path[:] = init["sys_path"]
 from megatron_rlvr.rewards.pool import _worker_main
-_worker_main(conn, init["fn"], init["extraction"], init["timeout_s"], init["parent_pid"])
+_worker_main(conn, init["fn"], init["extraction"], init["timeout_s"], init["kill_grace_s"], init["parent_pid"])
 """
 
 
@@ -252,16 +401,20 @@ def _unscored() -> ItemResult:
     return ItemResult(0.0, "unscored", "not scored: too many items of the batch had failed already")
 
 
-def score_inline(scorer, timeout_s: float, items, max_failed_frac: float | None = None) -> list[ItemResult]:
+def score_inline(
+    scorer, timeout_s: float, items, max_failed_frac: float | None = None, should_stop: Callable[[], bool] | None = None
+) -> list[ItemResult]:
     """Score in the calling process (``num_workers=0``). The timeout interrupts only Python code and only in the
     main thread; elsewhere it is not enforced. The caller's SIGALRM handler is restored afterwards.
-    ``max_failed_frac``: as in :meth:`ScoringPool.score`."""
+    ``max_failed_frac``, ``should_stop``: as in :meth:`ScoringPool.score` (asked between items)."""
     main = threading.current_thread() is threading.main_thread()
     results = []
     n_failed = 0
     old = signal.signal(signal.SIGALRM, _on_alarm) if main else None
     try:
         for response, ground_truth, meta in items:
+            if should_stop is not None and should_stop():
+                raise ScoringStopped("scoring stopped: a stop was requested")
             if _too_many_failed(n_failed, len(items), max_failed_frac):
                 results.append(_unscored())
                 continue
@@ -280,7 +433,7 @@ def score_inline(scorer, timeout_s: float, items, max_failed_frac: float | None 
 
 
 class _Worker:
-    def __init__(self, fn: str, extraction: str, timeout_s: float):
+    def __init__(self, fn: str, extraction: str, timeout_s: float, kill_grace_s: float):
         parent_sock, child_sock = socket.socketpair()
         self.conn = Connection(parent_sock.detach())
         child_fd = child_sock.detach()
@@ -295,6 +448,7 @@ class _Worker:
             "fn": fn,
             "extraction": extraction,
             "timeout_s": timeout_s,
+            "kill_grace_s": kill_grace_s,
             "parent_pid": os.getpid(),
         }
         self.conn.send(init)
@@ -302,8 +456,13 @@ class _Worker:
         self.ready = False
         self.queue: deque[int] = deque()
         """Items sent and not answered yet, in the order the worker scores them (the first one is running)."""
+        self.concurrent = False
+        """The worker scores its items at once (after a timeout), each in its own process: they answer in any
+        order, and the worker kills each at its own deadline."""
         self.deadline = 0.0
-        """When the running item is killed: its start (the previous result, or the send) + timeout + grace."""
+        """When the worker is killed: in order, the running item's start (the previous result, or the send) +
+        timeout + grace; at once, the last result (or send) + timeout + grace + CONCURRENT_SLACK_S (the worker itself
+        stopped answering)."""
 
     @property
     def item(self) -> int | None:
@@ -328,7 +487,8 @@ _LIVE_POOLS: weakref.WeakSet = weakref.WeakSet()
 
 
 @atexit.register
-def _close_live_pools() -> None:
+def close_live_pools() -> None:
+    """Close every pool not closed yet (runs at interpreter exit)."""
     for pool in list(_LIVE_POOLS):
         pool.close()
 
@@ -348,7 +508,7 @@ class ScoringPool:
     ):
         if num_workers < 1:
             raise ValueError(f"ScoringPool needs num_workers >= 1, got {num_workers}")
-        self._args = (fn, extraction, timeout_s)
+        self._args = (fn, extraction, timeout_s, kill_grace_s)
         self.timeout_s = timeout_s
         self.kill_grace_s = kill_grace_s
         self.start_timeout_s = start_timeout_s
@@ -358,6 +518,8 @@ class ScoringPool:
         """Called as ``on_failure(index, ItemResult)`` the moment an item fails (before the batch is done)."""
         self._closed = False
         self._n_failed = 0
+        self._hanging = False
+        """An item of this batch has timed out: the rest is scored at once, each item in its own process."""
         self._workers: list[_Worker] = []
         _LIVE_POOLS.add(self)
         for _ in range(num_workers):
@@ -389,9 +551,16 @@ class ScoringPool:
             self._set(results, idx, result)
             if w.queue and w.queue[0] == idx:
                 w.queue.popleft()
-            else:  # pragma: no cover - a worker answers in the order it was sent
+            else:  # at once: any order
                 w.queue.remove(idx)
-            w.deadline = time.monotonic() + self.timeout_s + self.kill_grace_s  # the next item starts now
+            if result.status == "timeout":
+                w.concurrent = True  # the worker scores the rest of its items at once from here on
+            if not w.queue:
+                w.concurrent = False
+            # in order, the next item starts now; at once, the worker is alive and another item may start now
+            w.deadline = time.monotonic() + self.timeout_s + self.kill_grace_s
+            if w.concurrent:
+                w.deadline += CONCURRENT_SLACK_S
 
     def _on_death(self, i: int, results: list, pending: deque) -> None:
         w = self._workers[i]
@@ -409,39 +578,58 @@ class ScoringPool:
 
     def _set(self, results: list, idx: int, result: ItemResult) -> None:
         results[idx] = result
+        self._hanging = self._hanging or result.status == "timeout"
         if result.status != "ok":
             self._n_failed += 1
             if self.on_failure is not None:
                 self.on_failure(idx, result)
 
+    def _stop_now(self, n: int, max_failed_frac: float | None) -> bool:
+        return _too_many_failed(self._n_failed, n, max_failed_frac)
+
+    def _drop_busy(self, results: list, pending: deque) -> None:
+        """Give every item not scored yet status "unscored"; busy workers are replaced (their items' processes
+        die with them)."""
+        for i, w in enumerate(self._workers):
+            if w.queue:  # the running item(s) and the worker's unstarted ones
+                for idx in w.queue:
+                    results[idx] = _unscored()
+                w.queue.clear()
+                self._replace(i)
+        for idx in pending:
+            results[idx] = _unscored()
+        pending.clear()
+
     def score(
-        self, items: list[tuple[str, str, dict | None]], max_failed_frac: float | None = None
+        self,
+        items: list[tuple[str, str, dict | None]],
+        max_failed_frac: float | None = None,
+        should_stop: Callable[[], bool] | None = None,
     ) -> list[ItemResult]:
         """Score ``items`` (response, ground_truth, metadata); results in input order. Never raises for a bad item;
         raises RuntimeError only if a worker cannot start at all (an environment or configuration problem).
 
         ``max_failed_frac``: once more than this fraction of ``items`` has failed, stop: the items not yet scored
-        (queued or in flight; busy workers are replaced) get status "unscored". A hanging function then costs a few
-        timeouts, not one per item."""
+        (queued or in flight; busy workers are replaced) get status "unscored".
+
+        ``should_stop``: polled every STOP_POLL_S while scoring; when it returns True the batch is abandoned (busy
+        workers are replaced) and :class:`ScoringStopped` is raised (a stop signal must not wait for a slow or
+        hanging reward function)."""
         if self._closed:
             raise RuntimeError("ScoringPool is closed")
         results: list[ItemResult | None] = [None] * len(items)
         pending = deque(range(len(items)))
         self._n_failed = 0
+        self._hanging = False
+        frac = max_failed_frac
         while True:
-            if _too_many_failed(self._n_failed, len(items), max_failed_frac):
-                for i, w in enumerate(self._workers):
-                    if w.queue:  # the running item and the worker's unstarted ones
-                        for idx in w.queue:
-                            results[idx] = _unscored()
-                        w.queue.clear()
-                        self._replace(i)
-                for idx in pending:
-                    results[idx] = _unscored()
+            if should_stop is not None and should_stop():
+                self._drop_busy(results, pending)
+                raise ScoringStopped("scoring stopped: a stop was requested")
+            if self._stop_now(len(items), frac):
+                self._drop_busy(results, pending)
                 break
-            for w in sorted(self._workers, key=lambda w: len(w.queue)):  # idle workers first
-                if w.ready and len(w.queue) <= 1 and pending:
-                    self._send_chunk(w, items, pending, results)
+            self._dispatch(items, pending, results)
             busy = [w for w in self._workers if w.item is not None]
             if not pending and not busy:
                 break
@@ -450,17 +638,26 @@ class ScoringPool:
                 w.started_at + self.start_timeout_s for w in self._workers if not w.ready
             ]
             wait_s = max(0.0, min(deadlines) - now) if deadlines else 1.0
+            if should_stop is not None:
+                wait_s = min(wait_s, STOP_POLL_S)
             conn_of = {w.conn: i for i, w in enumerate(self._workers)}
             # A result that arrived just before its deadline counts: messages are read before deadlines are checked.
             for conn in wait(list(conn_of), timeout=wait_s):
                 i = conn_of[conn]
                 while self._workers[i].conn is conn:  # not replaced: read all it has sent so far
                     self._handle_message(i, results, pending)
-                    if self._workers[i].conn is not conn or not conn.poll():
+                    if self._workers[i].conn is not conn or not conn.poll() or self._stop_now(len(items), frac):
                         break
+                if self._stop_now(len(items), frac):  # items scored at once end together: count up to the limit
+                    break
             now = time.monotonic()
             for i, w in enumerate(self._workers):
-                if w.item is not None and now >= w.deadline:
+                if w.item is not None and now >= w.deadline and w.concurrent:  # the worker itself stopped answering
+                    for idx in list(w.queue):
+                        self._set(results, idx, ItemResult(0.0, "timeout", "its reward worker stopped answering"))
+                    w.queue.clear()
+                    self._replace(i)
+                elif w.item is not None and now >= w.deadline:
                     limit = self.timeout_s + self.kill_grace_s
                     idx = w.queue.popleft()
                     pending.extendleft(reversed(w.queue))  # the killed worker's unstarted items
@@ -474,13 +671,30 @@ class ScoringPool:
                     raise RuntimeError(f"reward worker did not start within {self.start_timeout_s:g} s")
         return results  # type: ignore[return-value]
 
-    def _send_chunk(self, w: _Worker, items: list, pending: deque, results: list) -> None:
-        """Send ``w`` the next chunk of ``pending`` (guided self-scheduling, see the module docstring)."""
-        size = max(1, math.ceil(len(pending) / (2 * len(self._workers))))
+    def _dispatch(self, items: list, pending: deque, results: list) -> None:
+        """Hand out pending items. In order (guided self-scheduling, see the module docstring): a worker gets a chunk
+        when it has at most one item left, idle workers first. Once an item of the batch has timed out: everything
+        pending at once, split over the ready workers that are idle or already scoring at once."""
+        if not pending:
+            return
+        if not self._hanging:
+            for w in sorted(self._workers, key=lambda w: len(w.queue)):  # idle workers first
+                if w.ready and len(w.queue) <= 1 and pending:
+                    size = max(1, math.ceil(len(pending) / (2 * len(self._workers))))
+                    self._send_chunk(w, items, pending, results, size, concurrent=False)
+            return
+        takers = [w for w in self._workers if w.ready and (w.concurrent or not w.queue)]
+        size = math.ceil(len(pending) / len(takers)) if takers else 0
+        for w in takers:
+            if pending:
+                self._send_chunk(w, items, pending, results, size, concurrent=True)
+
+    def _send_chunk(self, w: _Worker, items: list, pending: deque, results: list, size: int, concurrent: bool) -> None:
+        """Send ``w`` the next ``size`` items of ``pending``, to be scored in order or at once."""
         chunk = [pending.popleft() for _ in range(min(size, len(pending)))]
         msg = [(idx, *items[idx]) for idx in chunk]
         try:
-            w.conn.send(msg)
+            w.conn.send(("concurrent" if concurrent else "in order", msg))
         except (BrokenPipeError, ConnectionResetError):
             pending.extendleft(reversed(chunk))  # worker died while idle: its EOF is handled by the caller
             return
@@ -495,10 +709,14 @@ class ScoringPool:
                     self._set(results, idx, ItemResult(0.0, "error", err))
             pending.extendleft(reversed(good))
             if good:
-                self._send_chunk(w, items, pending, results)
+                self._send_chunk(w, items, pending, results, len(good), concurrent)
             return
-        if not w.queue:  # the chunk's first item starts now; else it starts at the running item's result
-            w.deadline = time.monotonic() + self.timeout_s + self.kill_grace_s
+        limit = time.monotonic() + self.timeout_s + self.kill_grace_s
+        if concurrent:  # its items start now (as many as CONCURRENT_ITEMS allows)
+            w.deadline = max(w.deadline, limit + CONCURRENT_SLACK_S) if w.queue else limit + CONCURRENT_SLACK_S
+            w.concurrent = True
+        elif not w.queue:  # the chunk's first item starts now; else it starts at the running item's result
+            w.deadline = limit
         w.queue.extend(chunk)
 
     def close(self) -> None:

@@ -205,6 +205,10 @@ def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
     return x & ((1 << 63) - 1)
 
 
+class GenerationStopped(Exception):
+    """``generate`` returned nothing because its ``should_stop()`` returned True (a stop signal)."""
+
+
 class RolloutEngine(abc.ABC):
     """Generation plus in-place weight updates. Implementations: HFRolloutEngine (CPU, reference), VLLMRolloutEngine.
 
@@ -224,6 +228,9 @@ class RolloutEngine(abc.ABC):
     calls it, even one whose share of the prompts is empty."""
     supports_adapters: bool = False
     """``load_adapter`` serves a PEFT adapter folder on top of the loaded base weights (LoRA adapter sync)."""
+    interruptible: bool = False
+    """``generate`` takes ``should_stop`` (a callable) and, when it returns True between decode steps, abandons the
+    batch with GenerationStopped: a stop signal does not wait for a long generation."""
     supports_weight_digests: bool = False
     """``weight_digests`` reads back the tensors it holds under their HF names (a verified weight sync compares them
     with what the trainer sent). False where the engine repacks what it loads (vLLM's fused layouts)."""

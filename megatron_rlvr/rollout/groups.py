@@ -22,7 +22,14 @@ from typing import Any
 from megatron_rlvr.data import Example, render, shard_range
 from megatron_rlvr.rewards import RewardManager
 from megatron_rlvr.rewards.manager import check_failure_fraction
-from megatron_rlvr.rollout.engine import RolloutEngine, SamplingParams, sample_seed
+from megatron_rlvr.rewards.pool import ScoringStopped
+from megatron_rlvr.rollout.engine import GenerationStopped, RolloutEngine, SamplingParams, sample_seed
+
+
+class RolloutStopped(Exception):
+    """A stop was requested during generation or scoring on some rank; raised on every rank together, after the
+    all-gather (no rank may stop alone: the others would wait in a collective it never enters). The round's samples
+    are dropped: the step has not trained, so the last completed step is the one to checkpoint."""
 
 
 @dataclass
@@ -136,6 +143,9 @@ class Generator:
     """Which engine this rank belongs to and whether it leads it."""
     gather: Callable[[object], list]
     """All-gather over the ranks that roll out (rank order)."""
+    should_stop: Callable[[], bool] | None = None
+    """A stop was requested (a stop signal): asked during scoring and, by ``interruptible`` engines, between decode
+    steps; when it returns True on any rank every rank raises RolloutStopped after the all-gather. None: never."""
 
 
 @dataclass(frozen=True)
@@ -162,22 +172,31 @@ class Round:
 
 def generate_groups(gen: Generator, rnd: Round) -> tuple[list[Group], dict[str, float]]:
     """Generate and score this engine's share, all-gather: every rank returns all groups in prompt order, with the
-    merged reward counts and the slowest engine's times."""
+    merged reward counts and the slowest engine's times. RolloutStopped on every rank when a stop was requested on
+    any (``Generator.should_stop``), within seconds instead of after the batch."""
     share = shard_range(len(rnd.examples), gen.info.index, gen.info.count)
     stats = {"time/generate_s": 0.0, "time/reward_s": 0.0}
     mine: list[Group] = []
     reward_stats: dict[str, float] = {}
-    outputs, images = _generate_share(gen, rnd, share, stats)
-    if gen.info.leader and len(share) > 0:
-        mine = [_group(rnd, i, out, images is not None, gen.tokenizer) for i, out in zip(share, outputs)]
-        t0 = time.perf_counter()
-        reward_stats = _score(gen.reward_manager, mine, rnd.reward_max_error_frac)
-        stats["time/reward_s"] = time.perf_counter() - t0
+    stopped = False
+    try:
+        outputs, images = _generate_share(gen, rnd, share, stats)
+        if gen.info.leader and len(share) > 0:
+            mine = [_group(rnd, i, out, images is not None, gen.tokenizer) for i, out in zip(share, outputs)]
+            t0 = time.perf_counter()
+            reward_stats = _score(gen.reward_manager, mine, rnd.reward_max_error_frac, gen.should_stop)
+            stats["time/reward_s"] = time.perf_counter() - t0
+    except (GenerationStopped, ScoringStopped):
+        stopped, mine, reward_stats = True, [], {}
     scoring = gen.info.leader and gen.reward_manager is not None
     pending = gen.reward_manager.take_pending() if scoring else []
-    everything = gen.gather((mine, reward_stats, stats, pending) if gen.info.leader else ([], {}, {}, []))
+    everything = gen.gather(
+        (mine, reward_stats, stats, pending, stopped) if gen.info.leader else ([], {}, {}, [], stopped)
+    )
+    if any(part[4] for part in everything):
+        raise RolloutStopped(f"step {rnd.step}: a stop was requested during its rollout")
     if scoring and gen.reward_manager.report_now:  # rank 0: each failure kind once per job
-        gen.reward_manager.report_gathered([item for *_, p in everything for item in p])
+        gen.reward_manager.report_gathered([item for _, _, _, p, _ in everything for item in p])
     groups = [g for part, *_ in everything for g in part]
     merged = _merge_stats(everything)
     if rnd.reward_max_error_frac is not None:  # every rank sees the same merged counts: all raise together
@@ -199,6 +218,8 @@ def _generate_share(gen: Generator, rnd: Round, share: range, stats: dict) -> tu
     p = dataclasses.replace(rnd.params, seed=round_seed(rnd.seed, rnd.step, rnd.round_idx))
     # vision-language prompts: the engine returns them expanded (one token per merged patch): what the trainer trains
     kw = {} if images is None else {"images": images}
+    if gen.should_stop is not None and gen.engine.interruptible:
+        kw["should_stop"] = gen.should_stop
     outputs = gen.engine.generate([rnd.prompt_ids[i] for i in share], p, prompt_keys=share, **kw)
     stats["time/generate_s"] = time.perf_counter() - t0
     return outputs, images
@@ -222,8 +243,9 @@ def _group(rnd: Round, i: int, out, expanded: bool, tokenizer) -> Group:
     return g
 
 
-def _score(reward_manager, groups: list[Group], max_error_frac: float | None) -> dict[str, float]:
-    """Score every sample of ``groups`` (each exactly once) into ``Group.rewards``; the manager's counts."""
+def _score(reward_manager, groups: list[Group], max_error_frac: float | None, should_stop=None) -> dict[str, float]:
+    """Score every sample of ``groups`` (each exactly once) into ``Group.rewards``; the manager's counts.
+    ScoringStopped when ``should_stop()`` returned True meanwhile."""
     texts, gts, metas, item_ids = [], [], [], []
     for g in groups:
         ex = g.example
@@ -233,7 +255,7 @@ def _score(reward_manager, groups: list[Group], max_error_frac: float | None) ->
             metas.append({**ex.metadata, "finish_reason": reason})
             item_ids.append(ex.id)
     # stops early once more than the allowed fraction of this share failed (the step fails on every rank)
-    rewards, reward_stats = reward_manager.score(texts, gts, metas, item_ids, max_error_frac)
+    rewards, reward_stats = reward_manager.score(texts, gts, metas, item_ids, max_error_frac, should_stop=should_stop)
     bad = {i for i, r in enumerate(rewards) if not (isinstance(r, (int, float)) and math.isfinite(r))}
     # the manager scores NaN/inf as 0 and counts it; anything else non-finite here is counted too
     reward_stats["reward/n_nonfinite"] = reward_stats.get("reward/n_nonfinite", 0.0) + float(len(bad))
@@ -260,7 +282,7 @@ REWARD_COUNTS = (
 def _merge_stats(everything: list) -> dict[str, float]:
     """Reward counts summed over the engines; times are the slowest engine's (engines run in parallel)."""
     merged: dict[str, float] = {}
-    for _, rstats, tstats, _ in everything:
+    for _, rstats, tstats, _, _ in everything:
         for key in REWARD_COUNTS:
             merged[key] = merged.get(key, 0.0) + float(rstats.get(key, 0.0))
         for key, v in tstats.items():

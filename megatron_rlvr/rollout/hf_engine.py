@@ -15,7 +15,7 @@ index): the samples do not depend on how rows are batched.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +26,7 @@ from megatron_rlvr.models.mapping import unfuse_experts
 from megatron_rlvr.models.mrope import image_token_counts, rope_index
 from megatron_rlvr.rollout.engine import (
     Completion,
+    GenerationStopped,
     RolloutEngine,
     RolloutOutput,
     SamplingParams,
@@ -204,6 +205,7 @@ class HFRolloutEngine(RolloutEngine):
         return count
 
     supports_weight_digests = True
+    interruptible = True
 
     def weight_digests(self, names: Iterable[str]) -> dict[str, int]:
         """Digests of the parameters held under ``names`` (any alias of a tied parameter; experts by hub name)."""
@@ -284,7 +286,10 @@ class HFRolloutEngine(RolloutEngine):
         params: SamplingParams,
         prompt_keys: Sequence[int] | None = None,
         images: Sequence[Sequence] | None = None,
+        should_stop: Callable[[], bool] | None = None,
     ) -> list[RolloutOutput]:
+        """As :meth:`RolloutEngine.generate`; ``should_stop`` is asked before every decode step, and when it returns
+        True generation is abandoned with :class:`GenerationStopped` (a stop signal must not wait for the batch)."""
         self._check_open()
         if self._sleep_level:
             raise RuntimeError("generate called while the engine sleeps: call wake_up() first")
@@ -311,7 +316,7 @@ class HFRolloutEngine(RolloutEngine):
                 chunk = rows[start : start + step]
                 seeds = [sample_seed(base_seed, keys[i], j) for i, j in chunk]
                 rows_vision = [None if vision[i] is None else (i, *vision[i]) for i, _ in chunk]
-                comps = self._generate_rows([prompts[i] for i, _ in chunk], seeds, params, rows_vision)
+                comps = self._generate_rows([prompts[i] for i, _ in chunk], seeds, params, rows_vision, should_stop)
                 for (i, j), comp in zip(chunk, comps):
                     outputs[i].completions[j] = comp
         return outputs
@@ -394,7 +399,12 @@ class HFRolloutEngine(RolloutEngine):
 
     @torch.no_grad()
     def _generate_rows(
-        self, prompts: list[list[int]], seeds: list[int], params: SamplingParams, vision: list | None = None
+        self,
+        prompts: list[list[int]],
+        seeds: list[int],
+        params: SamplingParams,
+        vision: list | None = None,
+        should_stop: Callable[[], bool] | None = None,
     ) -> list[Completion]:
         """``vision``: per row None or (prompt index, pixel_values, image_grid_thw) of its images."""
         B, dev = len(prompts), self.device
@@ -418,6 +428,8 @@ class HFRolloutEngine(RolloutEngine):
         alive = list(range(B))
         alive_t = torch.arange(B, device=dev)
         for step in range(params.max_tokens):
+            if should_stop is not None and should_stop():
+                raise GenerationStopped("generation stopped: a stop was requested")
             scaled = logits / T
             logp_full = torch.log_softmax(scaled, dim=-1)
             if params.greedy:

@@ -20,6 +20,7 @@ import torch
 
 from megatron_rlvr.config import RunConfig
 from megatron_rlvr.models.source import resolve_on_node
+from megatron_rlvr.rollout.groups import RolloutStopped
 from megatron_rlvr.rundir.lock import RunLock
 from megatron_rlvr.rundir.signals import StopSignals
 from megatron_rlvr.trainer.diagnostics import forgetting_control, forgetting_probe
@@ -69,7 +70,7 @@ def setup(cfg: RunConfig, run_dir: str | None, lock: RunLock | None = None) -> C
     try:
         source = resolve_on_node(cfg.model, d.local_rank, torch.distributed.barrier)
         policy = build_policy_side(cfg, d, source)
-        side = build_rollout_side(cfg, source, d.rank, d.world_size)
+        side = build_rollout_side(cfg, source, d.rank, d.world_size, should_stop=lambda: signals.code != 0)
         side.policy_version = life.resume(policy.state, side.loader)
         sink = EngineSink(side.engine, side.adapter_sync, cfg.rollout.sleep_level, cfg.rollout.verify_sync)
         t = Colocated(side, policy, life, sink)
@@ -96,7 +97,13 @@ def train(cfg: RunConfig, run_dir: str | None = None, lock: RunLock | None = Non
     try:
         for step in range(life.start_step + 1, cfg.schedule.steps + 1):
             life.step = step
-            metrics = rl_step(t, step)
+            data_state = t.rollout.loader.state_dict()
+            try:
+                metrics = rl_step(t, step)
+            except RolloutStopped:  # a stop signal during generation or scoring: the step has not trained
+                t.rollout.loader.load_state_dict(data_state)  # its prompts are drawn again on resume
+                note = f" (step {step} was stopped during its rollout and runs again on resume)"
+                return end_step(life, t.policy, t.rollout.loader, step - 1, note)
             warn_all_too_long(life, step, metrics)
             if life.evaluator.due(step):
                 metrics.update(run_eval(life, t.rollout))

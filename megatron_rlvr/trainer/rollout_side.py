@@ -5,6 +5,7 @@ out builds only this, through the same :func:`build_rollout_side`."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,10 +46,15 @@ class RolloutSide:
     """LoRA with ``model.lora.sync: adapter``: the adapter folder this engine serves; None otherwise."""
     policy_version: int = 0
     """The weight version the engine holds: the last step whose update its weights include."""
+    should_stop: Callable[[], bool] | None = None
+    """A stop signal arrived: generation and scoring are abandoned within seconds (None: the rank is stopped by
+    others, as the disaggregated rollout ranks are by the training ranks)."""
 
     def generator(self) -> Generator:
         """Who generates and scores here, for ``rollout.groups.generate_groups``."""
-        return Generator(self.engine, self.reward_manager, self.tokenizer, self.engine_info, all_gather_objects)
+        return Generator(
+            self.engine, self.reward_manager, self.tokenizer, self.engine_info, all_gather_objects, self.should_stop
+        )
 
     def close(self) -> None:
         if self.reward_manager is not None:
@@ -65,9 +71,12 @@ def build_loader(cfg: RunConfig) -> tuple[PromptLoader, int]:
     return loader, dataset.n_malformed
 
 
-def build_rollout_side(cfg: RunConfig, source: ModelSource, rank: int, ranks: int) -> RolloutSide:
+def build_rollout_side(
+    cfg: RunConfig, source: ModelSource, rank: int, ranks: int, should_stop: Callable[[], bool] | None = None
+) -> RolloutSide:
     """The rollout side of ``rank`` among the ``ranks`` that roll out (the world when colocated, the rollout ranks
-    when disaggregated). The engine starts with random weights: the policy's arrive by the first publish."""
+    when disaggregated). The engine starts with random weights: the policy's arrive by the first publish.
+    ``should_stop``: RolloutSide.should_stop."""
     tokenizer = load_tokenizer(source)
     info = engine_info(rank, ranks, cfg.parallel.rollout_tp)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -81,4 +90,6 @@ def build_rollout_side(cfg: RunConfig, source: ModelSource, rank: int, ranks: in
         engine.close()
         raise
     image_processor = load_image_processor(source)
-    return RolloutSide(cfg, tokenizer, image_processor, engine, info, reward_manager, loader, n_malformed, adapter_sync)
+    return RolloutSide(
+        cfg, tokenizer, image_processor, engine, info, reward_manager, loader, n_malformed, adapter_sync, 0, should_stop
+    )
