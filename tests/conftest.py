@@ -11,8 +11,9 @@ Tiers, one folder each, marked automatically from the folder (``-m unit`` select
 
 The ``gpu`` marker (a CUDA GPU: skipped without one) cuts across the tiers; ``tools/gpu_check.sh`` runs those.
 
-The helpers beside this file (trainer_helpers, slurm_helpers, slurm_standin) are importable from every tier: pytest
-puts this folder on ``sys.path`` (pyproject ``pythonpath``)."""
+The helpers beside this file (trainer_helpers, slurm_helpers, slurm_standin) are importable from every tier, and so
+is every test module (``from test_ops_math import reference_stats``): pytest puts this folder and the three tier
+folders on ``sys.path`` (pyproject ``pythonpath``), so test file names must stay unique across the tiers."""
 
 from pathlib import Path
 
@@ -44,10 +45,18 @@ def _tier(item) -> str | None:
 
 @pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection, which reads these markers
 def pytest_collection_modifyitems(config, items):
+    outside = set()
     for item in items:
         tier = _tier(item)
         if tier is not None:
             item.add_marker(getattr(pytest.mark, tier))
+        elif Path(str(item.path)).resolve().parent == TESTS_DIR:
+            outside.add(Path(str(item.path)).name)
+    if outside:
+        raise pytest.UsageError(
+            f"tests/{', tests/'.join(sorted(outside))}: a test file belongs in tests/unit, tests/integration or "
+            'tests/e2e (docs/architecture.md, "Tests")'
+        )
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run tools/gpu_check.sh on a GPU machine)")
