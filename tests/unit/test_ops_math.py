@@ -2,9 +2,10 @@
 
 The op runs unsharded here (tp_group=None); the multi-rank TP=2/4 checks are in test_ops_tp.py and share the
 reference in `reference_stats`. Each test names the behaviour it checks. Every check of the token statistics runs
-through both implementations (the `impl` fixture: the eager reference and the torch.compile'd kernels of
-megatron_rlvr.ops.compiled); shapes are dynamic there, so the whole module compiles each kernel variant once per
-dtype (and once more for shards of <= 256 columns)."""
+through both implementations (the `impl` fixture): the eager reference here, and the torch.compile'd kernels of
+megatron_rlvr.ops.compiled in tests/integration/test_ops_math_compiled.py, which runs these same tests; shapes are
+dynamic there, so that module compiles each kernel variant once per dtype (and once more for shards of <= 256
+columns), ~10-60 s each on a 2-core CPU: too slow for the unit tier."""
 
 from __future__ import annotations
 
@@ -25,7 +26,6 @@ from megatron_rlvr.ops import (
 
 ALL = ("logprob", "entropy", "margin", "kl", "kl_rev")
 DIFFERENTIABLE = ("logprob", "entropy", "kl", "kl_rev")
-IMPLS = ("eager", "compiled")
 
 
 def compiled_usable() -> str | None:
@@ -37,17 +37,25 @@ def compiled_usable() -> str | None:
     return compiled_usable.reason
 
 
-@pytest.fixture(params=IMPLS)
-def impl(request):
-    """The implementation the test passes to every call (``impl=impl``); for "compiled", also check that the
-    compiled kernels really ran (no silent fallback to eager)."""
-    if request.param == "compiled" and compiled_usable() is not None:
-        pytest.skip(f"torch.compile unusable here: {compiled_usable()}")
-    calls = compiled.compile_stats()["calls"]
-    yield request.param
-    if request.param == "compiled":
-        assert compiled.disabled_reason() is None
-        assert compiled.compile_stats()["calls"] > calls, "the compiled path was not used"
+def impl_fixture(*impls: str):
+    """The ``impl`` fixture over ``impls`` (here "eager"; test_ops_math_compiled.py: "compiled")."""
+
+    @pytest.fixture(params=impls)
+    def impl(request):
+        """The implementation the test passes to every call (``impl=impl``); for "compiled", also check that the
+        compiled kernels really ran (no silent fallback to eager)."""
+        if request.param == "compiled" and compiled_usable() is not None:
+            pytest.skip(f"torch.compile unusable here: {compiled_usable()}")
+        calls = compiled.compile_stats()["calls"]
+        yield request.param
+        if request.param == "compiled":
+            assert compiled.disabled_reason() is None
+            assert compiled.compile_stats()["calls"] > calls, "the compiled path was not used"
+
+    return impl
+
+
+impl = impl_fixture("eager")
 
 
 def reference_stats(x, w, ids, temperature, vocab_size):
