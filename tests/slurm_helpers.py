@@ -1,6 +1,6 @@
-"""Helpers of the Slurm tests (tests/test_slurm.py: the single-node cluster of tools/slurm_local.sh;
-tests/test_slurm_multinode.py: the multi-node cluster of tools/slurm_cluster.sh): finding a running cluster, submitting
-slurm/ scripts, waiting for job states and log lines, and finding the process of one task.
+"""Helpers of the Slurm tests (tests/e2e/test_slurm.py: the single-node cluster of tools/slurm_local.sh;
+tests/e2e/test_slurm_multinode.py: the multi-node cluster of tools/slurm_cluster.sh): finding a running cluster,
+submitting slurm/ scripts, waiting for job states and log lines, and finding the process of one task.
 
 A missing cluster skips the tests that need it, unless MEGATRON_RLVR_REQUIRE_SLURM=1 (CI), which makes it a failure.
 """

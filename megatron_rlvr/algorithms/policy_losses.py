@@ -22,7 +22,7 @@ Registry :data:`POLICY_LOSSES`:
 - ``cpgd``:      clipped policy gradient without ratio factor (CPGD, arXiv 2505.12504), see :mod:`.cpgd`
 
 ``dual_clip: true`` adds the dual clip to ``ppo`` or ``gspo``. Bounds of the per-token gradient |d l_t / d logp_t|
-(docs/algorithms.md, "Gradient bounds"; tests/test_algorithms_ratio_bounds.py holds every loss to them):
+(docs/algorithms.md, "Gradient bounds"; tests/unit/test_algorithms_ratio_bounds.py holds every loss to them):
 ``ppo`` e^20 |A| (A < 0, r up to the log-ratio clamp), with the dual clip max(c, 1 + eps_high) |A|; ``cispo``
 (1 + eps_high) |A|; ``gspo`` e^L |A|, with the dual clip max(c, 1 + eps_high) |A|; ``pg`` and ``cpgd`` |A|.
 """

@@ -8,7 +8,7 @@ Kinds:
   summed over micro-batches and ranks within an update, averaged over updates (``loss/policy``, ``loss/num_tokens``).
 - ``max`` / ``min``: the extreme over everything (``loss/ratio_max``, non-finite flags).
 
-A new metric that is not a token-weighted mean gets a line here (``tests/test_algorithms_reductions.py`` checks
+A new metric that is not a token-weighted mean gets a line here (``tests/unit/test_algorithms_reductions.py`` checks
 each key against the module that emits it, and that a ``*_max`` / ``*_min`` key takes the extreme). Torch-free.
 """
 

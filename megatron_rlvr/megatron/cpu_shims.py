@@ -7,9 +7,9 @@ megatron-core unchanged.
 
 ``apply_cpu_shims()`` is idempotent and must run before megatron-core builds models, optimizers or schedules (it is
 safe to call it before or after ``import megatron.core``); each shim's comment says what breaks without it.
-Verified by ``tests/test_cpu_shims.py``: TP=2 == TP=1 logits, PP=2 (1F1B) loss == PP=1 loss, sequence parallel,
-Megatron's optimizer (incl. DistributedOptimizer) and dist_checkpointing; the mixture-of-experts shims
-(``_patch_moe``) by ``tests/test_models_moe.py``.
+Verified by ``tests/integration/test_cpu_shims.py``: TP=2 == TP=1 logits, PP=2 (1F1B) loss == PP=1 loss, sequence
+parallel, Megatron's optimizer (incl. DistributedOptimizer) and dist_checkpointing; the mixture-of-experts shims
+(``_patch_moe``) by ``tests/integration/test_models_moe.py``.
 """
 
 from __future__ import annotations
@@ -272,7 +272,7 @@ def _set(shim: str, module, attr: str, value) -> None:
 
 
 def _patch_moe() -> None:
-    """Three shims, each verified by a test in tests/test_models_moe.py that fails with it suspended:
+    """Three shims, each verified by a test in tests/integration/test_models_moe.py that fails with it suspended:
 
     - ``te_names``: moe_utils imports ``te_general_gemm`` and the ``fused_*`` MoE kernels inside ``try/except
       ImportError`` and never defines them when Transformer Engine is absent; the router's GEMM then tests

@@ -176,7 +176,7 @@ def _use_fused_cpu_adam(optimizer) -> None:
     """Without Transformer Engine or Apex (every CPU run) megatron steps ``torch.optim.AdamW``, and torch defaults
     to its per-parameter for-loop form for CPU tensors (the foreach / fused defaults are CUDA-only): about 12 small
     ops per parameter per step, each also through the CPU shims' handler. torch's fused CPU kernel (torch >= 2.4)
-    is one vectorised pass per parameter, the same update up to float rounding (tests/test_cpu_shims.py)."""
+    is one vectorised pass per parameter, the same update up to float rounding (tests/integration/test_cpu_shims.py)."""
     for torch_opt in _torch_optimizers(optimizer):
         if not isinstance(torch_opt, (torch.optim.Adam, torch.optim.AdamW)):
             continue

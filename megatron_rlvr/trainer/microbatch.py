@@ -16,10 +16,10 @@ Row packing (``pack_rows``, ``train.pack_sequences``): several sequences share o
 (first-fit decreasing into rows of up to twice the longest sequence), with a block-diagonal causal attention mask so a
 token attends only to earlier tokens of its own sequence. Rotary attention depends only on the distance between two
 positions, so a sequence placed at offset o of a row gets the same logits as alone in its row (up to float rounding;
-tests/test_trainer_packing.py checks it against unpacked rows). The model's work follows the real tokens, not rows x
-the longest. Everything the loss reads stays in the one-sequence-per-row layout [n_seq, s]: the micro-batch carries
-``unpack`` [n_seq, s], the flat packed position of every (sequence, position), and the token statistics are gathered
-through it right after the vocab-parallel ops.
+tests/integration/test_trainer_packing.py checks it against unpacked rows). The model's work follows the real tokens,
+not rows x the longest. Everything the loss reads stays in the one-sequence-per-row layout [n_seq, s]: the
+micro-batch carries ``unpack`` [n_seq, s], the flat packed position of every (sequence, position), and the token
+statistics are gathered through it right after the vocab-parallel ops.
 
 A micro-batch is a :class:`MicroBatch` (typed fields, shapes in their docstrings); what is optional is None, never a
 missing key.

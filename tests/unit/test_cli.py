@@ -1,0 +1,139 @@
+"""The ``megatron-rlvr`` command line without starting ranks: config validation before launch (exit 2 with the
+offending key / file / line), the resolved config in the run directory, malformed data rows, and the plan / plot /
+eval / convert subcommands' argument handling."""
+
+import json
+import os
+
+import pytest
+import yaml
+
+from megatron_rlvr.commands.cli import main
+
+
+def _train(tmp_path, *args):
+    return main(["train", *args, f"logging.run_dir={tmp_path / 'run'}", "--dry-run"])
+
+
+def test_dry_run_writes_the_resolved_config_that_reloads(tmp_path, capsys):
+    assert _train(tmp_path, "schedule.steps=3", "algorithm.preset=cispo") == 0
+    path = tmp_path / "run" / "config.yaml"
+    resolved = yaml.safe_load(path.read_text())
+    assert resolved["schedule"]["steps"] == 3 and resolved["algorithm"]["name"] == "cispo"
+    assert resolved["logging"]["run_dir"] == str(tmp_path / "run")
+    assert resolved["algorithm"]["policy_loss"]["name"] == "cispo"  # every default expanded
+    assert "config OK: 2 rank(s)" in capsys.readouterr().out
+    # a run directory is accepted in place of its config.yaml (that is how a run is resumed)
+    assert main(["train", str(tmp_path / "run"), "--dry-run"]) == 0
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("optimizer.learning_rate=1", "unknown config key 'optimizer.learning_rate'"),
+        ("parallel.tp=3", "does not divide the world size 2"),
+        ("launch.nproc=3", "does not divide the world size 3"),
+        ("model.hf_path=/nonexistent/model", "model.hf_path: not found: /nonexistent/model"),
+    ],
+)
+def test_invalid_config_exits_2_before_any_rank_starts(tmp_path, capsys, override, message):
+    assert _train(tmp_path, override) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.startswith("megatron-rlvr train: error:")
+    assert not (tmp_path / "run").exists()  # nothing was written, nothing was launched
+
+
+def _write_rows(path, rows):
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(r if isinstance(r, str) else json.dumps(r))
+            f.write("\n")
+
+
+def test_malformed_data_row_is_named_or_skipped(tmp_path, capsys):
+    data = tmp_path / "train.jsonl"
+    _write_rows(data, [{"problem": "1+1=", "answer": "2"}, {"problem": "2+2=", "answer": "4"}, "{not json", {"x": 1}])
+    assert _train(tmp_path, f"data.train_files=[{data}]") == 2
+    err = capsys.readouterr().err
+    assert f"{data}:3: invalid JSON" in err  # file and line of the first bad row
+    assert _train(tmp_path, f"data.train_files=[{data}]", "data.skip_malformed=true") == 0
+
+
+def test_plot_writes_a_png_and_overlays_runs(tmp_path, capsys):
+    for name, slope in (("a", 0.01), ("b", 0.02)):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.yaml").write_text(yaml.safe_dump({"algorithm": {"name": f"algo_{name}"}}))
+        _write_rows(
+            d / "metrics.jsonl",
+            [
+                {"step": s, "reward/mean": slope * s, "loss/entropy": 2 - slope * s, "groups/mastered_frac": 0.1}
+                for s in range(1, 21)
+            ],
+        )
+    assert main(["plot", str(tmp_path / "a")]) == 0
+    png = tmp_path / "a" / "curves.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    out = tmp_path / "cmp.png"
+    assert main(["plot", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["plot", str(tmp_path / "nothing-here")]) == 2
+    assert "no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_plot_has_the_async_panels_only_for_a_disaggregated_run(tmp_path):
+    from megatron_rlvr.rundir.plot import panels_of, plot_runs, read_run
+
+    k = 2
+    rows = []
+    for s in range(1, 13):
+        fracs = [0.2, 0.3, 0.5] if s > 2 else [1.0, 0.0, 0.0]
+        row = {"step": s, "reward/mean": 0.05 * s, "async/staleness_mean": sum(j * f for j, f in enumerate(fracs))}
+        row.update({f"async/staleness_frac_{j}": f for j, f in enumerate(fracs)})
+        row.update({"async/staleness_max": float(k if s > 2 else 0), "async/dropped_samples": 0.0})
+        row.update({"async/trainer_wait_s": 0.1, "async/rollout_wait_s": 0.3, "async/policy_version": s - 1.0})
+        row.update({"async/rollout_version": max(s - 1.0 - k, 0.0), "sync/time_s": 0.05, "sync/gbytes": 0.002})
+        row.update({"sync/gbps": 0.04, "sync/apply_s": 0.01, "async/sample_version_min": max(s - 1.0 - k, 0)})
+        rows.append(row)
+    async_dir, colocated_dir = tmp_path / "async", tmp_path / "colocated"
+    for d, recs in (
+        (async_dir, rows),
+        (colocated_dir, [{"step": r["step"], "reward/mean": r["reward/mean"]} for r in rows]),
+    ):
+        d.mkdir()
+        _write_rows(d / "metrics.jsonl", recs)
+    panels = dict(panels_of([read_run(str(async_dir))]))
+    assert [key for key, _ in panels["staleness breakdown (fraction of trained samples per age)"]] == [
+        f"async/staleness_frac_{j}" for j in range(k + 1)
+    ]
+    assert [key for key, _ in panels["idle time per step (s)"]] == ["async/trainer_wait_s", "async/rollout_wait_s"]
+    for title in ("staleness of trained samples (updates behind the trained policy)", "weight version"):
+        assert title in panels
+    assert {key for key, _ in panels["weight sync volume"]} == {"sync/gbytes", "sync/gbps"}
+    assert [key for key, _ in panels["samples dropped / generations spanning a weight update"]] == [
+        "async/dropped_samples"
+    ]
+    colocated = dict(panels_of([read_run(str(colocated_dir))]))
+    assert list(colocated) == ["training reward"]  # no empty async panels on a colocated run
+    png = plot_runs([str(async_dir)])
+    assert png.endswith("curves.png") and os.path.getsize(png) > 10_000
+    # overlaid with the colocated run, the async panels stay (one run has them)
+    assert "weight version" in dict(panels_of([read_run(str(async_dir)), read_run(str(colocated_dir))]))
+
+
+def test_eval_refuses_a_folder_without_a_model(tmp_path, capsys):
+    bench = tmp_path / "b.jsonl"
+    _write_rows(bench, [{"problem": "1=", "answer": "1"}])
+    assert main(["eval", str(tmp_path), "--files", str(bench)]) == 2
+    assert "neither an HF model folder nor a run directory" in capsys.readouterr().err
+
+
+def test_plan_and_convert_are_wired(capsys):
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = main(["plan", os.path.join(root, "configs", "mcpo_14b.yaml")])
+    out = capsys.readouterr().out
+    assert code in (0, 1) and "tp" in out.lower()
+    with pytest.raises(SystemExit) as e:
+        main(["convert", "--help"])
+    assert e.value.code == 0
+    assert "to-hf" in capsys.readouterr().out

@@ -1,0 +1,101 @@
+"""The parts of the vLLM engine (megatron_rlvr.rollout.vllm_engine) that need no vLLM: bucketing of update streams,
+config validation, conversion of vLLM outputs, the model folder, the CPU KV-cache size (hand computed), tied-module
+detection. The engine itself: tests/e2e/test_rollout_vllm.py."""
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_rlvr.rollout.vllm_engine import (
+    VLLMEngineConfig,
+    VLLMRolloutEngine,
+    _tied_modules,
+    _write_model_dir,
+    as_buckets,
+)
+from megatron_rlvr.rollout.vllm_platform import kv_cache_bytes_for
+
+
+def test_as_buckets_groups_pairs_and_passes_buckets_through():
+    t = {n: torch.zeros(n) for n in (10, 20, 30, 40)}  # 40, 80, 120, 160 bytes
+    pairs = [(f"w{n}", t[n]) for n in (10, 20, 30, 40)]
+    out = list(as_buckets(iter(pairs), bucket_bytes=130))
+    assert [[n for n, _ in b] for b in out] == [["w10", "w20"], ["w30"], ["w40"]]  # 160 > 130: its own bucket
+    mixed = [pairs[0], [pairs[1], pairs[2]], pairs[3]]
+    assert [[n for n, _ in b] for b in as_buckets(mixed, 10**6)] == [["w10"], ["w20", "w30"], ["w40"]]
+    assert list(as_buckets([], 10)) == []
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        (dict(tensor_parallel_size=0), "tensor_parallel_size"),
+        (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+        (dict(dtype="int8"), "dtype"),
+        (dict(bucket_bytes=0), "bucket_bytes"),
+        (dict(kv_cache_bytes=0), "kv_cache_bytes"),
+        (dict(max_model_len=0), "max_model_len"),
+    ],
+)
+def test_config_validation(kw, field):
+    with pytest.raises(ValueError, match=field):
+        VLLMEngineConfig(**kw)
+
+
+def test_convert_reads_sampled_token_logprobs():
+    lp = SimpleNamespace
+    comp = SimpleNamespace(
+        index=1,
+        token_ids=[4, 9],
+        logprobs=[{4: lp(logprob=-0.5)}, {9: lp(logprob=-1.25), 3: lp(logprob=-0.1)}],
+        finish_reason="stop",
+        stop_reason=9,
+        text="ab",
+    )
+    first = SimpleNamespace(index=0, token_ids=[2], logprobs=[{2: lp(logprob=-2.0)}], finish_reason="length")
+    first.stop_reason, first.text = None, "c"
+    out = VLLMRolloutEngine._convert([1, 2], SimpleNamespace(outputs=[comp, first]), has_text=True)
+    assert [c.token_ids for c in out.completions] == [[2], [4, 9]]  # sorted by index
+    assert out.completions[1].logprobs == [-0.5, -1.25] and out.completions[1].stop_reason == 9
+    assert out.completions[0].finish_reason == "length" and out.completions[0].text == "c"
+    # an EOS id the engine added as a stop token is reported like vLLM's own EOS stop: stop_reason None
+    eos = VLLMRolloutEngine._convert([1], SimpleNamespace(outputs=[comp]), has_text=True, eos_ids={9})
+    assert eos.completions[0].stop_reason is None and eos.completions[0].finish_reason == "stop"
+    comp.finish_reason = "abort"
+    with pytest.raises(RuntimeError, match="abort"):
+        VLLMRolloutEngine._convert([1], SimpleNamespace(outputs=[comp]), has_text=False)
+
+
+def test_model_dir_needs_architectures_and_writes_eos_ids(tmp_path):
+    import json
+
+    with pytest.raises(ValueError, match="architectures"):
+        _write_model_dir({"model_type": "qwen2"})
+    path, tmp = _write_model_dir(
+        {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "eos_token_id": 2}, eos_token_ids=[2, 7]
+    )
+    assert os.path.isfile(os.path.join(path, "config.json"))
+    with open(os.path.join(path, "generation_config.json")) as f:
+        assert json.load(f)["eos_token_id"] == [2, 7]
+    tmp.cleanup()
+    assert _write_model_dir(str(tmp_path))[0] == str(tmp_path)
+
+
+def test_cpu_kv_cache_size_hand_computed():
+    cfg = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=128)
+    # per token: K+V x 2 layers x 2 KV heads x head_dim 32 x 4 B = 1024 B; 200 tokens -> two 128-token blocks
+    assert kv_cache_bytes_for(cfg, "float32", 200, 3, cap_bytes=1 << 30) == 3 * 256 * 1024
+    assert kv_cache_bytes_for(cfg, "bfloat16", 200, 3, cap_bytes=1 << 30) == 3 * 256 * 512
+    assert kv_cache_bytes_for(cfg, "float32", 200, 3, cap_bytes=1000) == 256 * 1024  # never below one sequence
+    assert kv_cache_bytes_for({**cfg, "head_dim": 16}, "float32", 128, 1, cap_bytes=1 << 30) == 128 * 512
+
+
+def test_tied_modules_are_the_later_sharers_of_a_weight():
+    emb, head, other = torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False), torch.nn.Linear(3, 3)
+    head.weight = emb.weight
+    model = torch.nn.ModuleDict({"embed": emb, "other": other, "lm_head": head})
+    assert _tied_modules(model) == ["lm_head"]
+    head.weight = torch.nn.Parameter(emb.weight.detach().clone())
+    assert _tied_modules(model) == []
