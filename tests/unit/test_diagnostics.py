@@ -77,7 +77,7 @@ def test_probe_resamples_exactly_the_mastered_groups_and_the_control_uses_the_pr
     class Rewards:
         report_now = True
 
-        def score(self, texts, gts, *rest):
+        def score(self, texts, gts, *rest, **kw):
             rewards = [float(x == g) for x, g in zip(texts, gts)]
             return rewards, {"reward/n_items": float(len(rewards))}
 
