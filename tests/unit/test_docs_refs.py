@@ -40,6 +40,8 @@ ALLOWED_BARE_NAMES = {
     "config.yaml",
     # vLLM's own module (vllm/model_executor/model_loader/reload/), named where the docs explain its weight reload.
     "layerwise.py",
+    # megatron-core's own module (megatron/core/transformer/), named where docs/moe.md explains its MLA traps.
+    "multi_latent_attention.py",
 }
 """Bare file names the docs may use for files outside the repository (each with the reason)."""
 
@@ -295,8 +297,10 @@ def stale_names(doc: Doc) -> list[str]:
 
 
 def resolve_py(path: str) -> str | None:
-    """The repository file a doc's ``x.py`` / ``trainer/x.py`` / ``tests/x.py`` means (None: no such file)."""
-    for cand in (path, f"{PKG}/{path}", f"tests/{path}"):
+    """The repository file a doc's ``x.py`` / ``trainer/x.py`` / ``tests/<tier>/x.py`` means (None: no such file); a
+    bare test file name is looked up in every tier (the names are unique across them)."""
+    tiers = [f"tests/{tier}/{path}" for tier in ("unit", "integration", "e2e")]
+    for cand in (path, f"{PKG}/{path}", f"tests/{path}", *tiers):
         if cand in repo_files():
             return cand
     return None
