@@ -197,7 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"megatron-rlvr {command}: interrupted", file=sys.stderr, flush=True)
         return 130
-    except Exception as e:
+    except (SystemExit, GeneratorExit):
+        raise
+    except BaseException as e:  # torch.distributed's CheckpointException is a BaseException, not an Exception
         if debug:
             raise
         _report(command, e)
