@@ -4,6 +4,7 @@ ones share one call of the 4-rank pool (``test_trainer_level_faults``)."""
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -907,6 +908,71 @@ def test_eval_checks_its_benchmarks_and_out_before_loading_the_model(tmp_path, m
     out = tmp_path / "no_such_dir" / "eval.json"
     assert main(["eval", str(hf), "--files", str(good), "--reward", "gsm8k", "--out", str(out)]) == 2
     assert "no_such_dir does not exist" in capsys.readouterr().err
+
+
+def test_command_line_mistakes_say_what_to_type_instead(tmp_path, monkeypatch, capsys):
+    """One line each, exit 2, saying what to type, before anything starts. Before: ``train schedule.steps 5`` and
+    ``train EMPTY_DIR`` said "config file not found"; ``eval --files DIR`` "not found"; ``eval --engine vllm --tp 3``
+    started 3 ranks and vLLM's multi-line error came after ~27 s; ``--gpu-memory-utilization 5`` was reported under
+    vLLM's class name; ``parallel.tp=2`` with one KV head and LoRA fc1/fc2 adapters on an MoE model passed
+    ``--dry-run`` and every rank refused them after launch; ``model.lora.sync=adapter`` with the transformers engine
+    likewise; ``logging.wandb.enabled=true`` without an API key failed after the first step."""
+    import transformers
+
+    from megatron_rlvr.commands.cli import main
+    from megatron_rlvr.families.tiny import save_tiny_tokenizer, tiny_hf_config
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded before the inputs were checked")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_model)
+    monkeypatch.chdir(tmp_path)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "problems.jsonl").write_text('{"problem": "1=", "answer": "1"}\n')
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"num_attention_heads": 4, "num_key_value_heads": 1}))
+    (hf / "tokenizer.json").write_text("{}")
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"problem": "1=", "answer": "1"}\n')
+    one_kv = tmp_path / "one_kv.json"  # the tiny model with 4 query heads sharing one key/value head
+    one_kv.write_text(json.dumps({**tiny_hf_config(), "num_attention_heads": 4, "num_key_value_heads": 1}))
+    tok = save_tiny_tokenizer(tmp_path / "tok")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no_netrc"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cases = {
+        ("train", "schedule.steps", "5"): "options are given as key=value, one word: schedule.steps=5",
+        ("train", "configs/tiny.yaml", "schedule.steps", "5"): "not key=value.*e.g. schedule.steps=5",
+        ("train", str(empty)): "is a folder with no config.yaml in it",
+        ("eval", str(hf), "--files", str(empty)): r"--files: .*empty is a folder.*--files .*/\*.jsonl.*problems.jsonl",
+        ("eval", str(hf), "--files", str(good), "--engine", "vllm", "--gpu-memory-utilization", "5"): (
+            r"--gpu-memory-utilization is a fraction of the GPU's memory in \(0, 1\], got 5"
+        ),
+        ("eval", str(hf), "--files", str(good), "--engine", "vllm", "--tp", "3"): (
+            "--tp=3 does not divide the model's num_attention_heads=4"
+        ),
+        ("train", "--dry-run", f"model.hf_config={one_kv}", f"model.tokenizer={tok}", "parallel.tp=2"): (
+            "parallel.tp=2 does not divide the model's num_key_value_heads=1"
+        ),
+        ("train", "--dry-run", os.path.join(REPO, "configs", "tiny_moe.yaml"), "model.lora.rank=4"): (
+            r"model.lora.targets=\[qkv,proj,fc1,fc2\]: fc1/fc2 adapters on the experts .*targets=\[qkv,proj\]"
+        ),
+        ("train", "--dry-run", "model.lora.rank=4", "model.lora.sync=adapter", "rollout.engine=hf"): (
+            "model.lora.sync=adapter needs the vLLM engine.*model.lora.sync=merged"
+        ),
+        ("train", "--dry-run", "logging.wandb.enabled=true"): "no W&B API key.*logging.wandb.mode=offline",
+    }
+    for argv, pattern in cases.items():
+        code = main(list(argv))
+        err = capsys.readouterr().err
+        assert code == 2 and len(err.strip().splitlines()) == 1, (argv, err)
+        assert re.search(pattern, err), (argv, err)
+    assert not (tmp_path / "runs").exists()  # no dry run got as far as writing a run directory
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert main(["train", "--dry-run", "logging.wandb.enabled=true", f"logging.run_dir={tmp_path / 'w'}"]) == 0
 
 
 def test_sampling_errors_name_the_config_key_or_flag_not_the_internal_field(tmp_path, monkeypatch, capsys):
