@@ -556,6 +556,28 @@ def test_a_full_disk_during_a_save_is_one_line_naming_enospc_and_the_path(tmp_pa
     assert "ENOSPC" not in str(e.value) and "RuntimeError: [enforce fail" in str(e.value)
 
 
+def test_a_full_disk_outside_a_checkpoint_save_is_a_user_error(monkeypatch, capsys):
+    """A conversion (or any command) that meets a full disk is the user's to fix: one line with the cause and what to
+    do, exit 2. It took the unexpected-error path (rc 1 and a traceback file), also when the OSError was the cause
+    of another exception."""
+    import errno
+
+    from megatron_rlvr.commands import cli, convert_cli
+
+    def full(argv):
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device", "/out/model-00001-of-00002.safetensors")
+        except OSError as e:
+            raise RuntimeError("shard write failed") from e
+
+    monkeypatch.setattr(convert_cli, "convert_main", full)
+    assert cli.main(["convert", "to-hf", "--ckpt", "x", "--out", "y"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "shard write failed" in err[0] and "No space left on device" in err[0], err
+    assert "model-00001-of-00002.safetensors" in err[0] and "free space" in err[0], err
+    assert "traceback" not in err[0]
+
+
 # ----------------------------------------------------------------------------------------------- reward failures
 
 
