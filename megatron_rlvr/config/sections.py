@@ -503,6 +503,34 @@ class LoggingConfig:
 
             if importlib.util.find_spec("wandb") is None:
                 raise ValueError(WANDB_MISSING)
+            mode = self.wandb.mode or os.environ.get("WANDB_MODE") or "online"
+            if mode == "online" and not wandb_credentials_found():
+                raise ValueError(
+                    "logging.wandb.enabled=true logs online but no W&B API key was found (WANDB_API_KEY, or `wandb "
+                    "login`); set logging.wandb.mode=offline to log to <run_dir>/wandb/ and upload later with `wandb "
+                    "sync`, or log in first"
+                )
+
+
+def wandb_credentials_found() -> bool:
+    """A W&B API key where the wandb client looks for one: $WANDB_API_KEY, an identity token file, or a netrc entry
+    for the W&B host ($WANDB_BASE_URL's, else api.wandb.ai) in $NETRC or ~/.netrc. Without one, an online run used
+    to fail only when its first step was logged."""
+    import netrc
+    from urllib.parse import urlparse
+
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or "api.wandb.ai"
+    for path in (os.environ.get("NETRC"), os.path.expanduser("~/.netrc"), os.path.expanduser("~/_netrc")):
+        if not path or not os.path.isfile(path):
+            continue
+        try:
+            if netrc.netrc(path).authenticators(host):
+                return True
+        except (netrc.NetrcParseError, OSError):
+            continue
+    return False
 
 
 @dataclass

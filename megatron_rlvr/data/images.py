@@ -61,6 +61,11 @@ def load_image(ref: Any, base_dir: str = "."):
         with Image.open(source) as im:
             im.load()  # decode now: a truncated or corrupt file fails here, not in the middle of training
             return im.convert("RGB")
+    except Image.DecompressionBombError as e:  # not an OSError: it escaped as an unexpected error, row unnamed
+        raise ValueError(
+            f"{what} is larger than Pillow's pixel limit ({e}); shrink it, or skip such rows with "
+            "data.skip_malformed=true"
+        ) from e
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
         raise ValueError(f"cannot decode {what}: {type(e).__name__}: {e}") from e
 

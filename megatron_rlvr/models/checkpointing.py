@@ -13,10 +13,16 @@ rename leaves the previous checkpoints untouched, and a folder named ``step_N`` 
 complete checkpoints beyond ``keep_last`` are deleted.
 
 Resharding: model and optimizer states are saved as megatron ShardedTensors, so a checkpoint saved at one
-(TP, PP, DP) layout loads at another. The DistributedOptimizer's ``dp_reshardable`` format stores its internal
-bucket layout, which only survives a change of DP: loading it at another TP/PP is refused with a clear error; use
-``fully_reshardable`` (the default here) to change TP/PP. RNG states are per rank: restored when the layout is the
-same, skipped otherwise (the new ranks keep the seeds they were initialised with).
+(TP, PP, DP, EP) layout loads at another. The optimizer state is stored per parameter, independently of how megatron
+splits the optimizer: with expert parallelism it chains one optimizer for the dense parameters and one for the
+experts, without it there is one, and megatron's own chained format prefixes every key with the position in that
+chain (``chained_1.optimizer.state.exp_avg...``), so an EP=2 checkpoint did not load at EP=1. Here every inner
+optimizer's sharded tensors are saved under their own (parameter-named) keys, with the shared Adam step beside them;
+on load the current optimizer's structure is filled from them. The DistributedOptimizer's ``dp_reshardable`` format
+stores its internal bucket layout (megatron's format, kept as is), which only survives a change of DP: loading it at
+another TP/PP/EP is refused with a clear error; use ``fully_reshardable`` (the default here) to change them. RNG
+states are per rank: restored when the layout is the same, skipped otherwise (the new ranks keep the seeds they were
+initialised with).
 """
 
 from __future__ import annotations
@@ -151,7 +157,13 @@ def _set_rng_state(state: dict) -> None:
 
 
 def _layout(pg) -> dict:
-    return {"tp": pg.tp.size(), "pp": pg.pp.size(), "dp": pg.dp.size()}
+    ep = getattr(pg, "ep", None)
+    return {"tp": pg.tp.size(), "pp": pg.pp.size(), "dp": pg.dp.size(), "ep": ep.size() if ep is not None else 1}
+
+
+def _same_layout(saved: dict, now: dict) -> bool:
+    """Checkpoints written before the layout recorded EP compare on what they recorded."""
+    return all(saved[k] == now[k] for k in saved.keys() & now.keys())
 
 
 def _rng_sharded_object(pg, state):
@@ -207,17 +219,133 @@ def _materialise_optimizer_state(optimizer) -> None:
                 g["lr"] = lr
 
 
-def _sharded_state(model, optimizer, scheduler, pg, sharding_type, *, is_loading: bool, rng: bool) -> dict:
+OPTIMIZER_FORMAT = "per_parameter"
+"""``rlvr_meta.json``'s ``optimizer_format`` of checkpoints whose optimizer state does not depend on the chaining
+(absent: megatron's chained format, loadable at the layout it was saved at)."""
+
+
+def _inner_optimizers(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def _per_parameter_format(sharding_type: str | None) -> bool:
+    """Every format but ``dp_reshardable`` names its tensors after the parameters (its bucket objects are named
+    after the DP group index, which the dense and expert optimizers share)."""
+    return sharding_type in (None, "fully_reshardable", "fully_sharded_model_space")
+
+
+def _leaves(tree, path=()):
+    """(path, leaf) of every non-container leaf of nested dicts / lists."""
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _leaves(v, (*path, k))
+    elif isinstance(tree, list):
+        for i, v in enumerate(tree):
+            yield from _leaves(v, (*path, i))
+    else:
+        yield path, tree
+
+
+def _slot(part: int, path: tuple) -> str:
+    return "/".join(map(str, (part, *path)))
+
+
+def _set_path(tree, path, value) -> None:
+    for k in path[:-1]:
+        tree = tree[k]
+    tree[path[-1]] = value
+
+
+def _torch_part(inner_sd: dict) -> dict | None:
+    """The torch optimizer's part of an inner optimizer's state dict: megatron's fp32 optimizer returns it as is,
+    the mixed-precision and distributed ones under ``optimizer``."""
+    if "param_groups" in inner_sd:
+        return inner_sd
+    opt = inner_sd.get("optimizer")
+    return opt if isinstance(opt, dict) else None
+
+
+def _optimizer_step(inner_sd: dict) -> float | None:
+    """The Adam step count shared by every parameter: megatron's plain optimizers keep it in
+    ``state.common_step``, the DistributedOptimizer in every param group."""
+    opt = _torch_part(inner_sd) or {}
+    step = (opt.get("state") or {}).get("common_step")
+    if step is None:
+        step = next((g["step"] for g in opt.get("param_groups", []) if g.get("step") is not None), None)
+    return None if step is None else float(step)
+
+
+def _put_optimizer_step(inner_sd: dict, step: float | None) -> None:
+    opt = _torch_part(inner_sd)
+    if step is None or opt is None:
+        return
+    if "param_groups" in opt and any("step" in g for g in opt["param_groups"]):  # DistributedOptimizer
+        for g in opt["param_groups"]:
+            g["step"] = step
+    elif isinstance(opt.get("state"), dict):  # plain optimizer: restored into every parameter's state
+        opt["state"]["common_step"] = torch.tensor(step, dtype=torch.float32)
+
+
+def _optimizer_parts(optimizer, model_sd, sharding_type, is_loading: bool) -> tuple[dict, list[dict]]:
+    """(the optimizer's layout-independent sharded state, every inner optimizer's own sharded state dict).
+
+    The former is ``{"tensors": {slot: sharded tensor}, "step": Adam's step, "grad_scaler": ...}``: each tensor
+    keeps the parameter-named key megatron gives it (``optimizer.state.exp_avg.<parameter>``), the same whether the
+    parameter's optimizer is the dense one or the expert one of a chain."""
+    from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+    if not is_loading and hasattr(optimizer, "_synchronize_steps"):
+        optimizer._synchronize_steps()
+    metadata = {} if sharding_type is None else {"distrib_optim_sharding_type": sharding_type}
+    inner = _inner_optimizers(optimizer)
+    parts = [o.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata) for o in inner]
+    # the sharded tensors' own keys and offsets place them in the checkpoint; the dictionary keys here only name
+    # them within this process (one parameter key covers every layer's slice: several tensors share it)
+    tensors = {_slot(i, p): x for i, sd in enumerate(parts) for p, x in _leaves(sd) if isinstance(x, ShardedBase)}
+    steps = {_optimizer_step(sd) for sd in parts} - {None}
+    if len(steps) > 1:
+        raise ValueError(f"the chained optimizers disagree on Adam's step: {sorted(steps)}")
+    scaler = next((sd["grad_scaler"] for sd in parts if sd.get("grad_scaler") is not None), None)
+    return {"tensors": tensors, "step": steps.pop() if steps else None, "grad_scaler": scaler}, parts
+
+
+def _load_optimizer_parts(optimizer, parts: list[dict], loaded: dict) -> None:
+    """Fill every inner optimizer's own (current-layout) state dict from the loaded per-parameter state, then load
+    it; param groups (hyper-parameters, the parameter order) are the current optimizer's."""
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase
+
+    tensors = loaded.get("tensors", {})
+    for i, (inner, sd) in enumerate(zip(_inner_optimizers(optimizer), parts)):
+        for path, leaf in list(_leaves(sd)):
+            if isinstance(leaf, ShardedBase):
+                _set_path(sd, path, tensors[_slot(i, path)])
+            elif isinstance(leaf, LocalNonpersistentObject):
+                _set_path(sd, path, leaf.unwrap())
+        _put_optimizer_step(sd, loaded.get("step"))
+        if loaded.get("grad_scaler") is not None and "grad_scaler" in sd:
+            sd["grad_scaler"] = loaded["grad_scaler"]
+        inner.load_state_dict(sd)
+    if hasattr(optimizer, "_synchronize_steps"):
+        optimizer._synchronize_steps()
+
+
+def _sharded_state(
+    model, optimizer, scheduler, pg, sharding_type, *, is_loading: bool, rng: bool, per_parameter: bool = True
+) -> tuple[dict, list[dict] | None]:
+    """(the sharded state dict to save / load, the inner optimizers' own state dicts of the per-parameter format)."""
     model_sd = checkpoint_state(model, _unwrap(model).sharded_state_dict())  # LoRA: the adapters only
     state = {"model": model_sd}
-    if optimizer is not None:
+    parts = None
+    if optimizer is not None and per_parameter:
+        state["optimizer"], parts = _optimizer_parts(optimizer, model_sd, sharding_type, is_loading)
+    elif optimizer is not None:
         metadata = {"distrib_optim_sharding_type": sharding_type}
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
     if rng:
         state["rng_state"] = _rng_sharded_object(pg, _rng_state())
-    return state
+    return state, parts
 
 
 def _barrier():
@@ -297,7 +425,17 @@ def save_checkpoint(
 
     distributed_opt = optimizer is not None and _is_distributed_optimizer(optimizer)
     sharding_type = cfg.distrib_optim_sharding_type if distributed_opt else None
-    state = _sharded_state(model, optimizer, scheduler, pg_collection, sharding_type, is_loading=False, rng=True)
+    per_parameter = _per_parameter_format(sharding_type)
+    state, _ = _sharded_state(
+        model,
+        optimizer,
+        scheduler,
+        pg_collection,
+        sharding_type,
+        is_loading=False,
+        rng=True,
+        per_parameter=per_parameter,
+    )
     strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=cfg.write_processes)
     dist_checkpointing.save(
         state, tmp, sharded_strategy=strategy, content_metadata={"distrib_optim_sharding_type": sharding_type}
@@ -315,6 +453,7 @@ def save_checkpoint(
                 "distrib_optim_sharding_type": sharding_type,
                 "has_optimizer": optimizer is not None,
                 "has_scheduler": scheduler is not None,
+                **({"optimizer_format": OPTIMIZER_FORMAT} if optimizer is not None and per_parameter else {}),
                 "checkpoint_config": asdict(cfg),
                 **checkpoint_meta(model),
             }
@@ -365,18 +504,23 @@ def load_checkpoint(
             f"has {distributed_opt}: optimizer states are not convertible between the two"
         )
     sharding_type = meta.get("distrib_optim_sharding_type")
-    if distributed_opt and sharding_type == "dp_reshardable" and (saved["tp"], saved["pp"]) != (now["tp"], now["pp"]):
+    per_parameter = meta.get("optimizer_format") == OPTIMIZER_FORMAT
+    # dp_reshardable (megatron's format) names its tensors after the optimizer's buckets and its chain (EP)
+    fixed = ("tp", "pp", "ep")
+    if distributed_opt and sharding_type == "dp_reshardable" and any(saved.get(k, now[k]) != now[k] for k in fixed):
+        was = ", ".join(f"{k.upper()}={saved[k]}" for k in fixed if k in saved)
+        is_ = ", ".join(f"{k.upper()}={now[k]}" for k in fixed if k in saved)
         raise ValueError(
-            f"{ckpt_dir}: DistributedOptimizer state in 'dp_reshardable' format was saved at TP={saved['tp']}, "
-            f"PP={saved['pp']} and can only be loaded at that TP/PP (now TP={now['tp']}, PP={now['pp']}); save with "
-            f"distrib_optim_sharding_type='fully_reshardable' to change TP/PP"
+            f"{ckpt_dir}: DistributedOptimizer state in '{sharding_type}' format was saved at {was} and can only be "
+            f"loaded at that layout (now {is_}); resume at {was}, or save with "
+            "distrib_optim_sharding_type='fully_reshardable' (checkpoint.sharding_type) to change it"
         )
-    same_layout = saved == now
+    same_layout = _same_layout(saved, now)
     if optimizer is not None:
         _materialise_optimizer_state(optimizer)
     rng = load_rng and same_layout
     with torch.no_grad():
-        state = _sharded_state(
+        state, parts = _sharded_state(
             model,
             optimizer,
             scheduler if meta.get("has_scheduler") else None,
@@ -384,10 +528,15 @@ def load_checkpoint(
             sharding_type,
             is_loading=True,
             rng=rng,
+            per_parameter=per_parameter,
         )
+        if parts is not None:  # only the tensors are read: step and scaler come from the checkpoint's common state
+            state["optimizer"] = {"tensors": state["optimizer"]["tensors"]}
         loaded = dist_checkpointing.load(state, ckpt_dir)
         load_checkpoint_state(_unwrap(model), loaded["model"])
-        if optimizer is not None:
+        if optimizer is not None and parts is not None:
+            _load_optimizer_parts(optimizer, parts, loaded["optimizer"])
+        elif optimizer is not None:
             optimizer.load_state_dict(loaded["optimizer"])
     if scheduler is not None and "scheduler" in loaded:
         scheduler.load_state_dict(loaded["scheduler"])

@@ -539,17 +539,36 @@ def export_peft(model, out_dir: str, *, base_model: str | None = None, pg_collec
     the world; rank 0 writes. ``base_model``: the HF folder (or hub id) the adapters apply to."""
     import json
     import os
+    import shutil
 
     from safetensors.torch import save_file
 
     tensors = gather_peft_tensors(model, pg_collection=pg_collection)
+    err = None
     if torch.distributed.get_rank() == 0:
-        os.makedirs(out_dir, exist_ok=True)
-        tensors = {k: v.to(dtype or v.dtype).contiguous() for k, v in sorted(tensors.items())}
-        save_file(tensors, os.path.join(out_dir, PEFT_WEIGHTS), metadata={"format": "pt"})
-        with open(os.path.join(out_dir, PEFT_CONFIG), "w") as f:
-            json.dump(peft_config_dict(model, base_model), f, indent=2)
-    torch.distributed.barrier()
+        created = not os.path.isdir(out_dir)
+        files = [os.path.join(out_dir, n) for n in (PEFT_WEIGHTS, PEFT_CONFIG)]
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+            tensors = {k: v.to(dtype or v.dtype).contiguous() for k, v in sorted(tensors.items())}
+            save_file(tensors, files[0], metadata={"format": "pt"})
+            with open(files[1], "w") as f:
+                json.dump(peft_config_dict(model, base_model), f, indent=2)
+        except Exception as e:  # e.g. a full disk (safetensors' error is not an OSError): no half-written folder
+            for path in files:
+                if os.path.isfile(path):
+                    os.remove(path)
+            if created:
+                shutil.rmtree(out_dir, ignore_errors=True)
+            detail = (str(e).strip().splitlines() or [""])[0]
+            err = (
+                f"cannot write the LoRA adapters to {out_dir}: {type(e).__name__}: {detail}"
+                f"{' (the folder was removed)' if created else ''}; free space or choose another folder"
+            )
+    box = [err]
+    torch.distributed.broadcast_object_list(box, src=0)  # every rank raises, none waits in a barrier
+    if box[0]:
+        raise ValueError(box[0])
     return out_dir
 
 

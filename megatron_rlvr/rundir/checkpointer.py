@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_rlvr.config import CheckpointConfig
+from megatron_rlvr.config.lora_config import adapter_refusal
 from megatron_rlvr.data import PromptLoader
 from megatron_rlvr.megatron.parallel import all_gather_objects, broadcast_object
 from megatron_rlvr.models import checkpointing
@@ -22,6 +23,7 @@ from megatron_rlvr.models.build import unwrap
 from megatron_rlvr.models.checkpointing import checkpoint_problem
 from megatron_rlvr.models.export import export_hf
 from megatron_rlvr.models.hf_config import MegatronModelArgs
+from megatron_rlvr.models.lora import checkpoint_meta as lora_checkpoint_meta
 
 
 class ResumeError(ValueError):
@@ -71,8 +73,40 @@ def save_failure_reason(e: BaseException, save_dir: str) -> str:
     return detail
 
 
+def load_failure_reason(e: BaseException) -> str:
+    """Why a checkpoint load failed, in one line: the first rank's own error, not torch's per-rank tracebacks."""
+    first = next((x for x in _causes(e) if getattr(x, "failures", None) is None), e)
+    text = str(first).strip().splitlines()[0] if str(first).strip() else ""
+    return f"{type(first).__name__}: {text}"[:500]
+
+
 def checkpoint_dir(run_dir: str) -> str:
     return os.path.join(run_dir, "checkpoints")
+
+
+PENDING_CONFIG = ".config.pending.yaml"
+"""A resume's resolved config until its checkpoint has loaded: the ranks start on it, and it replaces the run's
+config.yaml only then. Written into config.yaml straight away, the options of a resume that then failed (a refused
+adapter rank, a checkpoint that does not load) stayed in the run: a plain re-run trained with them, and a partial
+repair compared against them instead of the checkpoint's."""
+
+
+def pending_config(run_dir: str) -> str:
+    return os.path.join(run_dir, PENDING_CONFIG)
+
+
+def commit_pending_config(run_dir: str) -> None:
+    """The resume has loaded its checkpoint: its config becomes the run's config.yaml (one rename)."""
+    if os.path.isfile(pending_config(run_dir)):
+        os.replace(pending_config(run_dir), os.path.join(run_dir, "config.yaml"))
+
+
+def discard_pending_config(run_dir: str) -> None:
+    """The resume failed: the run's config.yaml stays as it was."""
+    try:
+        os.remove(pending_config(run_dir))
+    except FileNotFoundError:
+        pass
 
 
 @dataclass
@@ -181,8 +215,16 @@ class Checkpointer:
 
         Rank 0 picks the newest checkpoint whose files are intact; a corrupt or incomplete one is reported by path
         and skipped for the previous complete one (checkpoint.fallback=false: a ResumeError instead). A load that
-        fails on any rank is treated the same way."""
-        self.resumed_from = self._resume(policy, loader)
+        fails on any rank is treated the same way. The resume's config (written aside by the run directory's
+        preparation) becomes the run's config.yaml once the checkpoint has loaded, and is discarded if it fails."""
+        try:
+            self.resumed_from = self._resume(policy, loader)
+        except BaseException:
+            if self.rank == 0:
+                discard_pending_config(self.run_dir)
+            raise
+        if self.rank == 0:
+            commit_pending_config(self.run_dir)
         return self.resumed_from
 
     def _resume(self, policy: PolicyState, loader: PromptLoader) -> int:
@@ -200,11 +242,17 @@ class Checkpointer:
         if isinstance(remaining, ResumeError):
             raise remaining
         skipped: list[str] = []
+        adapters = lora_checkpoint_meta(unwrap(policy.model)).get("lora")
         while remaining:
             choice, bad = None, []
             if self.rank == 0:
                 try:
                     choice, bad = choose_checkpoint(remaining, fallback, warn=lambda m: print(m, flush=True))
+                    # adapters of another shape: one line, not a shape mismatch from inside the load (no fallback:
+                    # every checkpoint of the run has the same adapters)
+                    refusal = choice and adapter_refusal(checkpointing.read_meta(choice).get("lora"), adapters, choice)
+                    if refusal:
+                        raise ResumeError(refusal)
                 except ResumeError as e:
                     choice = e
             choice, bad = broadcast_object((choice, bad))
@@ -222,8 +270,10 @@ class Checkpointer:
                     pg_collection=self.pg,
                 )
                 err = None
-            except Exception as e:  # a damaged shard: EOFError, pickle or tensor-size errors from dist_checkpointing
-                err = f"{type(e).__name__}: {e}"[:500]
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as e:  # a damaged shard: EOFError, pickle or tensor-size errors (torch's
+                err = load_failure_reason(e)  # CheckpointException is a BaseException, not an Exception)
             errors = [e for e in all_gather_objects(err) if e]
             if not errors:
                 if "data" in state:

@@ -91,7 +91,7 @@ class RunLogger:
                 from torch.utils.tensorboard.writer import FileWriter
 
                 self.tb_dir = os.path.join(run_dir, "tensorboard")
-                self.tb = FileWriter(self.tb_dir, flush_secs=TB_FLUSH_S)
+                self._file_writer = FileWriter  # opened by the first record: a resume that fails writes nothing
                 self._summary = Summary
             except ImportError:
                 if tensorboard == "on":
@@ -140,6 +140,8 @@ class RunLogger:
         rec.update({k: (float(v) if v == v and abs(v) != math.inf else None) for k, v in sorted(metrics.items())})
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
+        if self.tb is None and self.tb_dir is not None:
+            self.tb = self._file_writer(self.tb_dir, flush_secs=TB_FLUSH_S)
         if self.tb is not None:
             value = self._summary.Value
             scalars = [value(tag=k, simple_value=float(v)) for k, v in metrics.items() if v == v and abs(v) != math.inf]

@@ -148,7 +148,8 @@ def plot_runs(run_dirs: list[str], out: str | None = None, smooth: int = 5) -> s
         raise ValueError("plot: the runs have no metrics to plot yet")
     cols = 2
     rows = (len(panels) + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(12, 3.2 * rows), squeeze=False)
+    # constrained layout places the figure title above the panels' titles (tight_layout ignores it: they overlapped)
+    fig, axes = plt.subplots(rows, cols, figsize=(12, 3.2 * rows), squeeze=False, layout="constrained")
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, (title, keys) in zip(axes.flat, panels):
         for ri, (label, recs) in enumerate(runs):
@@ -173,7 +174,6 @@ def plot_runs(run_dirs: list[str], out: str | None = None, smooth: int = 5) -> s
         ax.axis("off")
     names = ", ".join(label for label, _ in runs)
     fig.suptitle(f"megatron-rlvr: {names} (moving average over {smooth} steps)", fontsize=11)
-    fig.tight_layout()
     if out is None:
         out = os.path.join(run_dirs[0], "curves.png" if len(runs) == 1 else "compare.png")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

@@ -8,9 +8,9 @@ import os
 import time
 
 from megatron_rlvr.config import RunConfig, dump_yaml
-from megatron_rlvr.rundir.checkpointer import ResumeError
+from megatron_rlvr.rundir.checkpointer import ResumeError, discard_pending_config, pending_config
 from megatron_rlvr.rundir.lock import RunLock, hold, hold_collective
-from megatron_rlvr.rundir.resume import check_resume_changes
+from megatron_rlvr.rundir.resume import check_resume_changes, will_resume
 
 
 def run_dir_of_config(config_path: str | None, overrides: list[str]) -> str | None:
@@ -77,17 +77,30 @@ def set_aside_previous_run(run_dir: str) -> str | None:
     return dest
 
 
+def config_to_start(run_dir: str) -> str:
+    """The config file the ranks of a prepared run start on: a resume's pending config (it becomes config.yaml once
+    the checkpoint has loaded), else config.yaml."""
+    pending = pending_config(run_dir)
+    return pending if os.path.isfile(pending) else os.path.join(run_dir, "config.yaml")
+
+
 def write_run_config(cfg: RunConfig, run_dir: str, dry_run: bool = False) -> str:
     """Check a resume's changed options (printing the applied ones; ResumeError for refused ones), set aside a
-    previous run's outputs when this one starts over (``checkpoint.resume=never``), then write the resolved config
-    into ``run_dir/config.yaml``; returns its path. The run directory must be locked by the caller. ``dry_run``:
-    check only, an existing run's directory is left exactly as it was (a fresh one gets its config.yaml)."""
+    previous run's outputs when this one starts over (``checkpoint.resume=never``), then write the resolved config;
+    returns the path written. A new run's goes into ``run_dir/config.yaml``; a resume's into its pending config
+    (``config_to_start``), which the checkpointer makes the run's config.yaml once the checkpoint has loaded and
+    discards if it fails, so that a failed resume changes nothing in the run. The run directory must be locked by
+    the caller. ``dry_run``: check only, an existing run's directory is left exactly as it was (a fresh one gets
+    its config.yaml)."""
     cfg.logging.run_dir = run_dir
     for line in check_resume_changes(cfg, run_dir):
         print(f"megatron-rlvr: resuming with a changed option: {line}", flush=True)
     path = os.path.join(run_dir, "config.yaml")
     if dry_run and os.path.exists(path):
         return path
+    discard_pending_config(run_dir)  # a killed resume's
+    if not dry_run and will_resume(cfg, run_dir):
+        path = pending_config(run_dir)
     if cfg.checkpoint.resume == "never":
         aside = set_aside_previous_run(run_dir)
         if aside is not None:

@@ -4,6 +4,7 @@ ones share one call of the 4-rank pool (``test_trainer_level_faults``)."""
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -182,11 +183,141 @@ def test_changed_options_on_resume_are_applied_or_refused(tmp_path, capsys):
         _prepare(path, ["algorithm.preset=dapo"])
     _prepare(path, ["schedule.steps=99"])
     assert "resuming with a changed option: schedule.steps: 80 -> 99" in capsys.readouterr().out
-    cfg, _ = _prepare(path, ["algorithm.preset=dapo", "checkpoint.allow_changes=true"])
+    cfg, started = _prepare(path, ["algorithm.preset=dapo", "checkpoint.allow_changes=true"])
     assert cfg.algorithm.name == "dapo"
-    with open(path) as f:
+    with open(started) as f:  # the resume's config (config.yaml once its checkpoint has loaded)
         text = f.read()
     assert "name: dapo" in text and "allow_changes: false" in text  # applied, and the one-off not persisted
+
+
+def test_a_resume_writes_config_yaml_only_once_its_checkpoint_has_loaded(tmp_path, capsys):
+    """A resume's options go into the run's config.yaml only when its checkpoint has loaded. They used to be written
+    before: after a resume that failed (here a checkpoint that does not load, at world size 1 through the CLI),
+    config.yaml held schedule.steps=77, a plain re-run trained with it and listed no change. Now the failed resume
+    leaves the run directory exactly as it was (no config change, no pending file, no TensorBoard folder), and the
+    pending config becomes config.yaml on a successful load (``commit_pending_config``)."""
+    from megatron_rlvr.commands.cli import main
+
+    run = tmp_path / "run"
+    _, path = _prepare(None, [f"logging.run_dir={run}", "launch.nproc=1", "parallel.tp=1", "reward.num_workers=0"])
+    _fake_checkpoint(str(run), 5)  # complete-looking, but not a loadable checkpoint
+    before = {p: (run / p).read_bytes() for p in ("config.yaml",)}
+    listing = sorted(os.listdir(run))
+    assert main(["train", str(run), "schedule.steps=77"]) == 2
+    err = capsys.readouterr().err
+    assert "no checkpoint of" in err and "step_000000005" in err and len(err.strip().splitlines()) == 1, err
+    assert {p: (run / p).read_bytes() for p in before} == before, "a failed resume changed config.yaml"
+    assert sorted(os.listdir(run)) == listing
+    # the launcher's part: the ranks start on the pending config; the checkpointer makes it the run's config
+    from megatron_rlvr.rundir.checkpointer import PENDING_CONFIG, commit_pending_config
+
+    _, started = _prepare(str(run), ["schedule.steps=77"])
+    assert os.path.basename(started) == PENDING_CONFIG and "steps: 77" in open(started).read()
+    assert (run / "config.yaml").read_bytes() == before["config.yaml"]
+    commit_pending_config(str(run))
+    assert "steps: 77" in (run / "config.yaml").read_text() and not os.path.exists(started)
+
+
+def _lora_meta_checkpoint(run_dir, step, lora):
+    d = _fake_checkpoint(run_dir, step)
+    with open(os.path.join(d, "rlvr_meta.json"), "w") as f:
+        json.dump({"step": step, **({"lora": lora} if lora else {})}, f)
+    return d
+
+
+def test_lora_settings_are_compared_with_the_checkpoint_and_a_rank_change_is_refused(tmp_path, capsys):
+    """The adapters' rank and targets are their tensors' shapes: a resume that changes them is refused in one line
+    naming both values, even with checkpoint.allow_changes=true (it ended in a raw CheckpointingException ``Global
+    shape mismatch ... lora_A`` after the ranks had started). The other adapter settings are compared with the
+    checkpoint's metadata, not only with config.yaml: a config.yaml that says alpha 64 while the checkpoint was
+    saved with alpha 8 (left by a failed resume of an earlier version) no longer hides the change."""
+    import yaml
+
+    from megatron_rlvr.rundir.resume import ResumeError
+
+    run = tmp_path / "run"
+    lora = ["model.lora.rank=4", "model.lora.alpha=8", "model.lora.targets=[qkv,proj]"]
+    _, path = _prepare(None, [f"logging.run_dir={run}", *lora])
+    saved = yaml.safe_load(open(path))["model"]["lora"]
+    ckpt = _lora_meta_checkpoint(str(run), 5, saved)
+    before = (run / "config.yaml").read_bytes()
+    with pytest.raises(ResumeError) as e:
+        _prepare(str(run), ["model.lora.rank=8", "model.lora.alpha=64", "checkpoint.allow_changes=true"])
+    msg = str(e.value)
+    assert f"model.lora.rank=8 does not fit checkpoint {ckpt}" in msg and "model.lora.rank=4" in msg, msg
+    assert "allow_changes" in msg and "\n" not in msg
+    with pytest.raises(ResumeError, match=r"model\.lora\.targets=\[qkv\] does not fit .*targets=\[qkv,proj\]"):
+        _prepare(str(run), ["model.lora.targets=[qkv]", "checkpoint.allow_changes=true"])
+    assert (run / "config.yaml").read_bytes() == before and sorted(os.listdir(run)) == [
+        ".rlvr-lock",
+        "checkpoints",
+        "config.yaml",
+    ]
+    # a config.yaml that no longer says what the checkpoint was saved with
+    stale = yaml.safe_load(before)
+    stale["model"]["lora"]["alpha"] = 64.0
+    (run / "config.yaml").write_text(yaml.safe_dump(stale, sort_keys=False))
+    with pytest.raises(ResumeError, match=rf"from checkpoint {ckpt}.*model\.lora\.alpha: 8\.0 -> 64\.0"):
+        _prepare(str(run), [])
+    capsys.readouterr()
+    _prepare(str(run), ["checkpoint.allow_changes=true"])
+    assert "resuming with a changed option: model.lora.alpha: 8.0 -> 64.0" in capsys.readouterr().out
+    # adapters cannot be added to or dropped from a run on resume
+    with pytest.raises(ResumeError, match=r"holds LoRA adapters .* this run has no model\.lora"):
+        _prepare(str(run), ["model.lora=null", "checkpoint.allow_changes=true"])
+    full = tmp_path / "full"
+    _prepare(None, [f"logging.run_dir={full}"])
+    _lora_meta_checkpoint(str(full), 5, None)
+    with pytest.raises(ResumeError, match=r"holds full weights, not LoRA adapters"):
+        _prepare(str(full), [*lora, "checkpoint.allow_changes=true"])
+
+
+def _cli(*args):
+    """``megatron-rlvr ARGS`` in a subprocess (a launcher keeps its run directory locked until it exits)."""
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_rlvr.commands.cli", *args], env=PY_ENV, capture_output=True, text=True
+    )
+
+
+@pytest.mark.slow
+def test_an_moe_run_saved_at_ep2_resumes_at_ep1(tmp_path):
+    """``train configs/tiny_moe.yaml`` at EP=2, then ``train RUN parallel.ep=1``: the checkpoint reshards (it ended in
+    158 lines of per-rank ``KeyError: optimizer.state.exp_avg... not in state dict: ['chained_0.optimizer...``
+    tracebacks, the CheckpointException escaping the CLI's handler); the run continues from its checkpoint and its
+    config.yaml records the new layout once the checkpoint has loaded."""
+    run = tmp_path / "moe"
+    cfg = os.path.join(REPO, "configs", "tiny_moe.yaml")
+    quiet = ["reward.num_workers=0", "logging.plot_at_end=false", "checkpoint.export_hf=false"]
+    first = _cli("train", cfg, f"logging.run_dir={run}", "schedule.steps=4", "checkpoint.save_every=2", *quiet)
+    assert first.returncode == 0, first.stderr[-2000:]
+    resumed = _cli("train", str(run), "parallel.ep=1", "schedule.steps=6")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "parallel.ep: 2 -> 1" in resumed.stdout and "resumed from step 4" in resumed.stdout
+    assert [r["step"] for r in trainer_helpers.records(run)] == [1, 2, 3, 4, 5, 6]
+    text = (run / "config.yaml").read_text()
+    assert "  ep: 1\n" in text and "  steps: 6\n" in text and not (run / ".config.pending.yaml").exists()
+
+
+@pytest.mark.slow
+def test_a_lora_run_resumed_with_another_rank_is_refused_and_left_unchanged(tmp_path):
+    """A real LoRA run (rank 4, alpha 8), resumed with ``model.lora.rank=8 model.lora.alpha=64
+    checkpoint.allow_changes=true``: one line naming both ranks and rc 2 before any rank starts (it ended in a raw
+    ``CheckpointingException: Global shape mismatch ... lora_A``, and config.yaml kept rank 8 and alpha 64, so the
+    partial repair ``model.lora.rank=4`` then trained at alpha 64). config.yaml is unchanged, and the repair that
+    only fixes the rank is a plain resume."""
+    run = tmp_path / "lora"
+    lora = ["model.lora.rank=4", "model.lora.alpha=8", "launch.nproc=1", "parallel.tp=1"]
+    first = _cli("train", f"logging.run_dir={run}", *lora, *trainer_helpers.SMALL, "checkpoint.save_at_end=true")
+    assert first.returncode == 0, first.stderr[-2000:]
+    before = (run / "config.yaml").read_bytes()
+    bad = _cli("train", str(run), "model.lora.rank=8", "model.lora.alpha=64", "checkpoint.allow_changes=true")
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr[-2000:]
+    assert "model.lora.rank=8 does not fit checkpoint" in bad.stderr and "model.lora.rank=4" in bad.stderr
+    assert (run / "config.yaml").read_bytes() == before
+    fixed = _cli("train", str(run), "model.lora.rank=4", "schedule.steps=3")
+    assert fixed.returncode == 0, fixed.stderr[-2000:]
+    assert [r["step"] for r in trainer_helpers.records(run)] == [1, 2, 3]
+    assert "alpha: 8.0" in (run / "config.yaml").read_text()
 
 
 def test_a_changed_reward_function_on_resume_is_refused(tmp_path):
@@ -240,8 +371,8 @@ def test_a_run_is_resumed_where_its_config_is_not_where_it_was_started(tmp_path,
     shutil.copytree(a, b)
     before = (a / "config.yaml").read_text()
     cfg, path = _prepare(str(b), ["algorithm.preset=dapo", "checkpoint.allow_changes=true"])
-    assert path == str(b / "config.yaml") and cfg.logging.run_dir == str(b)
-    assert (a / "config.yaml").read_text() == before and "name: dapo" in (b / "config.yaml").read_text()
+    assert os.path.dirname(path) == str(b) and cfg.logging.run_dir == str(b)
+    assert (a / "config.yaml").read_text() == before and "name: dapo" in open(path).read()
     shutil.move(str(a), str(c))
     cfg, path = _prepare(str(c / "config.yaml"), [])
     assert cfg.logging.run_dir == str(c) and not a.exists()
@@ -424,6 +555,28 @@ def test_a_full_disk_during_a_save_is_one_line_naming_enospc_and_the_path(tmp_pa
     with pytest.raises(ckpt.CheckpointSaveError) as e:
         saver.save(10, policy, loader)
     assert "ENOSPC" not in str(e.value) and "RuntimeError: [enforce fail" in str(e.value)
+
+
+def test_a_full_disk_outside_a_checkpoint_save_is_a_user_error(monkeypatch, capsys):
+    """A conversion (or any command) that meets a full disk is the user's to fix: one line with the cause and what to
+    do, exit 2. It took the unexpected-error path (rc 1 and a traceback file), also when the OSError was the cause
+    of another exception."""
+    import errno
+
+    from megatron_rlvr.commands import cli, convert_cli
+
+    def full(argv):
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device", "/out/model-00001-of-00002.safetensors")
+        except OSError as e:
+            raise RuntimeError("shard write failed") from e
+
+    monkeypatch.setattr(convert_cli, "convert_main", full)
+    assert cli.main(["convert", "to-hf", "--ckpt", "x", "--out", "y"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "shard write failed" in err[0] and "No space left on device" in err[0], err
+    assert "model-00001-of-00002.safetensors" in err[0] and "free space" in err[0], err
+    assert "traceback" not in err[0]
 
 
 # ----------------------------------------------------------------------------------------------- reward failures
@@ -809,6 +962,71 @@ def test_eval_checks_its_benchmarks_and_out_before_loading_the_model(tmp_path, m
     out = tmp_path / "no_such_dir" / "eval.json"
     assert main(["eval", str(hf), "--files", str(good), "--reward", "gsm8k", "--out", str(out)]) == 2
     assert "no_such_dir does not exist" in capsys.readouterr().err
+
+
+def test_command_line_mistakes_say_what_to_type_instead(tmp_path, monkeypatch, capsys):
+    """One line each, exit 2, saying what to type, before anything starts. Before: ``train schedule.steps 5`` and
+    ``train EMPTY_DIR`` said "config file not found"; ``eval --files DIR`` "not found"; ``eval --engine vllm --tp 3``
+    started 3 ranks and vLLM's multi-line error came after ~27 s; ``--gpu-memory-utilization 5`` was reported under
+    vLLM's class name; ``parallel.tp=2`` with one KV head and LoRA fc1/fc2 adapters on an MoE model passed
+    ``--dry-run`` and every rank refused them after launch; ``model.lora.sync=adapter`` with the transformers engine
+    likewise; ``logging.wandb.enabled=true`` without an API key failed after the first step."""
+    import transformers
+
+    from megatron_rlvr.commands.cli import main
+    from megatron_rlvr.families.tiny import save_tiny_tokenizer, tiny_hf_config
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded before the inputs were checked")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_model)
+    monkeypatch.chdir(tmp_path)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "problems.jsonl").write_text('{"problem": "1=", "answer": "1"}\n')
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"num_attention_heads": 4, "num_key_value_heads": 1}))
+    (hf / "tokenizer.json").write_text("{}")
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"problem": "1=", "answer": "1"}\n')
+    one_kv = tmp_path / "one_kv.json"  # the tiny model with 4 query heads sharing one key/value head
+    one_kv.write_text(json.dumps({**tiny_hf_config(), "num_attention_heads": 4, "num_key_value_heads": 1}))
+    tok = save_tiny_tokenizer(tmp_path / "tok")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no_netrc"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cases = {
+        ("train", "schedule.steps", "5"): "options are given as key=value, one word: schedule.steps=5",
+        ("train", "configs/tiny.yaml", "schedule.steps", "5"): "not key=value.*e.g. schedule.steps=5",
+        ("train", str(empty)): "is a folder with no config.yaml in it",
+        ("eval", str(hf), "--files", str(empty)): r"--files: .*empty is a folder.*--files .*/\*.jsonl.*problems.jsonl",
+        ("eval", str(hf), "--files", str(good), "--engine", "vllm", "--gpu-memory-utilization", "5"): (
+            r"--gpu-memory-utilization is a fraction of the GPU's memory in \(0, 1\], got 5"
+        ),
+        ("eval", str(hf), "--files", str(good), "--engine", "vllm", "--tp", "3"): (
+            "--tp=3 does not divide the model's num_attention_heads=4"
+        ),
+        ("train", "--dry-run", f"model.hf_config={one_kv}", f"model.tokenizer={tok}", "parallel.tp=2"): (
+            "parallel.tp=2 does not divide the model's num_key_value_heads=1"
+        ),
+        ("train", "--dry-run", os.path.join(REPO, "configs", "tiny_moe.yaml"), "model.lora.rank=4"): (
+            r"model.lora.targets=\[qkv,proj,fc1,fc2\]: fc1/fc2 adapters on the experts .*targets=\[qkv,proj\]"
+        ),
+        ("train", "--dry-run", "model.lora.rank=4", "model.lora.sync=adapter", "rollout.engine=hf"): (
+            "model.lora.sync=adapter needs the vLLM engine.*model.lora.sync=merged"
+        ),
+        ("train", "--dry-run", "logging.wandb.enabled=true"): "no W&B API key.*logging.wandb.mode=offline",
+    }
+    for argv, pattern in cases.items():
+        code = main(list(argv))
+        err = capsys.readouterr().err
+        assert code == 2 and len(err.strip().splitlines()) == 1, (argv, err)
+        assert re.search(pattern, err), (argv, err)
+    assert not (tmp_path / "runs").exists()  # no dry run got as far as writing a run directory
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert main(["train", "--dry-run", "logging.wandb.enabled=true", f"logging.run_dir={tmp_path / 'w'}"]) == 0
 
 
 def test_sampling_errors_name_the_config_key_or_flag_not_the_internal_field(tmp_path, monkeypatch, capsys):

@@ -37,9 +37,9 @@ def _hf_config():
     ).to_dict()
 
 
-def _batch(i):
+def _batch(i, vocab=VOCAB):
     g = torch.Generator().manual_seed(1000 + i)
-    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g)
+    tokens = torch.randint(0, vocab, (GLOBAL_BATCH, SEQ + 1), generator=g)
     return tokens[:, :-1], tokens[:, 1:]
 
 
@@ -47,12 +47,13 @@ def _setup(args, distributed_optimizer, seed=7, hf_folder=None):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
     from megatron_rlvr.models.build import build_gpt_model
     from megatron_rlvr.models.hf_loading import load_hf_weights
 
     torch.manual_seed(seed)
-    model = build_gpt_model(args)
+    model = build_gpt_model(args, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
     if hf_folder is not None:
         load_hf_weights(model, args, hf_folder)
     ddp = DistributedDataParallel(
@@ -92,13 +93,13 @@ def _setup(args, distributed_optimizer, seed=7, hf_folder=None):
     return ddp, opt, sched
 
 
-def _train_step(ddp, opt, sched, i):
+def _train_step(ddp, opt, sched, i, vocab=VOCAB):
     """One step on global batch i: each DP rank takes its contiguous slice, one sequence per micro-batch."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    tokens, labels = _batch(i)
+    tokens, labels = _batch(i, vocab)
     per = GLOBAL_BATCH // dp
     micro = [(tokens[j : j + 1], labels[j : j + 1]) for j in range(dp_rank * per, (dp_rank + 1) * per)]
     pos = torch.arange(SEQ).unsqueeze(0)
@@ -124,7 +125,7 @@ def _train_step(ddp, opt, sched, i):
     sched.step(1)
 
 
-def _snapshot(ddp, args):
+def _snapshot(ddp, args, vocab=VOCAB):
     """(logits of global batch 9 on the last stage or None, {hf_name: tensor} of this stage's weights)."""
     from megatron.core import parallel_state as ps
 
@@ -132,7 +133,7 @@ def _snapshot(ddp, args):
     from megatron_rlvr.models.export import iter_hf_tensors
 
     ddp.eval()
-    logits = forward_logits(ddp, _batch(9)[0], vocab_size=VOCAB)
+    logits = forward_logits(ddp, _batch(9, vocab)[0], vocab_size=vocab)
     ddp.train()
     weights = {k: v.clone() for k, v in iter_hf_tensors(ddp, args)}  # (may alias the parameters)
     return (None if logits is None else logits[0]), (weights if ps.get_tensor_model_parallel_rank() == 0 else {})
@@ -261,6 +262,71 @@ def test_checkpoint_reshards_model_and_optimizer(dist_pool, saved, tp, pp):
     if not same_layout:
         errs = [r["dp_reshardable_error"] for r in res]
         assert all(e and "dp_reshardable" in e and "fully_reshardable" in e for e in errs), errs
+
+
+def _moe_args():
+    from megatron.core import parallel_state as ps
+
+    from megatron_rlvr.families.tiny import TINY_MOE_NAME, tiny_hf_config
+    from megatron_rlvr.models.convert import expert_layout_kwargs
+    from megatron_rlvr.models.hf_config import megatron_model_args
+
+    hf = tiny_hf_config(name=TINY_MOE_NAME)
+    tp = ps.get_tensor_model_parallel_world_size()
+    return megatron_model_args(hf, tp_size=tp, pp_size=1, **expert_layout_kwargs(hf)), hf["vocab_size"]
+
+
+def _rank_moe(root, kinds, save):
+    """The tiny MoE model at the pool's layout. ``save``: step on batch 0, save, step on batch 1. Else: a fresh
+    model and optimizer (another init) load the checkpoint and step on batch 1. Snapshots of each."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_rlvr.models.checkpointing import CheckpointConfig, latest_checkpoint, load_checkpoint, save_checkpoint
+
+    out = {"ep": ps.get_expert_model_parallel_world_size()}
+    for kind in kinds:
+        dist_opt, sharding = KINDS[kind]
+        args, vocab = _moe_args()  # (DDP sets hooks on the model's config: one per model)
+        ddp, opt, sched = _setup(args, dist_opt, seed=7 if save else 99)
+        out[kind, "chained"] = len(getattr(opt, "chained_optimizers", [opt]))
+        if save:
+            _train_step(ddp, opt, sched, 0, vocab)
+            out[kind, "saved"] = _snapshot(ddp, args, vocab)
+            cfg = CheckpointConfig(os.path.join(root, kind), distrib_optim_sharding_type=sharding, write_processes=1)
+            save_checkpoint(cfg, 1, model=ddp, optimizer=opt, scheduler=sched, trainer_state={"step": 1})
+        else:
+            load_checkpoint(latest_checkpoint(os.path.join(root, kind)), model=ddp, optimizer=opt, scheduler=sched)
+            out[kind, "loaded"] = _snapshot(ddp, args, vocab)
+        _train_step(ddp, opt, sched, 1, vocab)
+        out[kind, "next"] = _snapshot(ddp, args, vocab)
+    return out
+
+
+@pytest.mark.parametrize("saved_ep,loaded_ep", [(2, 1), (1, 2)])
+def test_moe_checkpoint_reshards_across_expert_parallelism(dist_pool, tmp_path, saved_ep, loaded_ep):
+    """A mixture-of-experts checkpoint changes EP like TP/PP: at EP=2 megatron chains one optimizer for the dense
+    parameters and one for the experts, at EP=1 there is one; the resumed run's weights are the saved ones exactly
+    and its next Adam step lands where the uninterrupted run's did (so moments and step count were restored, for
+    the expert parameters too), with the plain and the distributed optimizer. Before the optimizer state was stored
+    per parameter, loading EP=2 at EP=1 failed with torch's CheckpointException (``KeyError: optimizer.state.exp_avg
+    ... not in state dict: ['chained_0.optimizer.state...``) and EP=1 at EP=2 with the converse KeyError."""
+    kinds = ["plain", "distopt"]
+    ref = dist_pool.run(_rank_moe, ep=saved_ep, args=(str(tmp_path), kinds, True), timeout=300)
+    res = dist_pool.run(_rank_moe, ep=loaded_ep, args=(str(tmp_path), kinds, False), timeout=300)
+    assert ref[0]["ep"] == saved_ep and res[0]["ep"] == loaded_ep
+    assert {ref[0][k, "chained"] for k in kinds} == {saved_ep}  # EP=2: dense + expert optimizer; EP=1: one
+    assert {res[0][k, "chained"] for k in kinds} == {loaded_ep}
+    for kind in kinds:
+        w_saved, w_loaded = _merge_weights(ref, kind, "saved"), _merge_weights(res, kind, "loaded")
+        assert sorted(w_saved) == sorted(w_loaded) and any(".experts." in k for k in w_saved)
+        for k in w_saved:
+            assert torch.equal(w_saved[k], w_loaded[k]), f"{kind}: {k} not restored exactly"
+        w_next_ref, w_next = _merge_weights(ref, kind, "next"), _merge_weights(res, kind, "next")
+        for k in w_next_ref:
+            moved = (w_next_ref[k] - w_saved[k]).abs().max().item()
+            worst = (w_next[k] - w_next_ref[k]).abs().max().item()
+            assert moved > 1e-3, f"{kind}: the reference step must move {k} measurably"
+            assert worst < 1e-5, f"{kind}: {k} after the step that follows the resume differs by {worst:.2e}"
 
 
 def _rank_atomic(root):

@@ -121,6 +121,38 @@ def test_plot_has_the_async_panels_only_for_a_disaggregated_run(tmp_path):
     assert "weight version" in dict(panels_of([read_run(str(async_dir)), read_run(str(colocated_dir))]))
 
 
+def test_plot_title_sits_above_the_panel_titles(tmp_path, monkeypatch):
+    """The figure title of curves.png overlapped the first row of panel titles (``tight_layout`` leaves the
+    suptitle out: on a tall figure of many panels it sat on the first row); its drawn box must lie above every panel
+    title's, for one panel and for every panel there is."""
+    import matplotlib.figure
+
+    from megatron_rlvr.rundir.plot import PANELS, plot_runs
+
+    boxes = []  # (figure title, panel titles) as drawn into the PNG
+    real_savefig = matplotlib.figure.Figure.savefig
+
+    def keep(fig, *a, **k):
+        out = real_savefig(fig, *a, **k)
+        renderer = fig.canvas.get_renderer()
+        panels = [ax.title.get_window_extent(renderer) for ax in fig.axes if ax.get_title()]
+        boxes.append((fig._suptitle.get_window_extent(renderer), panels))
+        return out
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", keep)
+    one = [{"step": s, "reward/mean": 0.1 * s} for s in range(1, 9)]
+    every = [key for _, keys in PANELS for key, _ in keys]  # every panel: a tall figure (a long run's curves.png)
+    many = [{**r, **{k: 1.0 / r["step"] for k in every}} for r in one]
+    for name, recs in (("one", one), ("many", many)):
+        d = tmp_path / name
+        d.mkdir()
+        _write_rows(d / "metrics.jsonl", recs)
+        plot_runs([str(d)])
+        title, panels = boxes[-1]
+        assert panels, name
+        assert all(title.y0 >= p.y1 for p in panels), (name, title, [p.y1 for p in panels])
+
+
 def test_eval_refuses_a_folder_without_a_model(tmp_path, capsys):
     bench = tmp_path / "b.jsonl"
     _write_rows(bench, [{"problem": "1=", "answer": "1"}])

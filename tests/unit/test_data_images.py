@@ -189,3 +189,20 @@ def test_processor_expands_the_rendered_pads(kind):
     assert too_long == 0 and len(ids[0]) == full - sum(expected) + 2  # one pad per image in the ids
     assert tokenize_prompts([ex], tok, cfg, full - 1, proc.image_processor)[2] == 1
     assert tokenize_prompts([ex], tok, cfg, full - 1)[2] == 0  # without it only the unexpanded ids count
+
+
+def test_an_image_over_pillows_pixel_limit_is_a_malformed_row(tmp_path, monkeypatch):
+    """Pillow refuses to decode an image of more than twice ``Image.MAX_IMAGE_PIXELS`` pixels with a
+    DecompressionBombError, which is neither an OSError nor a ValueError: it escaped as an unexpected error (rc 1,
+    no file or row named) and data.skip_malformed did not skip it. Here the limit is lowered to 100 pixels so that a
+    40 x 30 picture passes it twice over."""
+    (tmp_path / "imgs").mkdir()
+    _picture(0).save(tmp_path / "imgs" / "big.png")
+    good = {"problem": "fine", "answer": "2"}
+    path = _jsonl(tmp_path / "train.jsonl", [good, {"images": ["imgs/big.png"], "problem": "p", "answer": "1"}, good])
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)
+    pattern = r"train.jsonl:2: field 'images'\[0\]: image file .*big.png is larger than Pillow's pixel limit .*1200"
+    with pytest.raises(MalformedRowError, match=pattern + r".*data\.skip_malformed=true"):
+        load_examples(path)
+    ds = load_examples(path, skip_malformed=True)
+    assert len(ds) == 2 and ds.n_malformed == 1
