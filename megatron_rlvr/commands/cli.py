@@ -36,7 +36,7 @@ def _quiet() -> None:
 
 def cmd_plot(ns: argparse.Namespace) -> int:
     try:
-        from megatron_rlvr.rundir.plot import plot_runs
+        from megatron_rlvr.rundir.plot import plot_runs  # matplotlib is optional: only for this command
     except ImportError as e:
         print(f"megatron-rlvr plot: needs matplotlib ({e}): pip install matplotlib", file=sys.stderr)
         return 2
@@ -50,26 +50,26 @@ def cmd_plot(ns: argparse.Namespace) -> int:
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
-    from megatron_rlvr.commands.train_cli import train_main
+    from megatron_rlvr.commands.train_cli import train_main  # each command imports its own stack when it runs
 
     _quiet()
     return train_main(ns.args, dry_run=ns.dry_run)
 
 
 def cmd_eval(ns: argparse.Namespace) -> int:
-    from megatron_rlvr.commands.eval_cli import eval_main
+    from megatron_rlvr.commands.eval_cli import eval_main  # each command imports its own stack when it runs
 
     return eval_main(ns)
 
 
 def cmd_plan(argv: list[str]) -> int:
-    from megatron_rlvr.planner import plan_main
+    from megatron_rlvr.planner import plan_main  # each command imports its own stack when it runs
 
     return plan_main(argv)
 
 
 def cmd_convert(argv: list[str]) -> int:
-    from megatron_rlvr.commands.convert_cli import convert_main
+    from megatron_rlvr.commands.convert_cli import convert_main  # each command imports its own stack when it runs
 
     return int(convert_main(argv) or 0)
 
@@ -128,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _user_errors() -> tuple:
     """Exceptions that are the user's to fix: their message names the file, field or option and the fix."""
+    # on an error only: the CLI's start imports no command's stack
     from megatron_rlvr.rewards.manager import RewardFailure
     from megatron_rlvr.rundir.lock import RunDirLocked
 
@@ -166,6 +167,7 @@ def _report(command: str, e: BaseException) -> None:
     import traceback
 
     msg = str(e).strip() or type(e).__name__
+    # on an error only: the CLI's start imports no command's stack (the checkpointer's is torch's)
     from megatron_rlvr.rewards.manager import RewardFailure
     from megatron_rlvr.rundir.checkpointer import CheckpointSaveError, ResumeError
     from megatron_rlvr.rundir.lock import RunDirLocked

@@ -15,7 +15,18 @@ from __future__ import annotations
 import argparse
 import re
 
-from megatron_rlvr.models.convert import DTYPE_NAMES
+from megatron_rlvr.megatron.parallel import env_rank_info, init_distributed
+from megatron_rlvr.megatron.policy import random_hf_state_dict
+from megatron_rlvr.models.checkpointing import read_meta
+from megatron_rlvr.models.convert import (
+    DTYPE_NAMES,
+    conversion_world_size,
+    resolve_checkpoint,
+    to_hf_on_rank,
+    to_megatron_on_rank,
+    validate_layout,
+)
+from megatron_rlvr.rundir.local_ranks import launch_local
 
 
 def _size(text: str) -> int:
@@ -56,15 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
 def convert_main(argv: list[str] | None = None) -> int:
     """The command: validate, then start the ranks (or, inside a rank, do this rank's share). Returns the exit code;
     bad input raises ValueError."""
-    from megatron_rlvr.megatron.parallel import env_rank_info
-    from megatron_rlvr.models.convert import conversion_world_size, validate_layout
 
     argv = list(argv or [])
     args = build_parser().parse_args(argv)
     if env_rank_info() is not None:
         return _convert_as_rank(args)
     validate_layout(args, args.ckpt if args.direction == "to-hf" else args.hf)
-    from megatron_rlvr.rundir.local_ranks import launch_local
 
     # Conversion is CPU work over gloo: the ranks see no GPU.
     return launch_local(
@@ -80,9 +88,6 @@ def convert_main(argv: list[str] | None = None) -> int:
 
 def _convert_as_rank(args) -> int:
     import torch
-
-    from megatron_rlvr.megatron.parallel import init_distributed
-    from megatron_rlvr.models.convert import to_hf_on_rank, to_megatron_on_rank
 
     init_distributed(args.tp, args.pp, seed=1234, backend="gloo", timeout_s=args.timeout, ep=args.ep, etp=args.etp)
     try:
@@ -110,12 +115,9 @@ def _convert_as_rank(args) -> int:
 def _lora_base(args):
     """The frozen base of a LoRA checkpoint: --base-hf, else the folder it records, else (a random init, e.g. the
     tiny model) the same init rebuilt from its HF config and seed."""
-    from megatron_rlvr.models.checkpointing import read_meta
-    from megatron_rlvr.models.convert import resolve_checkpoint
 
     meta = read_meta(resolve_checkpoint(args.ckpt))
     if not meta.get("lora") or args.base_hf or meta.get("lora_base"):
         return args.base_hf
-    from megatron_rlvr.megatron.policy import random_hf_state_dict
 
     return random_hf_state_dict(meta["hf_config"], meta.get("lora_base_seed", 0))

@@ -11,6 +11,25 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import yaml
+
+from megatron_rlvr.config.run import check_engine_tp
+from megatron_rlvr.data import DataConfig, load_dataset
+from megatron_rlvr.eval.benchmarks import EvalSpec, bench_name, evaluate_examples, format_table, summarize
+from megatron_rlvr.families.table import vl_family_of, vl_text_config
+from megatron_rlvr.megatron.parallel import env_rank_info
+from megatron_rlvr.models.hf_loading import HFCheckpointReader
+from megatron_rlvr.rewards import RewardConfig, RewardManager
+from megatron_rlvr.rollout.groups import engine_info
+from megatron_rlvr.rollout.hf_engine import HFEngineConfig, HFRolloutEngine
+from megatron_rlvr.rollout.vllm_engine import VLLMEngineConfig, VLLMRolloutEngine
+from megatron_rlvr.rundir.local_ranks import launch_local
+from megatron_rlvr.trainer.engine_setup import vllm_installed
 
 
 def resolve_model_dir(path: str) -> str:
@@ -34,7 +53,6 @@ EVAL_DEFAULTS = {"reward": "math", "extraction": "boxed", "template": "chat", "p
 def run_settings(model_path: str) -> dict:
     """The reward / extraction / template settings of the run MODEL belongs to (its config.yaml: MODEL itself or
     the folder above an exported hf/), or {} when it is not a run's export."""
-    import yaml
 
     for d in (model_path, os.path.dirname(os.path.abspath(model_path))):
         path = os.path.join(d, "config.yaml")
@@ -92,8 +110,7 @@ vLLM's batch full, few enough to show progress on a 500-problem benchmark."""
 def check_engine_args(ns, model_dir: str | None = None) -> None:
     """The engine flags, before any rank starts: ``--tp`` against ``model_dir``'s heads (vLLM's multi-line error
     came from every rank after start-up), ``--gpu-memory-utilization`` by its flag."""
-    engine = getattr(ns, "engine", "hf")
-    tp = getattr(ns, "tp", 1)
+    engine, tp = ns.engine, ns.tp
     if engine not in EVAL_ENGINES:
         raise ValueError(f"--engine must be one of {', '.join(EVAL_ENGINES)}, got {engine!r}")
     if tp < 1:
@@ -105,10 +122,7 @@ def check_engine_args(ns, model_dir: str | None = None) -> None:
         if not 0 < util <= 1:
             raise ValueError(f"--gpu-memory-utilization is a fraction of the GPU's memory in (0, 1], got {util}")
         if model_dir is not None:
-            from megatron_rlvr.config.run import check_engine_tp
-
             check_engine_tp(text_config_of(model_dir), tp, "--tp")
-        from megatron_rlvr.trainer.engine_setup import vllm_installed
 
         if not vllm_installed():
             raise ValueError(
@@ -119,7 +133,6 @@ def check_engine_args(ns, model_dir: str | None = None) -> None:
 
 def text_config_of(model_dir: str) -> dict:
     """The language model's part of ``model_dir``'s config.json (a vision-language model's ``text_config``)."""
-    from megatron_rlvr.families.table import vl_family_of, vl_text_config
 
     with open(os.path.join(model_dir, "config.json")) as f:
         hf = json.load(f)
@@ -139,10 +152,7 @@ def eos_ids(model_dir: str) -> list[int] | None:
 
 
 def build_hf_engine(model_dir: str, tokenizer, ns, device: str):
-    import torch
     from transformers import AutoModelForCausalLM
-
-    from megatron_rlvr.rollout.hf_engine import HFEngineConfig, HFRolloutEngine
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32 if device == "cpu" else torch.bfloat16)
     rows = ns.batch_rows or 64
@@ -154,8 +164,6 @@ def build_hf_engine(model_dir: str, tokenizer, ns, device: str):
 def build_vllm_engine(model_dir: str, tok_dir: str, ns, device: str):
     """vLLM over rollout TP ``--tp`` (the ranks' world when there is one), the folder's safetensors streamed in
     through ``update_weights`` (strict: every engine parameter must be in the folder)."""
-    from megatron_rlvr.models.hf_loading import HFCheckpointReader
-    from megatron_rlvr.rollout.vllm_engine import VLLMEngineConfig, VLLMRolloutEngine
 
     with open(os.path.join(model_dir, "config.json")) as f:
         positions = json.load(f).get("max_position_embeddings")
@@ -184,11 +192,6 @@ def build_vllm_engine(model_dir: str, tok_dir: str, ns, device: str):
 
 def _join_ranks(tp: int):
     """This process is one rank of a launched eval: join the world; (rank, world, engine info)."""
-    import torch
-    import torch.distributed as dist
-
-    from megatron_rlvr.megatron.parallel import env_rank_info
-    from megatron_rlvr.rollout.groups import engine_info
 
     info = env_rank_info()
     if torch.cuda.is_available():
@@ -214,90 +217,111 @@ def check_out_path(out: str) -> None:
         raise ValueError(f"--out {out}: not writable")
 
 
+@dataclass(frozen=True)
+class EvalInputs:
+    """What ``megatron-rlvr eval`` checked before loading a model: where it is, how to prompt and score, the rows."""
+
+    model_dir: str
+    tok_dir: str
+    data_cfg: DataConfig
+    reward_cfg: RewardConfig
+    benchmarks: list
+    """[(path, its loaded data set)], in the order of ``--files``."""
+    notes: list[str]
+    """The run's settings taken over (a run directory's template, reward, ...)."""
+
+
+def check_inputs(ns) -> EvalInputs:
+    """Every option and file, before the model is loaded and anything generated (ValueError: one line, the flag)."""
+    model_dir = resolve_model_dir(ns.model)
+    for f in ns.files:
+        if os.path.isdir(f):
+            held = sorted(n for n in os.listdir(f) if n.endswith((".jsonl", ".json", ".parquet")))
+            shown = f"; it holds {', '.join(held[:5])}" + (" ..." if len(held) > 5 else "") if held else ""
+            raise ValueError(
+                f"--files: {f} is a folder, not a benchmark file: name the files (e.g. --files {f}/*.jsonl){shown}"
+            )
+        if not os.path.isfile(f):
+            raise ValueError(f"--files: not found: {f}")
+    if ns.k < 1:
+        raise ValueError(f"--k must be >= 1, got {ns.k}")
+    check_engine_args(ns, model_dir)
+    for flag, value in (("--max-tokens", ns.max_tokens), ("--max-prompt-len", ns.max_prompt_len)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if ns.batch_rows is not None and ns.batch_rows < 1:
+        raise ValueError(f"--batch-rows must be >= 1, got {ns.batch_rows}")
+    if not ns.temperature >= 0:
+        raise ValueError(f"--temperature must be >= 0 (0: greedy), got {ns.temperature}")
+    if not 0 < ns.top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1], got {ns.top_p}")
+    tok_dir = check_tokenizer(model_dir, ns.tokenizer)
+    settings, notes = resolve_settings(ns)
+    data_kwargs = {"template": settings["template"]}
+    if settings["prompt_template"]:
+        data_kwargs["prompt_template"] = settings["prompt_template"]
+    reward_cfg = RewardConfig(fn=settings["reward"], extraction=settings["extraction"], num_workers=1)
+    benchmarks = [(path, load_dataset([path], "auto", False)) for path in ns.files]
+    if ns.out:
+        check_out_path(ns.out)
+    return EvalInputs(model_dir, tok_dir, DataConfig(**data_kwargs), reward_cfg, benchmarks, notes)
+
+
 def eval_main(ns) -> int:
-    import time
-
-    import torch
-
-    from megatron_rlvr.data import DataConfig, load_dataset
-    from megatron_rlvr.eval.benchmarks import EvalSpec, bench_name, evaluate_examples, format_table, summarize
-    from megatron_rlvr.megatron.parallel import env_rank_info
-    from megatron_rlvr.rewards import RewardConfig, RewardManager
-
     try:
-        model_dir = resolve_model_dir(ns.model)
-        for f in ns.files:
-            if os.path.isdir(f):
-                held = sorted(n for n in os.listdir(f) if n.endswith((".jsonl", ".json", ".parquet")))
-                shown = f"; it holds {', '.join(held[:5])}" + (" ..." if len(held) > 5 else "") if held else ""
-                raise ValueError(
-                    f"--files: {f} is a folder, not a benchmark file: name the files (e.g. --files {f}/*.jsonl){shown}"
-                )
-            if not os.path.isfile(f):
-                raise ValueError(f"--files: not found: {f}")
-        if ns.k < 1:
-            raise ValueError(f"--k must be >= 1, got {ns.k}")
-        check_engine_args(ns, model_dir)
-        for flag, value in (("--max-tokens", ns.max_tokens), ("--max-prompt-len", ns.max_prompt_len)):
-            if value < 1:
-                raise ValueError(f"{flag} must be >= 1, got {value}")
-        if getattr(ns, "batch_rows", None) is not None and ns.batch_rows < 1:
-            raise ValueError(f"--batch-rows must be >= 1, got {ns.batch_rows}")
-        if not ns.temperature >= 0:
-            raise ValueError(f"--temperature must be >= 0 (0: greedy), got {ns.temperature}")
-        if not 0 < ns.top_p <= 1:
-            raise ValueError(f"--top-p must be in (0, 1], got {ns.top_p}")
-        tok_dir = check_tokenizer(model_dir, getattr(ns, "tokenizer", None))
-        settings, notes = resolve_settings(ns)
-        data_kwargs = {"template": settings["template"]}
-        if settings["prompt_template"]:
-            data_kwargs["prompt_template"] = settings["prompt_template"]
-        data_cfg = DataConfig(**data_kwargs)
-        reward_cfg = RewardConfig(fn=settings["reward"], extraction=settings["extraction"], num_workers=1)
-        # before the model is loaded and anything generated: the benchmark rows and the --out path
-        benchmarks = [(path, load_dataset([path], "auto", False)) for path in ns.files]
-        if ns.out:
-            check_out_path(ns.out)
+        inputs = check_inputs(ns)
     except ValueError as e:
         print(f"megatron-rlvr eval: error: {e}", file=sys.stderr)
         return 2
-    engine_kind, tp = getattr(ns, "engine", "hf"), getattr(ns, "tp", 1)
     joined = env_rank_info()
-    if joined is None and tp > 1:  # start the ranks of one engine over tp local devices (or CPU ranks)
-        from megatron_rlvr.rundir.local_ranks import launch_local
-
+    if joined is None and ns.tp > 1:  # start the ranks of one engine over tp local devices (or CPU ranks)
         cores = os.cpu_count() or 1
-        print(f"megatron-rlvr eval: launching {tp} ranks (vLLM rollout TP {tp})", file=sys.stderr, flush=True)
+        print(f"megatron-rlvr eval: launching {ns.tp} ranks (vLLM rollout TP {ns.tp})", file=sys.stderr, flush=True)
         return launch_local(
-            ["eval", *ns.argv[1:]], tp, master_addr="127.0.0.1", master_port=0, threads=max(1, cores // tp)
+            ["eval", *ns.argv[1:]], ns.tp, master_addr="127.0.0.1", master_port=0, threads=max(1, cores // ns.tp)
         )
     rank, info = 0, None
     if joined is not None:
-        rank, info = _join_ranks(tp)
+        rank, info = _join_ranks(ns.tp)
     main_rank = rank == 0
-    if notes and main_rank:
-        print(f"megatron-rlvr eval: using the run's settings: {', '.join(notes)}", file=sys.stderr, flush=True)
+    if inputs.notes and main_rank:
+        print(f"megatron-rlvr eval: using the run's settings: {', '.join(inputs.notes)}", file=sys.stderr, flush=True)
+    results = _evaluate(ns, inputs, info, main_rank)
+    if info is not None:
+        torch.distributed.destroy_process_group()
+    if not main_rank:
+        return 0
+    print(f"model: {inputs.model_dir}  (engine {ns.engine}, k={ns.k}, temperature={ns.temperature}, top_p={ns.top_p})")
+    print(format_table(results))
+    if ns.out:
+        with open(ns.out, "w") as f:
+            json.dump([r.__dict__ for r in results], f, indent=2)
+    return 0
 
-    from transformers import AutoTokenizer
+
+def _evaluate(ns, inputs: EvalInputs, info, main_rank: bool) -> list:
+    """Build the engine, run every benchmark (progress lines on rank 0), close the engine; the summaries."""
+    from transformers import AutoTokenizer  # transformers' import costs seconds: only once evaluating
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    tokenizer = AutoTokenizer.from_pretrained(inputs.tok_dir)
     t0 = time.perf_counter()
-    if engine_kind == "vllm":
-        engine = build_vllm_engine(model_dir, tok_dir, ns, device)
+    if ns.engine == "vllm":
+        engine = build_vllm_engine(inputs.model_dir, inputs.tok_dir, ns, device)
     else:
-        engine = build_hf_engine(model_dir, tokenizer, ns, device)
+        engine = build_hf_engine(inputs.model_dir, tokenizer, ns, device)
     if main_rank:
-        where = f"vLLM, rollout TP {tp}" if engine_kind == "vllm" else "transformers"
+        where = f"vLLM, rollout TP {ns.tp}" if ns.engine == "vllm" else "transformers"
         print(f"megatron-rlvr eval: {where} engine on {device} ready in {time.perf_counter() - t0:.1f} s",
               file=sys.stderr, flush=True)  # fmt: skip
     leader = info is None or info.leader
+    chunk = max(1, PROGRESS_SAMPLES // ns.k)
+    spec = EvalSpec(inputs.data_cfg, ns.k, ns.temperature, ns.top_p, ns.max_tokens, ns.max_prompt_len, ns.seed, chunk)
     results = []
-    with RewardManager(reward_cfg) if leader else _nothing() as rm:
-        for path, ds in benchmarks:
+    with RewardManager(inputs.reward_cfg) if leader else _nothing() as rm:
+        for path, ds in inputs.benchmarks:
             examples = list(ds.examples)[: ns.max_problems] if ns.max_problems else list(ds.examples)
-            name = bench_name(path)
-            started = time.perf_counter()
+            name, started = bench_name(path), time.perf_counter()
 
             def progress(done, total, name=name, started=started):
                 if main_rank:
@@ -307,26 +331,13 @@ def eval_main(ns) -> int:
                     print(f"  {name}: {done}/{total} problems{share}, {done * ns.k} samples, {spent:.0f} s, "
                           f"~{left:.0f} s left", file=sys.stderr, flush=True)  # fmt: skip
 
-            chunk = max(1, PROGRESS_SAMPLES // ns.k)
-            spec = EvalSpec(data_cfg, ns.k, ns.temperature, ns.top_p, ns.max_tokens, ns.max_prompt_len, ns.seed, chunk)
             correct, lengths = evaluate_examples(engine, rm, tokenizer, examples, spec, info, progress=progress)
             results.append(summarize(name, correct, lengths))
             if main_rank:
                 r, spent = results[-1], time.perf_counter() - started
                 print(f"  {r.name}: {r.problems} problems done in {spent:.1f} s", file=sys.stderr, flush=True)
     engine.close()
-    if info is not None:
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
-    if not main_rank:
-        return 0
-    print(f"model: {model_dir}  (engine {engine_kind}, k={ns.k}, temperature={ns.temperature}, top_p={ns.top_p})")
-    print(format_table(results))
-    if ns.out:
-        with open(ns.out, "w") as f:
-            json.dump([r.__dict__ for r in results], f, indent=2)
-    return 0
+    return results
 
 
 class _nothing:

@@ -7,18 +7,26 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from megatron_rlvr.config import RunConfig
-    from megatron_rlvr.rundir.lock import RunLock
+from megatron_rlvr.config import (
+    ONE_OFF_OPTIONS,
+    ConfigError,
+    RunConfig,
+    check_layout,
+    default_world_size,
+    load_run_config,
+)
+from megatron_rlvr.data import build_train_dataset
+from megatron_rlvr.rundir.checkpointer import discard_pending_config
+from megatron_rlvr.rundir.local_ranks import launch_local, start_parent_watchdog
+from megatron_rlvr.rundir.lock import RunLock
+from megatron_rlvr.rundir.prepare import config_to_start, prepare_run_dir, resolve_run_dir, run_dir_of_config, same_dir
 
 
 def split_config_and_overrides(items: list[str]) -> tuple[str | None, list[str]]:
     """(config path or None, overrides); a run directory stands for its config.yaml (resume it). A word that is not
     ``key=value`` (``train schedule.steps 5``) or a folder without config.yaml is one ConfigError saying what to
     type instead."""
-    from megatron_rlvr.config import ConfigError
 
     config, overrides = None, items
     if items and "=" not in items[0]:
@@ -52,7 +60,6 @@ def split_config_and_overrides(items: list[str]) -> tuple[str | None, list[str]]
 
 def _looks_like_a_key(word: str) -> bool:
     """``schedule.steps``: a dotted option name (a known section first), not a path."""
-    from megatron_rlvr.config import RunConfig
 
     sections = set(RunConfig.__dataclass_fields__)
     return "/" not in word and not word.endswith((".yaml", ".yml")) and word.split(".", 1)[0] in sections
@@ -62,8 +69,6 @@ def load_checked(config: str | None, overrides: list[str], world_size: int | Non
     """Load + validate the config, including the layout for ``world_size`` ranks (default: the launch's) and, with
     ``check_data``, the training data (malformed rows are reported as file:line before any rank starts). Returns
     (cfg, world). A run directory's own config.yaml trains in that directory, wherever it was first started."""
-    from megatron_rlvr.config import check_layout, default_world_size, load_run_config
-    from megatron_rlvr.rundir.prepare import run_dir_of_config, same_dir
 
     cfg = load_run_config(config, overrides)
     here = run_dir_of_config(config, overrides)
@@ -72,15 +77,12 @@ def load_checked(config: str | None, overrides: list[str], world_size: int | Non
     world = world_size or default_world_size(cfg)
     check_layout(cfg, world)
     if check_data and cfg.data.train_files:
-        from megatron_rlvr.data import build_train_dataset
-
         build_train_dataset(cfg.data)
     return cfg, world
 
 
 def one_off_overrides(cfg) -> list[str]:
     """The one-off options of this invocation (not in config.yaml) as overrides for the ranks' command line."""
-    from megatron_rlvr.config import ONE_OFF_OPTIONS
 
     out = []
     for (section, key), default in ONE_OFF_OPTIONS.items():
@@ -110,7 +112,6 @@ def prepare_run(
 ) -> PreparedRun:
     """Load and validate the config, then prepare its run directory (megatron_rlvr.rundir.prepare; ``dry_run``: an
     existing run's directory is checked, not changed)."""
-    from megatron_rlvr.rundir.prepare import config_to_start, prepare_run_dir, resolve_run_dir
 
     cfg, world = load_checked(config, overrides, world_size)
     run_dir = resolve_run_dir(cfg)
@@ -120,7 +121,7 @@ def prepare_run(
 
 
 def train_main(args: list[str], dry_run: bool = False) -> int:
-    from megatron_rlvr.megatron.parallel import env_rank_info
+    from megatron_rlvr.megatron.parallel import env_rank_info  # megatron-core (seconds): only when joining a job
 
     config, overrides = split_config_and_overrides(args)
     joined = env_rank_info()
@@ -134,14 +135,12 @@ def train_main(args: list[str], dry_run: bool = False) -> int:
         kept = "" if run.written else " (dry run: the run's config.yaml left unchanged)"
         print(f"config OK: {world} rank(s), run dir {run_dir}, resolved config {path}{kept}")
         return 0
-    from megatron_rlvr.rundir.checkpointer import discard_pending_config
 
     try:
         if world == 1:
-            from megatron_rlvr.trainer.schedules import train
+            from megatron_rlvr.trainer.schedules import train  # megatron-core (seconds): only in a process that trains
 
             return train(cfg, run_dir, lock=lock)
-        from megatron_rlvr.rundir.local_ranks import launch_local
 
         threads = cfg.launch.cpu_threads(world)
         print(f"megatron-rlvr: launching {world} ranks ({cfg.launch.backend} backend), run dir {run_dir}", flush=True)
@@ -159,8 +158,7 @@ def train_main(args: list[str], dry_run: bool = False) -> int:
 
 def _train_as_rank(config: str | None, overrides: list[str], joined: dict) -> int:
     """This process is one rank of a launched job (our launcher, torchrun or srun)."""
-    from megatron_rlvr.rundir.local_ranks import start_parent_watchdog
-    from megatron_rlvr.trainer.schedules import train
+    from megatron_rlvr.trainer.schedules import train  # megatron-core (seconds): only in a process that trains
 
     start_parent_watchdog()
     cfg, _ = load_checked(config, overrides, joined["world_size"], check_data=False)

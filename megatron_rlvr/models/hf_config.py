@@ -226,8 +226,6 @@ def megatron_model_args(
 
     Multi-latent attention families (DeepSeek-V3) get an ``MLATransformerConfig`` (``mla_settings``).
     """
-    from megatron.core.transformer import TransformerConfig
-
     cfg = load_hf_config(hf_config)
     full_cfg = cfg
     vision = vision_spec(cfg)
@@ -246,29 +244,15 @@ def megatron_model_args(
     dims.check_ep(ep_size, etp_size if dims.is_moe else 1)
     moe_kwargs = {}
     if dims.is_moe:
+        # MLA layers are built from megatron's local spec (models/build.py), whose experts are SequentialMLP
+        grouped = fusions is not False and detect_fusions().grouped_gemm and mla is None
         moe_kwargs = moe_settings(
-            moe,
-            ep_size=ep_size,
-            etp_size=etp_size,
-            dispatcher=moe_dispatcher,
-            aux_loss_coeff=moe_aux_loss_coeff,
-            z_loss_coeff=moe_z_loss_coeff,
-            # MLA layers are built from megatron's local spec (models/build.py), whose experts are SequentialMLP
-            grouped_gemm=fusions is not False and detect_fusions().grouped_gemm and mla is None,
-            expert_bias_update_rate=moe_expert_bias_update_rate,
-        )
-        sequence_parallel = sequence_parallel or tp_size > 1
-    if mla is not None:  # the whole down projections' gradients are right only under sequence parallelism
-        sequence_parallel = sequence_parallel or tp_size > 1
-    config_cls = TransformerConfig
-    if mla is not None:
-        from megatron.core.transformer import MLATransformerConfig
-
-        mla_kwargs, rope = mla_settings(cfg, mla)
-        config_cls = MLATransformerConfig
-    else:
-        mla_kwargs, rope = {}, _rope_spec(cfg)
-
+            moe, ep_size=ep_size, etp_size=etp_size, dispatcher=moe_dispatcher, aux_loss_coeff=moe_aux_loss_coeff,
+            z_loss_coeff=moe_z_loss_coeff, grouped_gemm=grouped, expert_bias_update_rate=moe_expert_bias_update_rate,
+        )  # fmt: skip
+    # MoE layers train at TP > 1 only under sequence parallelism; MLA's whole down projections' gradients likewise
+    sequence_parallel = sequence_parallel or (tp_size > 1 and (dims.is_moe or mla is not None))
+    config_cls, mla_kwargs, rope = _attention_settings(cfg, mla)
     kwargs = _transformer_kwargs(cfg, dims, fusions, tp_size, pp_size, dtype, sequence_parallel, perform_initialization)
     config = config_cls(**{**kwargs, **moe_kwargs, **mla_kwargs, **config_overrides})
     return MegatronModelArgs(
@@ -280,6 +264,17 @@ def megatron_model_args(
         hf_config=full_cfg,
         vision=vision,
     )
+
+
+def _attention_settings(cfg: dict, mla):
+    """(the TransformerConfig class, its attention arguments, the RoPE spec): multi-latent attention families get an
+    MLATransformerConfig with their latent ranks and YaRN (``mla_settings``), the others the plain one."""
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig  # megatron-core: only once building
+
+    if mla is None:
+        return TransformerConfig, {}, _rope_spec(cfg)
+    mla_kwargs, rope = mla_settings(cfg, mla)
+    return MLATransformerConfig, mla_kwargs, rope
 
 
 def _text_family(cfg: dict):

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from megatron_rlvr.rewards.builtin import REWARD_FNS
 from megatron_rlvr.rewards.pool import ItemResult, ScoringPool, ScoringStopped, score_inline
 from megatron_rlvr.rewards.reward_config import RewardConfig
+from megatron_rlvr.rewards.scorers import build_scorer
 
 __all__ = ["RewardFailure", "RewardManager", "ScoringStopped", "check_failure_fraction"]
 
@@ -80,8 +81,6 @@ class RewardManager:
                 on_failure=self._on_failure,
             )
         else:
-            from megatron_rlvr.rewards.scorers import build_scorer
-
             self._scorer = build_scorer(cfg.fn, cfg.extraction)
         self._closed = False
 

@@ -69,6 +69,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 
+from megatron_rlvr.rewards.scorers import NonFiniteReward, build_scorer
+
 __all__ = ["ItemResult", "ItemTimeout", "ScoringPool", "ScoringStopped", "score_inline"]
 
 
@@ -146,8 +148,6 @@ def _short_traceback() -> str:
 
 
 def _failure(e: BaseException) -> ItemResult:
-    from megatron_rlvr.rewards.scorers import NonFiniteReward
-
     status = "nonfinite" if isinstance(e, NonFiniteReward) else "error"
     return ItemResult(0.0, status, f"{type(e).__name__}: {e}"[:1000], _short_traceback())
 
@@ -341,8 +341,6 @@ def _worker_main(
     _WORKER_PID = os.getpid()
     os._exit = _exit_raises  # the worker's own exits below use _REAL_EXIT
     try:
-        from megatron_rlvr.rewards.scorers import build_scorer
-
         scorer = build_scorer(fn, extraction)
         scorer.warmup()
     except BaseException as e:

@@ -56,6 +56,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_rlvr.families.vl_processor import VL_ARCHITECTURES, has_torchvision, load_vl_processor
+
 GPU_VLLM_VERSION = "0.33.0"
 """The official vLLM release of the ``gpu`` extra (CUDA)."""
 CPU_VLLM_VERSION = "0.32.0"
@@ -154,8 +156,6 @@ _SHIMMED: set[str] = set()
 def install_vl_shims(kind: str) -> bool:
     """Make vLLM serve the VL family ``kind`` (``qwen2_5_vl`` / ``qwen3_vl``) where torchvision is missing (see the
     module docstring); a no-op with torchvision, and idempotent. Returns whether shims are in place."""
-    from megatron_rlvr.families.vl_processor import VL_ARCHITECTURES, has_torchvision, load_vl_processor
-
     if kind not in VL_MODEL_MODULES:
         raise ValueError(f"vLLM VL shims: kind must be one of {tuple(VL_MODEL_MODULES)}, got {kind!r}")
     if has_torchvision():

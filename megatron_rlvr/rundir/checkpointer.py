@@ -318,9 +318,7 @@ def export_hf_folder(run_dir: str, policy: PolicyState, source, tokenizer, pg, w
 
 def candidates(save_dir: str) -> list[str]:
     """Complete checkpoints, newest first."""
-    from megatron_rlvr.models.checkpointing import list_checkpoints
-
-    return [p for _, p in reversed(list_checkpoints(save_dir))]
+    return [p for _, p in reversed(checkpointing.list_checkpoints(save_dir))]
 
 
 def choose_checkpoint(paths: list[str], fallback: bool, warn=print) -> tuple[str | None, list[str]]:

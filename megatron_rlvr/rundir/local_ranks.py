@@ -25,6 +25,9 @@ import sys
 import threading
 import time
 
+import megatron_rlvr
+from megatron_rlvr.rundir.lock import FD_ENV
+from megatron_rlvr.rundir.signals import STOP_SIGNALS, detach_from_terminal, ignored_at_start
 from megatron_rlvr.slurm_env import free_port
 
 PARENT_ENV = "RLVR_LAUNCHER_PID"
@@ -68,8 +71,6 @@ def end_groups(procs: list[subprocess.Popen]) -> None:
 
 
 def _repo_root() -> str:
-    import megatron_rlvr
-
     return os.path.dirname(os.path.dirname(os.path.abspath(megatron_rlvr.__file__)))
 
 
@@ -123,9 +124,6 @@ def launch_local(
     """Run ``megatron-rlvr ARGS`` (e.g. ``train CONFIG k=v``, ``convert to-hf ...``) as ``world_size`` local ranks;
     returns the launcher's exit code. ``lock_fd``: a held run-directory lock, inherited by every rank;
     ``timeout_s``: the ranks are killed after that long (exit code 124)."""
-    from megatron_rlvr.rundir.lock import FD_ENV
-    from megatron_rlvr.rundir.signals import STOP_SIGNALS, detach_from_terminal, ignored_at_start
-
     port = master_port or free_port()
     env_base = dict(os.environ)
     root = _repo_root()

@@ -17,6 +17,9 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+from megatron_rlvr.config import resolved_dict
+from megatron_rlvr.config.sections import WANDB_MISSING
+
 if TYPE_CHECKING:
     from megatron_rlvr.config import RunConfig, WandbConfig
 
@@ -100,8 +103,6 @@ class RunLogger:
     @classmethod
     def for_run(cls, cfg: RunConfig, run_dir: str, enabled: bool) -> RunLogger:
         """The logger of a training run: its logging section, its resolved config recorded in W&B."""
-        from megatron_rlvr.config import resolved_dict
-
         return cls(
             run_dir,
             enabled=enabled,
@@ -205,8 +206,6 @@ def start_wandb(cfg: WandbConfig, run_dir: str, run_name: str | None, run_config
     ``resume`` (the trainer resumed from a checkpoint) the run directory's W&B run continues: W&B keeps the values
     it already has for repeated steps, while metrics.jsonl drops them; otherwise a new W&B run starts, its id saved
     in ``run_dir/wandb_run_id``."""
-    from megatron_rlvr.config.sections import WANDB_MISSING
-
     try:
         import wandb
     except ImportError:

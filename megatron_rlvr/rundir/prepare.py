@@ -8,6 +8,7 @@ import os
 import time
 
 from megatron_rlvr.config import RunConfig, dump_yaml
+from megatron_rlvr.config.loader import is_resolved_config
 from megatron_rlvr.rundir.checkpointer import ResumeError, discard_pending_config, pending_config
 from megatron_rlvr.rundir.lock import RunLock, hold, hold_collective
 from megatron_rlvr.rundir.resume import check_resume_changes, will_resume
@@ -19,8 +20,6 @@ def run_dir_of_config(config_path: str | None, overrides: list[str]) -> str | No
     resumed from another working directory, its recorded path being relative) must resume in place, never write
     into the path it was first started at. None for any other config file, and when ``logging.run_dir=`` is given
     on the command line (that wins)."""
-    from megatron_rlvr.config.loader import is_resolved_config
-
     if not config_path or any(o.split("=", 1)[0].strip() == "logging.run_dir" for o in overrides):
         return None
     if os.path.basename(config_path) != "config.yaml" or not is_resolved_config(config_path):

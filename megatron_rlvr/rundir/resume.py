@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import os
 
+from megatron_rlvr.config import ONE_OFF_OPTIONS, RunConfig, persisted_dict
+from megatron_rlvr.config.loader import _plain
 from megatron_rlvr.config.lora_config import adapter_changes, adapter_refusal
+from megatron_rlvr.models.checkpointing import META_FILE, list_checkpoints, read_meta
 from megatron_rlvr.rundir.checkpointer import ResumeError, candidates, checkpoint_dir
 
 APPLIED_ON_RESUME = (
@@ -63,9 +66,6 @@ def field_default(dotted: str):
     import dataclasses
     import typing
 
-    from megatron_rlvr.config import RunConfig
-    from megatron_rlvr.config.loader import _plain
-
     cls, parts = RunConfig, dotted.split(".")
     for i, name in enumerate(parts):
         fields = {f.name: f for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
@@ -93,7 +93,6 @@ def _not_a_change(key: str, old, new) -> bool:
 
 
 def will_resume(cfg, run_dir: str) -> bool:
-    from megatron_rlvr.models.checkpointing import list_checkpoints
 
     how = cfg.checkpoint.resume
     return how != "never" and (how != "auto" or bool(list_checkpoints(checkpoint_dir(run_dir))))
@@ -102,7 +101,6 @@ def will_resume(cfg, run_dir: str) -> bool:
 def checkpoint_to_resume(cfg, run_dir: str) -> str | None:
     """The checkpoint a resume will start from, as far as can be told before loading it: the newest complete one
     named by ``checkpoint.resume`` (the loader may still fall back to an older one if its files are damaged)."""
-    from megatron_rlvr.models.checkpointing import META_FILE
 
     how = cfg.checkpoint.resume
     if how == "never":
@@ -117,8 +115,6 @@ def checkpoint_to_resume(cfg, run_dir: str) -> str | None:
 def _checkpoint_adapter_changes(cfg, ckpt: str | None) -> list[tuple[str, object, object]]:
     """The adapter settings that differ from checkpoint ``ckpt``'s own; ResumeError if its adapters cannot fit."""
     import dataclasses
-
-    from megatron_rlvr.models.checkpointing import read_meta
 
     if ckpt is None:
         return []
@@ -137,8 +133,6 @@ def check_resume_changes(cfg, run_dir: str) -> list[str]:
     """Compare ``cfg`` with ``<run_dir>/config.yaml`` and with the adapter settings of the checkpoint it resumes
     before a resume; returns the applied changes as lines, raises ResumeError listing the refused ones."""
     import yaml
-
-    from megatron_rlvr.config import ONE_OFF_OPTIONS, persisted_dict
 
     if not will_resume(cfg, run_dir):
         return []
