@@ -21,11 +21,15 @@ DENSE_TINY = [
     "reward.fn=gsm8k",
     "reward.extraction=lenient",
     "train.mini_batch_prompts=null",
+    "schedule.warmup_steps=0",
+    "algorithm.entropy.coef=0",
 ]
 """The tiny preset's task and loop that the trainer-mechanics tests were written for: responses of at most 2 tokens
 scored on their last number, whether or not they stopped (a random policy is right ~7% of the time, so a 16-sample
-step has reward variance; the preset's own exact_stop reward is right well under 1% of the time), and one update per
-step whatever train.prompts_per_step a test sets (a test that wants mini-batches sets train.mini_batch_prompts)."""
+step has reward variance; the preset's own exact_stop reward is right well under 1% of the time), one update per
+step whatever train.prompts_per_step a test sets (a test that wants mini-batches sets train.mini_batch_prompts), the
+full learning rate from the first step and no entropy bonus (the preset warms the learning rate up over 20 steps and
+adds a 0.01 bonus; these tests look at one step's update and loss)."""
 SMALL = ["schedule.steps=2", "train.prompts_per_step=4", "rollout.n=4", *DENSE_TINY, *QUIET]
 """A 2-step, 4-prompt x 4-rollout tiny run with DENSE_TINY and QUIET."""
 
