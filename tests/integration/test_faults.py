@@ -1283,7 +1283,7 @@ def _trainer_faults(root, overrides):
             f.truncate(os.path.getsize(shard) // 2)
     torch.distributed.barrier()
     t = setup(load_run_config(None, [*overrides, *ck, "schedule.steps=3"]), run)
-    out["resumed_from"] = t.start_step
+    out["resumed_from"] = t.life.start_step
     teardown(t)
     try:
         setup(load_run_config(None, [*overrides, *ck, "schedule.steps=3", "checkpoint.fallback=false"]), run)
