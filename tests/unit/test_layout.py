@@ -177,3 +177,25 @@ def test_no_import_cycle_between_modules():
         if v not in index:
             visit(v)
     assert not cycles, f"{len(cycles)} import cycle(s): {cycles}"
+
+
+SCHEDULES = ("megatron_rlvr.trainer.colocated", "megatron_rlvr.trainer.disaggregated")
+"""The two schedules: siblings over the parts, the stages and the run loop's helpers (docs/architecture.md)."""
+
+
+def test_the_two_schedules_never_reach_each_other():
+    """Neither schedule module imports the other, directly or through another module: what both need lives in the
+    parts, the stages or trainer/run_loop.py (two loops sharing code by import drift apart as surely as by copy)."""
+    graph = _package_imports()
+
+    def reach(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph.get(todo.pop(), ()):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
+
+    a, b = SCHEDULES
+    assert b not in reach(a) and a not in reach(b), "a schedule module reaches the other one through its imports"
