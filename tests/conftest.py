@@ -81,6 +81,7 @@ def pytest_sessionfinish(session, exitstatus):
     from megatron_rlvr.rewards.pool import close_live_pools
 
     close_live_pools()
+    _end_in_process_services()
     # what was just killed may still be exiting (a rank's parent watchdog polls every 0.5 s)
     deadline = time.monotonic() + 5.0
     left = process_helpers.leftover_processes(SESSION_MARKER)
@@ -103,3 +104,16 @@ def pytest_sessionfinish(session, exitstatus):
         else:
             print(line)
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _end_in_process_services() -> None:
+    """End the helpers this test process owns and would end at interpreter exit anyway (torch.compile's worker
+    pool, W&B's service process), so that the check above sees only what a test left behind: each of them watches
+    this process and exits with it, which a leaked rank does not."""
+    import sys
+
+    from torch._inductor.async_compile import shutdown_compile_workers
+
+    shutdown_compile_workers()
+    if "wandb" in sys.modules:
+        sys.modules["wandb"].teardown()
