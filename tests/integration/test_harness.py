@@ -180,7 +180,7 @@ def test_the_session_fails_naming_a_process_a_test_left_running(tmp_path):
 
     import psutil
 
-    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    tests_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/, where conftest.py is
     (tmp_path / "test_leak.py").write_text(_LEAKY_TEST)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]))
     env.pop("RLVR_TEST_SESSION", None)
