@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from process_helpers import SESSION_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 REQUIRE_SLURM = os.environ.get("MEGATRON_RLVR_REQUIRE_SLURM") == "1"
@@ -103,8 +104,11 @@ def multi_node_env(min_nodes: int = 3) -> dict[str, str]:
 
 
 def cluster(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    """bash tools/slurm_cluster.sh ARGS (node faults, restarts, hosts files)."""
-    r = subprocess.run(["bash", str(CLUSTER_SH), *args], capture_output=True, text=True, timeout=120)
+    """bash tools/slurm_cluster.sh ARGS (node faults, restarts, hosts files). A slurmd it restarts belongs to the
+    cluster (started and stopped around the suite, by .ci/run), not to the test: it runs without the test session's
+    marker, so the end-of-session check does not take it for a process a test left behind."""
+    env = {k: v for k, v in os.environ.items() if k != SESSION_ENV}
+    r = subprocess.run(["bash", str(CLUSTER_SH), *args], capture_output=True, text=True, timeout=120, env=env)
     if check:
         assert r.returncode == 0, f"slurm_cluster.sh {' '.join(args)}: rc={r.returncode}\n{r.stdout}{r.stderr}"
     return r
