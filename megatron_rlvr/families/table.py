@@ -287,26 +287,33 @@ def _deepseek_moe_fields(cfg: dict, fam: Family, where: str) -> MoeFields:
                 "transformers by its best 2: they agree only when num_experts_per_tok == 2 * topk_group)"
             )
         groups, group_topk = n_group, topk_group
+    return _deepseek_fields(
+        cfg,
+        experts,
+        top_k,
+        norm_topk_prob=True,
+        score_function="sigmoid",
+        expert_bias=True,
+        num_groups=groups,
+        group_topk=group_topk,
+    )
+
+
+def _deepseek_fields(cfg: dict, experts: int, top_k: int, **router) -> MoeFields:
+    """The MoE fields both DeepSeek generations share (expert widths, shared experts without a gate, dense first
+    layers, the routed scaling factor), with the generation's ``router`` fields."""
+    first_dense = int(cfg["first_k_dense_replace"])
     scale = float(cfg.get("routed_scaling_factor") or 1.0)
     return MoeFields(
         experts=experts,
         top_k=top_k,
         expert_ffn=int(cfg["moe_intermediate_size"]),
-        norm_topk_prob=True,
-        moe_layers=_deepseek_moe_layers(cfg),
+        moe_layers=tuple(i >= first_dense for i in range(int(cfg["num_hidden_layers"]))),
         shared_expert_ffn=int(cfg.get("n_shared_experts") or 0) * int(cfg["moe_intermediate_size"]),
         shared_expert_gate=False,
-        score_function="sigmoid",
-        expert_bias=True,
-        num_groups=groups,
-        group_topk=group_topk,
         scaling_factor=None if scale == 1.0 else scale,
+        **router,
     )
-
-
-def _deepseek_moe_layers(cfg: dict) -> tuple[bool, ...]:
-    first_dense = int(cfg["first_k_dense_replace"])
-    return tuple(i >= first_dense for i in range(int(cfg["num_hidden_layers"])))
 
 
 def _deepseek_v2_router(cfg: dict, fam: Family, where: str, experts: int, top_k: int) -> MoeFields:
@@ -330,17 +337,7 @@ def _deepseek_v2_router(cfg: dict, fam: Family, where: str, experts: int, top_k:
         )
     if cfg.get("scoring_func", "softmax") != "softmax":
         raise ValueError(f"{where}: {fam.model_type} scoring_func={cfg['scoring_func']!r}; only softmax is supported")
-    scale = float(cfg.get("routed_scaling_factor") or 1.0)
-    return MoeFields(
-        experts=experts,
-        top_k=top_k,
-        expert_ffn=int(cfg["moe_intermediate_size"]),
-        norm_topk_prob=False,
-        moe_layers=_deepseek_moe_layers(cfg),
-        shared_expert_ffn=int(cfg.get("n_shared_experts") or 0) * int(cfg["moe_intermediate_size"]),
-        shared_expert_gate=False,
-        scaling_factor=None if scale == 1.0 else scale,
-    )
+    return _deepseek_fields(cfg, experts, top_k, norm_topk_prob=False)
 
 
 def moe_fields(cfg: dict, fam: Family, where: str = "HF config") -> MoeFields | None:
