@@ -64,6 +64,7 @@ def test_cli_loads_nothing_by_file_path():
 LAYERS = {
     "": 0,  # megatron_rlvr/__init__.py and slurm_env.py: nothing of the package
     "families": 0,
+    "sandbox": 0,
     "ops": 1,
     "rewards": 1,
     "algorithms": 2,
