@@ -25,7 +25,7 @@ class DataConfig:
     """Benchmark files for periodic evaluation (same formats and schemas)."""
     schema: str = "auto"
     """Row schema: "auto" (detected per file from its first row) or one of "problem_answer", "dapo", "gsm8k",
-    "boxed_solution"."""
+    "boxed_solution", "code" (test cases for reward.fn=code)."""
     skip_malformed: bool = False
     """False: a malformed row is a ValueError naming file and line. True: skip it and count it."""
     template: str = "chat"

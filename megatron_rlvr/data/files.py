@@ -117,8 +117,9 @@ def load_examples(path: str, schema: str = "auto", skip_malformed: bool = False)
             if detected is None:
                 bad(
                     f"{loc}: cannot detect the schema from fields {sorted(row)}; expected problem/prompt+answer, "
-                    "DAPO (prompt messages + reward_model.ground_truth), GSM8K (question + '#### ' answer) or "
-                    "problem+solution with \\boxed{}; or set the schema explicitly"
+                    "DAPO (prompt messages + reward_model.ground_truth), GSM8K (question + '#### ' answer), "
+                    "problem+solution with \\boxed{} or question + input_output/tests (code); or set the schema "
+                    "explicitly"
                 )
                 continue
             schema = detected

@@ -7,14 +7,19 @@ what is wrong (the loader adds file and line).
 - ``dapo``: DAPO-Math-17k: ``prompt`` = list of chat messages, ``reward_model.ground_truth``, ``data_source``.
 - ``gsm8k``: ``question`` + ``answer`` whose final answer follows ``#### ``.
 - ``boxed_solution``: ``problem`` + ``solution`` whose final answer is the last ``\\boxed{}`` (Minerva math).
+- ``code``: ``question`` (or ``problem``, or ``prompt``) text + test cases in ``input_output`` (APPS, TACO: a JSON
+  string) or ``tests`` (a JSON string, an object, or a list of ``{"input", "output"}``); the answer is the test
+  cases as one JSON string (:func:`megatron_rlvr.rewards.code_reward.normalize_tests`), read by ``reward.fn=code``.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from typing import Any
 
+from megatron_rlvr.rewards.code_reward import normalize_tests
 from megatron_rlvr.rewards.extract import last_boxed
 
 __all__ = ["SCHEMAS", "ParsedRow", "answer_to_str", "detect_schema"]
@@ -118,11 +123,33 @@ def parse_boxed_solution(row: dict) -> ParsedRow:
     return problem, answer, _row_id(row), _scalar_metadata(row, {"problem"})
 
 
+_CODE_TESTS = ("input_output", "tests")
+_CODE_CONSUMED = {"input_output", "tests", "solutions", "starter_code"}
+"""Fields of a code row that are not metadata: the tests (they are the answer) and reference solutions."""
+
+
+def parse_code(row: dict) -> ParsedRow:
+    key = next((k for k in ("question", "problem", "prompt") if k in row), "question")
+    text = _text(row, key)
+    field = next((k for k in _CODE_TESTS if k in row), None)
+    if field is None:
+        raise ValueError(f"missing test cases: field 'input_output' or 'tests' (fields present: {sorted(row)})")
+    try:
+        tests = normalize_tests(row[field])
+    except ValueError as e:
+        raise ValueError(f"field {field!r}: {e}") from None
+    starter = row.get("starter_code")
+    if isinstance(starter, str) and starter.strip():  # APPS / TACO: the signature the program must complete
+        text = f"{text}\n\n{starter.strip()}"
+    return text, json.dumps(tests), _row_id(row), _scalar_metadata(row, _CODE_CONSUMED | {key})
+
+
 SCHEMAS: dict[str, Callable[[dict], ParsedRow]] = {
     "problem_answer": parse_problem_answer,
     "dapo": parse_dapo,
     "gsm8k": parse_gsm8k,
     "boxed_solution": parse_boxed_solution,
+    "code": parse_code,
 }
 """Schema name (``DataConfig.schema``) -> row parser."""
 
@@ -131,6 +158,8 @@ def detect_schema(row: dict) -> str | None:
     """The schema a row looks like, or None. Checked most specific first."""
     if isinstance(row.get("prompt"), list) and "reward_model" in row:
         return "dapo"
+    if any(k in row for k in _CODE_TESTS) and any(k in row for k in ("question", "problem", "prompt")):
+        return "code"
     if "question" in row and isinstance(row.get("answer"), str) and "####" in row["answer"]:
         return "gsm8k"
     if ("problem" in row or "prompt" in row or "question" in row) and "answer" in row:

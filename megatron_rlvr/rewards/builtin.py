@@ -1,4 +1,5 @@
-"""Built-in correctness rewards: math-verify equivalence, GSM8K exact numeric match, reasoning-gym scorers.
+"""Built-in correctness rewards: math-verify equivalence, GSM8K exact numeric match, reasoning-gym scorers, programs
+against test cases (:mod:`megatron_rlvr.rewards.code_reward`).
 
 Each is a small class built from the extraction mode and called as ``fn(response, ground_truth, **metadata) ->
 float`` (the same signature as user reward functions), so a user function can wrap one. They run inside the
@@ -12,6 +13,7 @@ import functools
 import logging
 import re
 
+from megatron_rlvr.rewards.code_reward import CodeReward
 from megatron_rlvr.rewards.extract import EXTRACTION_MODES, extract_answer, last_number, parse_number
 
 __all__ = ["REWARD_FNS", "ExactStopReward", "MathVerifyReward", "NumericReward", "ReasoningGymReward"]
@@ -193,5 +195,7 @@ REWARD_FNS = {
     "gsm8k": NumericReward,
     "reasoning_gym": ReasoningGymReward,
     "exact_stop": ExactStopReward,
+    "code": CodeReward,
 }
-"""Built-in reward names (``RewardConfig.fn``) -> class built as ``cls(extraction=...)``."""
+"""Built-in reward names (``RewardConfig.fn``) -> class built as ``cls(extraction=..., **options)`` (options:
+:meth:`~megatron_rlvr.rewards.reward_config.RewardConfig.scorer_options`)."""

@@ -79,9 +79,10 @@ class RewardManager:
                 cfg.kill_grace_s,
                 start_timeout_s=cfg.start_timeout_s,
                 on_failure=self._on_failure,
+                options=cfg.scorer_options(),
             )
         else:
-            self._scorer = build_scorer(cfg.fn, cfg.extraction)
+            self._scorer = build_scorer(cfg.fn, cfg.extraction, cfg.scorer_options())
         self._closed = False
 
     @property

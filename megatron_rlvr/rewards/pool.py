@@ -329,7 +329,13 @@ def _score_concurrently(conn: Connection, scorer, queue: deque, timeout_s: float
 
 
 def _worker_main(
-    conn: Connection, fn: str, extraction: str, timeout_s: float, kill_grace_s: float, parent_pid: int
+    conn: Connection,
+    fn: str,
+    extraction: str,
+    timeout_s: float,
+    kill_grace_s: float,
+    parent_pid: int,
+    options: dict | None = None,
 ) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Slurm signals every process of a job step (USR1 before the time limit, TERM on scancel): the trainer decides
@@ -341,7 +347,7 @@ def _worker_main(
     _WORKER_PID = os.getpid()
     os._exit = _exit_raises  # the worker's own exits below use _REAL_EXIT
     try:
-        scorer = build_scorer(fn, extraction)
+        scorer = build_scorer(fn, extraction, options)
         scorer.warmup()
     except BaseException as e:
         conn.send(("init_error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
@@ -386,7 +392,9 @@ conn = Connection(int(sys.argv[1]))
 init = conn.recv()
 sys.path[:] = init["sys_path"]
 from megatron_rlvr.rewards.pool import _worker_main
-_worker_main(conn, init["fn"], init["extraction"], init["timeout_s"], init["kill_grace_s"], init["parent_pid"])
+_worker_main(
+    conn, init["fn"], init["extraction"], init["timeout_s"], init["kill_grace_s"], init["parent_pid"], init["options"]
+)
 """
 
 
@@ -431,7 +439,7 @@ def score_inline(
 
 
 class _Worker:
-    def __init__(self, fn: str, extraction: str, timeout_s: float, kill_grace_s: float):
+    def __init__(self, fn: str, extraction: str, timeout_s: float, kill_grace_s: float, options: dict | None = None):
         parent_sock, child_sock = socket.socketpair()
         self.conn = Connection(parent_sock.detach())
         child_fd = child_sock.detach()
@@ -448,6 +456,7 @@ class _Worker:
             "timeout_s": timeout_s,
             "kill_grace_s": kill_grace_s,
             "parent_pid": os.getpid(),
+            "options": options,
         }
         self.conn.send(init)
         self.started_at = time.monotonic()
@@ -503,10 +512,12 @@ class ScoringPool:
         kill_grace_s: float,
         start_timeout_s: float = 120.0,
         on_failure=None,
+        options: dict | None = None,
     ):
         if num_workers < 1:
             raise ValueError(f"ScoringPool needs num_workers >= 1, got {num_workers}")
-        self._args = (fn, extraction, timeout_s, kill_grace_s)
+        # options: a built-in reward's settings (RewardConfig.scorer_options), handed to every worker
+        self._args = (fn, extraction, timeout_s, kill_grace_s, options)
         self.timeout_s = timeout_s
         self.kill_grace_s = kill_grace_s
         self.start_timeout_s = start_timeout_s

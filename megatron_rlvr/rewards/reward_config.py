@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_rlvr.rewards.builtin import REWARD_FNS
+from megatron_rlvr.rewards.code_reward import CODE_TEST_MODES
 from megatron_rlvr.rewards.extract import EXTRACTION_MODES
 
 __all__ = ["RewardConfig"]
@@ -15,7 +16,8 @@ class RewardConfig:
     fn: str = "math"
     """Reward function: a built-in name ("math": math-verify equivalence; "gsm8k": exact numeric match;
     "reasoning_gym": the reasoning-gym task's own scorer; "exact_stop": the answer exactly, and the response ended
-    by itself, not cut at rollout.max_response_len) or a user function's dotted path ("my_pkg.my_mod:fn" or
+    by itself, not cut at rollout.max_response_len; "code": the response's program against the example's test cases
+    in the sandbox, see code_tests) or a user function's dotted path ("my_pkg.my_mod:fn" or
     "my_pkg.my_mod.fn") with signature fn(response: str, ground_truth: str, **metadata) -> float. The metadata are
     the example's fields plus the sample's ``finish_reason``: "stop" (EOS or a stop string) or "length" (cut at the
     generation limit)."""
@@ -40,6 +42,17 @@ class RewardConfig:
     start_timeout_s: float = 120.0
     """Seconds a new worker may take to import and warm up its reward function before start-up is an error."""
 
+    code_tests: str = "fraction"
+    """reward fn "code": "fraction" (the share of the example's test cases passed) or "all" (1.0 only when every
+    test passes)."""
+
+    code_test_timeout_s: float = 2.0
+    """reward fn "code": wall and CPU seconds of one test case's run. The tests of one response share 80% of
+    timeout_s in all (tests left when it is spent fail), so a looping program scores 0 instead of timing out."""
+
+    code_memory_mb: int = 1024
+    """reward fn "code": address space of a test case's program in MiB."""
+
     max_error_frac: float = 0.5
     """A step fails the run (a clear error) when more than this fraction of its rewards could not be computed
     (errors, timeouts, non-finite values): a broken reward function must not train on zeros. 1.0: never."""
@@ -58,7 +71,31 @@ class RewardConfig:
             raise ValueError(f"reward.num_workers must be an int >= 0, got {self.num_workers!r}")
         if not isinstance(self.max_error_frac, (int, float)) or not 0.0 <= self.max_error_frac <= 1.0:
             raise ValueError(f"reward.max_error_frac must be a number in [0, 1], got {self.max_error_frac!r}")
-        for name in ("timeout_s", "kill_grace_s", "start_timeout_s"):
+        for name in ("timeout_s", "kill_grace_s", "start_timeout_s", "code_test_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"reward.{name} must be a number > 0, got {value!r}")
+        if self.code_tests not in CODE_TEST_MODES:
+            raise ValueError(f"reward.code_tests must be one of {CODE_TEST_MODES}, got {self.code_tests!r}")
+        if self.code_test_timeout_s >= 0.8 * self.timeout_s:
+            raise ValueError(
+                f"reward.code_test_timeout_s={self.code_test_timeout_s:g} must be below 80% of reward.timeout_s="
+                f"{self.timeout_s:g} (the tests of one response share that time)"
+            )
+        if (
+            isinstance(self.code_memory_mb, bool)
+            or not isinstance(self.code_memory_mb, int)
+            or self.code_memory_mb < 64
+        ):
+            raise ValueError(f"reward.code_memory_mb must be an int >= 64, got {self.code_memory_mb!r}")
+
+    def scorer_options(self) -> dict:
+        """The settings a built-in reward is built with besides the extraction (the "code" reward's); {} else."""
+        if self.fn != "code":
+            return {}
+        return {
+            "tests": self.code_tests,
+            "test_timeout_s": self.code_test_timeout_s,
+            "memory_mb": self.code_memory_mb,
+            "budget_s": 0.8 * self.timeout_s,
+        }

@@ -131,9 +131,9 @@ class Scorer:
             warm()
 
 
-def build_scorer(fn: str, extraction: str = "boxed") -> Scorer:
-    """A built-in reward (``"math"``, ``"gsm8k"``, ``"reasoning_gym"``) built with ``extraction``, or a user
-    function loaded from its dotted path."""
+def build_scorer(fn: str, extraction: str = "boxed", options: dict | None = None) -> Scorer:
+    """A built-in reward (``"math"``, ``"gsm8k"``, ``"reasoning_gym"``, ``"code"``, ...) built with ``extraction``
+    and its ``options`` (``RewardConfig.scorer_options()``), or a user function loaded from its dotted path."""
     if fn in REWARD_FNS:
-        return Scorer(REWARD_FNS[fn](extraction=extraction), fn)
+        return Scorer(REWARD_FNS[fn](extraction=extraction, **(options or {})), fn)
     return Scorer(load_reward_fn(fn), fn)
