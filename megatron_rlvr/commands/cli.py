@@ -6,6 +6,8 @@
     megatron-rlvr convert ...                        checkpoint conversion (megatron_rlvr.models' convert tool)
     megatron-rlvr plan CONFIG ...                    parallel layout check and per-GPU memory estimate
     megatron-rlvr plot RUN_DIR [RUN_DIR ...]         PNG curves of one run, or several overlaid
+    megatron-rlvr tool NAME [ARG]                    call a tool (python FILE, calculator EXPR, pkg.mod:fn JSON) in
+                                                     the sandbox, as a multi-turn rollout does
 
 ``train`` validates the whole config before any rank starts, writes the resolved config into the run directory,
 then on one machine starts ``launch.nproc`` ranks (gloo on CPU, NCCL on GPU); under torchrun (RANK / WORLD_SIZE
@@ -120,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dirs", nargs="+", help="run directories (several are overlaid)")
     p.add_argument("--out", default=None, help="PNG path (default: <first run dir>/curves.png)")
     p.set_defaults(func=cmd_plot)
+
+    from megatron_rlvr.commands.tool_cli import add_tool_parser  # argparse only: the sandbox loads when it runs
+
+    add_tool_parser(sub)
 
     sub.add_parser("plan", help="check a parallel layout and estimate per-GPU memory", add_help=False)
     sub.add_parser("convert", help="convert checkpoints (megatron <-> HF)", add_help=False)

@@ -65,6 +65,12 @@ def _mounts(libc, covers: list[list], binds: list[str]) -> None:
 
 def _setup(cfg: dict) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
+    import signal
+
+    # dispositions ignored in the parent (a reward worker ignores TERM and USR1) survive exec: back to the defaults,
+    # so that RLIMIT_CPU's SIGXCPU ends the program
+    for sig in (signal.SIGXCPU, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_DFL)
     if cfg["cgroup"]:
         try:
             with open(os.path.join(cfg["cgroup"], "cgroup.procs"), "w") as f:
