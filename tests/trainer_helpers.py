@@ -144,3 +144,28 @@ def train_runs(config, run_root, runs, overrides):
 
     return {name: train(load_run_config(config, [*overrides, *extra]), os.path.join(run_root, name))
             for name, extra in runs.items()}  # fmt: skip
+
+
+def scripted_env(setup):
+    """A multi-turn environment for the trainer tests (agent.environment=trainer_helpers:scripted_env): a turn ends at
+    '=' (or EOS); the first action is answered with the observation "=7?" (ids of the tiny tokenizer), the second
+    ends the episode."""
+    from megatron_rlvr.agentic.environment import Environment, Episode, Observation
+
+    ids = tuple(setup.tokenizer("=7?", add_special_tokens=False)["input_ids"])
+
+    class _Episode(Episode):
+        def __init__(self):
+            self.turns = 0
+
+        def step(self, action):
+            self.turns += 1
+            return Observation(done=True) if self.turns >= 2 else Observation(ids)
+
+    class _Env(Environment):
+        stop = ("=",)
+
+        def start(self, example):
+            return _Episode()
+
+    return _Env()

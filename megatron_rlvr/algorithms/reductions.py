@@ -47,6 +47,8 @@ REDUCTIONS: MappingProxyType[str, str] = MappingProxyType(
         # trainer: response lengths of the step's batch
         "response/length_max": "max",
         "response/length_min": "min",
+        # trainer: multi-turn trajectories of the step's batch
+        "agent/turns_max": "max",
     }
 )
 """Every metric key that is not a token-weighted mean, with its reduction."""

@@ -24,6 +24,7 @@ from megatron_rlvr.rewards import RewardManager
 from megatron_rlvr.rewards.manager import check_failure_fraction
 from megatron_rlvr.rewards.pool import ScoringStopped
 from megatron_rlvr.rollout.engine import GenerationStopped, RolloutEngine, SamplingParams, sample_seed
+from megatron_rlvr.rollout.multiturn import MultiTurn, Trajectory, roll_out
 
 
 class RolloutStopped(Exception):
@@ -53,6 +54,18 @@ class Group:
     routes: list = field(default_factory=list)
     """Per sample, the engine's MoE routes [MoE layers, P + R - 1, k] int16 (``Completion.routes``) when the engine
     returns them (routing replay R3); empty otherwise."""
+    loss_masks: list[list[int]] = field(default_factory=list)
+    """Multi-turn rollouts only (else empty: every response token carries loss): per sample, per response token, 1
+    where the policy sampled it and 0 at observation tokens (``rollout.multiturn``)."""
+    turns: list[int] = field(default_factory=list)
+    """Multi-turn only: per sample, its assistant turns."""
+    tool_calls: list[list] = field(default_factory=list)
+    """Multi-turn only: per sample, its tool calls (``agentic.environment.ToolCallRecord``)."""
+    cuts: list[str] = field(default_factory=list)
+    """Multi-turn only: per sample, the limit that ended it ('' when the episode ended by itself)."""
+    reward_terms: list[dict[str, float]] = field(default_factory=list)
+    """Multi-turn only: per sample, the environment's per-turn reward terms summed over its turns (already added to
+    ``rewards``)."""
 
 
 @dataclass
@@ -146,6 +159,8 @@ class Generator:
     should_stop: Callable[[], bool] | None = None
     """A stop was requested (a stop signal): asked during scoring and, by ``interruptible`` engines, between decode
     steps; when it returns True on any rank every rank raises RolloutStopped after the all-gather. None: never."""
+    multi_turn: MultiTurn | None = None
+    """Multi-turn rollouts: the environment and limits (``agent`` section); None: one completion per sample."""
 
 
 @dataclass(frozen=True)
@@ -182,7 +197,10 @@ def generate_groups(gen: Generator, rnd: Round) -> tuple[list[Group], dict[str, 
     try:
         outputs, images = _generate_share(gen, rnd, share, stats)
         if gen.info.leader and len(share) > 0:
-            mine = [_group(rnd, i, out, images is not None, gen.tokenizer) for i, out in zip(share, outputs)]
+            if gen.multi_turn is not None:
+                mine = [_trajectory_group(rnd, i, trajs) for i, trajs in zip(share, outputs)]
+            else:
+                mine = [_group(rnd, i, out, images is not None, gen.tokenizer) for i, out in zip(share, outputs)]
             t0 = time.perf_counter()
             reward_stats = _score(gen.reward_manager, mine, rnd.reward_max_error_frac, gen.should_stop)
             stats["time/reward_s"] = time.perf_counter() - t0
@@ -220,6 +238,21 @@ def _generate_share(gen: Generator, rnd: Round, share: range, stats: dict) -> tu
     kw = {} if images is None else {"images": images}
     if gen.should_stop is not None and gen.engine.interruptible:
         kw["should_stop"] = gen.should_stop
+    if gen.multi_turn is not None:
+        if images is not None:
+            raise ValueError("agent.environment: multi-turn rollouts do not take image prompts yet (docs/agentic.md)")
+        outputs = roll_out(
+            gen.engine,
+            gen.multi_turn,
+            [rnd.examples[i] for i in share],
+            [rnd.prompt_ids[i] for i in share],
+            p,
+            list(share),
+            decode=lambda ids: decode_action(gen.tokenizer, ids),
+            generate_kw=kw,
+        )
+        stats["time/generate_s"] = time.perf_counter() - t0
+        return outputs, None
     outputs = gen.engine.generate([rnd.prompt_ids[i] for i in share], p, prompt_keys=share, **kw)
     stats["time/generate_s"] = time.perf_counter() - t0
     return outputs, images
@@ -243,6 +276,31 @@ def _group(rnd: Round, i: int, out, expanded: bool, tokenizer) -> Group:
     return g
 
 
+def decode_action(tokenizer, ids: list[int]) -> str:
+    """An assistant turn's text for parsing and scoring: special tokens (EOS) dropped, added tokens such as
+    ``<tool_call>`` kept (they are not special in the Qwen and tiny tokenizers)."""
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _trajectory_group(rnd: Round, i: int, trajs: list[Trajectory]) -> Group:
+    """The group of prompt ``i`` from its multi-turn trajectories (all tokens from the round's weights)."""
+    g = Group(example=rnd.examples[i], prompt_ids=rnd.prompt_ids[i])
+    for t in trajs:
+        g.response_ids.append(list(t.response_ids))
+        g.logprobs.append(list(t.logprobs))
+        g.finish_reasons.append(t.finish_reason)
+        g.texts.append(t.final_text)
+        g.versions.append(rnd.version)
+        g.loss_masks.append(list(t.loss_mask))
+        g.turns.append(t.turns)
+        g.tool_calls.append(list(t.tool_calls))
+        g.cuts.append(t.cut)
+        g.reward_terms.append(dict(t.reward_terms))
+        if t.routes is not None:
+            g.routes.append(t.routes)
+    return g
+
+
 def _score(reward_manager, groups: list[Group], max_error_frac: float | None, should_stop=None) -> dict[str, float]:
     """Score every sample of ``groups`` (each exactly once) into ``Group.rewards``; the manager's counts.
     ScoringStopped when ``should_stop()`` returned True meanwhile."""
@@ -263,6 +321,8 @@ def _score(reward_manager, groups: list[Group], max_error_frac: float | None, sh
     k = 0
     for g in groups:
         g.rewards = rewards[k : k + len(g.texts)]
+        if g.reward_terms:  # multi-turn: the environment's per-turn terms add to the verifier's reward
+            g.rewards = [r + sum(terms.values()) for r, terms in zip(g.rewards, g.reward_terms)]
         k += len(g.texts)
     return reward_stats
 

@@ -25,6 +25,7 @@ from megatron_rlvr.algorithms import (
 from megatron_rlvr.megatron.cpu_shims import native_torch
 from megatron_rlvr.models.mrope import image_token_counts
 from megatron_rlvr.rollout.groups import Group
+from megatron_rlvr.rollout.multiturn import CUTS
 from megatron_rlvr.trainer.microbatch import Sequence, VisionInputs
 
 
@@ -173,6 +174,7 @@ def _sequences(groups: list[Group], adv_rows, mastered_rows, algo: AlgorithmConf
                     rollout_logprobs=list(g.logprobs[j]),
                     engine_routes=g.routes[j] if g.routes else None,
                     vision=images,
+                    loss_mask=list(g.loss_masks[j]) if g.loss_masks else None,
                 )
             )
     return seqs
@@ -203,6 +205,38 @@ def batch_metrics(groups: list[Group], rewards: GroupRewards, group_metrics: dic
             by_level.setdefault(str(g.example.level), []).extend(float(c) for c in row)
     for lvl, cs in sorted(by_level.items()):
         m[f"accuracy/level_{lvl}"] = sum(cs) / len(cs)
+    if any(g.turns for g in groups):
+        m.update(agent_metrics(groups))
+    return m
+
+
+SANDBOX_LIMITS = ("timeout", "memory", "output_limit", "process_limit")
+"""Tool-call statuses that mean a sandbox limit ended the call."""
+
+
+def agent_metrics(groups: list[Group]) -> dict[str, float]:
+    """Multi-turn rollouts, over every trajectory generated: turns, tool calls (all, by tool, errors, timeouts,
+    sandbox limits), observation tokens and their share of the response tokens, trajectories cut by each limit."""
+    n = sum(len(g.turns) for g in groups)
+    calls = [c for g in groups for per in g.tool_calls for c in per]
+    obs = sum(len(mask) - sum(mask) for g in groups for mask in g.loss_masks)
+    resp = sum(len(r) for g in groups for r in g.response_ids)
+    m = {
+        "agent/turns_mean": sum(t for g in groups for t in g.turns) / n,
+        "agent/turns_max": float(max(t for g in groups for t in g.turns)),
+        "agent/tool_calls_per_trajectory": len(calls) / n,
+        "agent/tool_errors": float(sum(c.status != "ok" for c in calls)),
+        "agent/tool_timeouts": float(sum(c.status == "timeout" for c in calls)),
+        "agent/sandbox_limits": float(sum(c.status in SANDBOX_LIMITS for c in calls)),
+        "agent/malformed_calls": float(sum(c.status == "malformed" for c in calls)),
+        "agent/observation_tokens_mean": obs / n,
+        "agent/observation_token_frac": obs / max(resp, 1),
+    }
+    for tool in sorted({c.tool for c in calls}):
+        m[f"agent/calls_{tool}"] = float(sum(c.tool == tool for c in calls))
+    cuts = [c for g in groups for c in g.cuts]
+    for limit in CUTS:
+        m[f"agent/cut_{limit}"] = float(sum(c == limit for c in cuts))
     return m
 
 

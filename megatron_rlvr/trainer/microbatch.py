@@ -71,10 +71,24 @@ class Sequence:
     """The engine's MoE routes [MoE layers, length - 1, k] int16 (routing replay R3); None when not returned."""
     vision: VisionInputs | None = None
     """The prompt's images (vision-language policies); None: text only."""
+    loss_mask: list[int] | None = None
+    """Multi-turn trajectories: per response token (length R), 1 where the policy sampled it, 0 at observation
+    tokens, which then carry no loss and count in no statistic; None: every response token carries loss."""
+
+    def __post_init__(self) -> None:
+        if self.loss_mask is not None and len(self.loss_mask) != self.response_len:
+            raise ValueError(
+                f"Sequence: loss_mask has {len(self.loss_mask)} entries for {self.response_len} response tokens"
+            )
 
     @property
     def length(self) -> int:
         return len(self.tokens)
+
+    @property
+    def loss_tokens(self) -> int:
+        """Response tokens that carry loss when the sequence trains (all of them without a loss mask)."""
+        return self.response_len if self.loss_mask is None else sum(1 for m in self.loss_mask if m)
 
     @property
     def response_len(self) -> int:
@@ -250,7 +264,10 @@ def build_microbatch(
         tokens.append(list(q.tokens) + [pad_id] * (s - L))
         labels.append(list(q.tokens[1:]) + [pad_id] * (s - L + 1))
         n = L - P if (q.train and L > P) else 0
-        mask.append([False] * (P - 1) + [True] * n + [False] * (s - P + 1 - n) if n else [False] * s)
+        if n and q.loss_mask is not None:  # multi-turn: observation tokens carry no loss
+            mask.append([False] * (P - 1) + [bool(m) for m in q.loss_mask] + [False] * (s - P + 1 - n))
+        else:
+            mask.append([False] * (P - 1) + [True] * n + [False] * (s - P + 1 - n) if n else [False] * s)
         rollout.append(_response_row(q.rollout_logprobs, P - 1, s, "rollout log-probs"))
         old.append(_response_row(None if old_logp is None else old_logp[r], P - 1, s, "old log-probs"))
         ref.append(_response_row(None if ref_logp is None else ref_logp[r], P - 1, s, "reference log-probs"))

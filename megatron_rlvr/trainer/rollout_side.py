@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from megatron_rlvr.agentic.registry import build_environment
 from megatron_rlvr.config import RunConfig
 from megatron_rlvr.data import PromptLoader, build_train_dataset, build_train_loader
 from megatron_rlvr.megatron.parallel import all_gather_objects
@@ -19,6 +20,7 @@ from megatron_rlvr.rewards import RewardManager
 from megatron_rlvr.rollout.engine import RolloutEngine
 from megatron_rlvr.rollout.groups import EngineInfo, Generator, engine_info
 from megatron_rlvr.rollout.lora_sync import AdapterSync
+from megatron_rlvr.rollout.multiturn import MultiTurn
 from megatron_rlvr.trainer.engine_setup import build_engine
 
 
@@ -49,14 +51,25 @@ class RolloutSide:
     should_stop: Callable[[], bool] | None = None
     """A stop signal arrived: generation and scoring are abandoned within seconds (None: the rank is stopped by
     others, as the disaggregated rollout ranks are by the training ranks)."""
+    multi_turn: MultiTurn | None = None
+    """Multi-turn rollouts (``agent.environment``): the environment and the trajectory limits; None: one completion
+    per sample."""
 
     def generator(self) -> Generator:
         """Who generates and scores here, for ``rollout.groups.generate_groups``."""
         return Generator(
-            self.engine, self.reward_manager, self.tokenizer, self.engine_info, all_gather_objects, self.should_stop
+            self.engine,
+            self.reward_manager,
+            self.tokenizer,
+            self.engine_info,
+            all_gather_objects,
+            self.should_stop,
+            self.multi_turn,
         )
 
     def close(self) -> None:
+        if self.multi_turn is not None:
+            self.multi_turn.environment.close()
         if self.reward_manager is not None:
             self.reward_manager.close()
         if self.adapter_sync is not None:
@@ -86,10 +99,36 @@ def build_rollout_side(
         adapter_sync = AdapterSync(engine) if lora is not None and lora.sync == "adapter" else None
         reward_manager = RewardManager(cfg.reward) if info.leader else None
         loader, n_malformed = build_loader(cfg)
+        multi_turn = build_multi_turn(cfg, tokenizer)
     except BaseException:
         engine.close()
         raise
     image_processor = load_image_processor(source)
     return RolloutSide(
-        cfg, tokenizer, image_processor, engine, info, reward_manager, loader, n_malformed, adapter_sync, 0, should_stop
+        cfg,
+        tokenizer,
+        image_processor,
+        engine,
+        info,
+        reward_manager,
+        loader,
+        n_malformed,
+        adapter_sync,
+        0,
+        should_stop,
+        multi_turn,
+    )
+
+
+def build_multi_turn(cfg: RunConfig, tokenizer) -> MultiTurn | None:
+    """The environment and limits of multi-turn rollouts (None without ``agent.environment``)."""
+    agent = cfg.agent
+    if not agent.multi_turn:
+        return None
+    budget = cfg.rollout.max_response_len
+    return MultiTurn(
+        environment=build_environment(agent, tokenizer),
+        max_turns=agent.max_turns,
+        budget=budget,
+        max_turn_tokens=min(agent.max_turn_tokens or budget, budget),
     )

@@ -198,16 +198,17 @@ def update_mismatch_metrics(policy: PolicySide, batch: TrainBatch, result: Updat
 def mismatch_metrics(policy: PolicySide, seqs, old) -> dict[str, float]:
     """Train/inference mismatch of the behaviour policy (megatron_rlvr.rollout.mismatch definitions) over this
     data-parallel rank's response tokens, combined over ranks (means weighted by tokens)."""
-    pairs = [(lp, seqs[i].rollout_logprobs) for i, lp in old.items()]
-    pairs = [(a, b) for a, b in pairs if len(a) == len(b) and len(a) > 0]
+    pairs = [(lp, seqs[i].rollout_logprobs, seqs[i].loss_mask) for i, lp in old.items()]
+    pairs = [(a, b, m) for a, b, m in pairs if len(a) == len(b) and len(a) > 0]
     local = None
     if policy.dist.is_last_stage and policy.dist.tp_rank == 0 and pairs:
         with native_torch():  # CPU tensors of this rank's response tokens: no CUDA call, skip the shims' handler
-            lt = torch.cat([a for a, _ in pairs])[None]
-            lr = torch.tensor([x for _, b in pairs for x in b], dtype=torch.float32)[None]
-            if bool(torch.isfinite(lt).all()):
-                ones = torch.ones_like(lt, dtype=torch.bool)
-                local = {k: float(v) for k, v in token_mismatch(lt, lr, ones).items()}
+            lt = torch.cat([a for a, _, _ in pairs])[None]
+            lr = torch.tensor([x for _, b, _ in pairs for x in b], dtype=torch.float32)[None]
+            # multi-turn: observation tokens have no engine log-prob (and carry no loss)
+            sampled = torch.tensor([bool(x) for a, _, m in pairs for x in (m or [1] * len(a))])[None]
+            if bool(torch.isfinite(lt[sampled]).all()):
+                local = {k: float(v) for k, v in token_mismatch(lt, lr, sampled).items()}
     parts = [p for p in all_gather_objects(local) if p is not None]
     if not parts:
         return {}

@@ -165,10 +165,11 @@ def _routing(ctx: UpdateSettings, routes, seqs, record: bool, phase: str = "upda
 
 def normalizer_counts(seqs) -> torch.Tensor:
     """[3] float64 (trained response tokens, non-empty trained sequences, of which mastered) of the trained
-    sequences, from their lengths (algorithms.aggregation.normalizer_counts_from_lengths: no per-sequence masks)."""
+    sequences, from their loss-token counts (algorithms.aggregation.normalizer_counts_from_lengths: no per-sequence
+    masks; multi-turn observation tokens are not counted)."""
     trained = [q for q in seqs if q.train]
     with native_torch():  # tiny CPU tensors: skip the CPU shims' per-call handler
-        lengths = torch.tensor([q.response_len for q in trained], dtype=torch.long)
+        lengths = torch.tensor([q.loss_tokens for q in trained], dtype=torch.long)
         mastered = torch.tensor([bool(q.mastered) for q in trained], dtype=torch.bool)
         return normalizer_counts_from_lengths(lengths, mastered)
 

@@ -25,6 +25,7 @@ TRAINER_KEYS = (
     "response/length_min",
     "async/staleness_max",
     "async/sample_version_min",
+    "agent/turns_max",
 )
 """Emitted inside the trainer's step (checked in its sources: its functions need a model and process groups)."""
 
