@@ -23,10 +23,14 @@ from megatron_rlvr.families.tiny_vl import TINY_VL_MODELS, tiny_vl_config_dict
 
 TINY_NAME = "tiny"
 TINY_MOE_NAME = "tiny_moe"
+TINY_TOOLS_NAME = "tiny_tools"
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 CHARS = tuple("0123456789+-*=? ")
 """Every non-special token: digits, operators, '=', '?' and space (the terse procedural prompts use only these)."""
+TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+"""``tiny_tools`` only: the plain tool format's markers, one token each (added tokens, not special: decoding keeps
+them, as Qwen's tokenizers keep theirs)."""
 
 TINY_MODEL = dict(
     architectures=["Qwen2ForCausalLM"],
@@ -77,16 +81,18 @@ TINY_MOE_MODEL = dict(
 )
 """HF config fields of the tiny mixture-of-experts model."""
 
-TINY_MODELS = {TINY_NAME: TINY_MODEL, TINY_MOE_NAME: TINY_MOE_MODEL}
-"""The built-in models over the character tokenizer, by ``model.name``."""
+TINY_MODELS = {TINY_NAME: TINY_MODEL, TINY_MOE_NAME: TINY_MOE_MODEL, TINY_TOOLS_NAME: TINY_MODEL}
+"""The built-in models over the character tokenizer, by ``model.name`` (``tiny_tools``: the ``tiny`` model over the
+character tokenizer with the tool markers, for multi-turn rollouts with tools, configs/tiny_tools.yaml)."""
 
 
 def tiny_vocab() -> dict[str, int]:
     return {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS)}
 
 
-def tiny_tokenizer():
-    """A character-level ``PreTrainedTokenizerFast`` (pad=0, eos=1, unk=2, then one id per character)."""
+def tiny_tokenizer(name: str = TINY_NAME):
+    """A character-level ``PreTrainedTokenizerFast`` (pad=0, eos=1, unk=2, then one id per character); for
+    ``tiny_tools`` the four tool markers follow as one token each."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -98,7 +104,16 @@ def tiny_tokenizer():
         tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", model_max_length=64
     )
     fast.padding_side = "left"
+    if name == TINY_TOOLS_NAME:
+        fast.add_tokens(list(TOOL_TOKENS))
     return fast
+
+
+def tiny_tokenizer_for(hf_config: dict):
+    """The character tokenizer a built-in text model's config was made with (told apart by its vocabulary)."""
+    if hf_config.get("vocab_size") == len(SPECIAL_TOKENS) + len(CHARS) + len(TOOL_TOKENS):
+        return tiny_tokenizer(TINY_TOOLS_NAME)
+    return tiny_tokenizer()
 
 
 def tiny_hf_config(tokenizer=None, name: str = TINY_NAME) -> dict:
@@ -108,7 +123,7 @@ def tiny_hf_config(tokenizer=None, name: str = TINY_NAME) -> dict:
         return tiny_vl_config_dict(TINY_VL_MODELS[name])
     if name not in TINY_MODELS:
         raise ValueError(f"unknown built-in model {name!r}; built-in: {sorted(TINY_MODELS) + sorted(TINY_VL_MODELS)}")
-    tokenizer = tokenizer or tiny_tokenizer()
+    tokenizer = tokenizer or tiny_tokenizer(name)
     cfg = dict(TINY_MODELS[name])
     cfg.update(
         vocab_size=len(tokenizer),
@@ -120,8 +135,8 @@ def tiny_hf_config(tokenizer=None, name: str = TINY_NAME) -> dict:
     return cfg
 
 
-def save_tiny_tokenizer(path: str | os.PathLike) -> str:
-    """Write the tiny tokenizer's HF files into ``path`` (created); returns it."""
+def save_tiny_tokenizer(path: str | os.PathLike, name: str = TINY_NAME) -> str:
+    """Write the tiny (or ``tiny_tools``) tokenizer's HF files into ``path`` (created); returns it."""
     os.makedirs(path, exist_ok=True)
-    tiny_tokenizer().save_pretrained(os.fspath(path))
+    tiny_tokenizer(name).save_pretrained(os.fspath(path))
     return os.fspath(path)

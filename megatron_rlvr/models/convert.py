@@ -10,7 +10,7 @@ import os
 import torch
 
 from megatron_rlvr.config.lora_config import LoRAConfig
-from megatron_rlvr.families.tiny import TINY_MODELS, save_tiny_tokenizer, tiny_hf_config
+from megatron_rlvr.families.tiny import TINY_MODELS, tiny_hf_config, tiny_tokenizer_for
 from megatron_rlvr.models.build import build_gpt_model
 from megatron_rlvr.models.checkpointing import (
     CheckpointConfig,
@@ -74,7 +74,8 @@ def to_hf_on_rank(
     if adapter_out:
         export_peft(model, adapter_out, base_model=meta.get("lora_base"))
     if source_hf is None and torch.distributed.get_rank() == 0 and is_tiny_config(meta.get("hf_config", {})):
-        save_tiny_tokenizer(out)  # the built-in tiny tokenizer has no source folder to copy from
+        # the built-in tiny tokenizer has no source folder to copy from
+        tiny_tokenizer_for(meta["hf_config"]).save_pretrained(out)
     return out
 
 

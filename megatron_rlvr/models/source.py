@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from megatron_rlvr.config import ModelConfig
 from megatron_rlvr.families import gguf
 from megatron_rlvr.families.table import vl_family_of
-from megatron_rlvr.families.tiny import tiny_hf_config, tiny_tokenizer
+from megatron_rlvr.families.tiny import tiny_hf_config, tiny_tokenizer_for
 from megatron_rlvr.families.tiny_vl import tiny_image_processor, tiny_vl_tokenizer
 from megatron_rlvr.families.vl_processor import load_vl_processor
 from megatron_rlvr.models.hf_config import load_hf_config
@@ -65,7 +65,7 @@ def load_tokenizer(source: ModelSource):
     if source.tokenizer_dir is None:
         if vl_kind(source) is not None:
             return tiny_vl_tokenizer()
-        return tiny_tokenizer()
+        return tiny_tokenizer_for(source.hf_config)
     from transformers import AutoTokenizer  # transformers' import is seconds: only for a tokenizer folder
 
     return AutoTokenizer.from_pretrained(source.tokenizer_dir)
