@@ -84,6 +84,9 @@ class Environment(abc.ABC):
 
     stop: tuple[str, ...] = ()
     """Stop strings that end an assistant turn besides the tokenizer's EOS (the tool format's)."""
+    tool_schemas: tuple[dict, ...] = ()
+    """JSON-schema descriptions of the tools the policy may call, passed to the chat template (``tools=``) when
+    prompts are rendered with ``data.template: chat`` (the Qwen templates list them in the system turn)."""
 
     @abc.abstractmethod
     def start(self, example: Example) -> Episode:

@@ -57,6 +57,8 @@ class ToolEnvironment(Environment):
         self.format = format
         self.max_calls_per_turn = max_calls_per_turn
         self.stop = format.stop
+        # the chat template describes the tools in the prompt where it has a tool format of its own
+        self.tool_schemas = tuple(tools.describe()) if format.kind == "hermes" else ()
         self._required = {
             d["function"]["name"]: list(d["function"]["parameters"]["required"]) for d in tools.describe()
         }

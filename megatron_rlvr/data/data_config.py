@@ -103,6 +103,7 @@ def build_train_loader(
     return PromptLoader(ds.examples, global_batch_size, dp_rank, dp_world, seed=cfg.seed, shuffle=cfg.shuffle)
 
 
-def render(example: Example, cfg: DataConfig, tokenizer: Any = None) -> str:
-    """:func:`~megatron_rlvr.data.templates.render_prompt` with the config's template settings."""
-    return render_prompt(example, cfg.template, cfg.prompt_template, cfg.system_prompt, tokenizer)
+def render(example: Example, cfg: DataConfig, tokenizer: Any = None, tools: list[dict] | None = None) -> str:
+    """:func:`~megatron_rlvr.data.templates.render_prompt` with the config's template settings (``tools``: tool
+    descriptions for the chat template, multi-turn rollouts with tools)."""
+    return render_prompt(example, cfg.template, cfg.prompt_template, cfg.system_prompt, tokenizer, tools)

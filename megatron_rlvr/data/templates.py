@@ -76,10 +76,13 @@ def render_prompt(
     prompt_template: str = DEFAULT_PROMPT_TEMPLATE,
     system_prompt: str | None = None,
     tokenizer: Any = None,
+    tools: list[dict] | None = None,
 ) -> str:
     """The prompt text for ``example``.
 
-    - ``chat``: ``tokenizer.apply_chat_template(messages, add_generation_prompt=True)`` on :func:`prompt_messages`.
+    - ``chat``: ``tokenizer.apply_chat_template(messages, add_generation_prompt=True)`` on :func:`prompt_messages`;
+      ``tools`` (JSON-schema tool descriptions, multi-turn rollouts with tools) are passed on as its ``tools=``, which
+      the Qwen2.5 / Qwen3 templates write into the system turn.
     - ``plain``: the problem in ``prompt_template`` (chat-format examples: their message contents joined by blank
       lines, used as they are since they carry their own instruction), with ``system_prompt`` in front if given.
     """
@@ -90,7 +93,8 @@ def render_prompt(
                 "data.template='plain'"
             )
         messages = prompt_messages(example, prompt_template, system_prompt)
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        kw = {"tools": tools} if tools else {}
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
         if not isinstance(text, str):  # some versions return a list for batched input
             raise ValueError(f"apply_chat_template returned {type(text).__name__}, expected str")
         return text

@@ -105,13 +105,16 @@ def image_tokens(image, image_processor) -> int:
     return patches // image_processor.merge_size**2
 
 
-def tokenize_prompts(examples: list[Example], tokenizer, data_cfg, max_prompt_len: int, image_processor=None):
-    """(kept examples, their prompt ids, number skipped as too long). An example with images must tokenize to one
+def tokenize_prompts(
+    examples: list[Example], tokenizer, data_cfg, max_prompt_len: int, image_processor=None, tools=None
+):
+    """(kept examples, their prompt ids, number skipped as too long); ``tools``: tool descriptions for the chat
+    template (multi-turn rollouts with tools). An example with images must tokenize to one
     ``<|image_pad|>`` per image; with ``image_processor`` ``max_prompt_len`` counts the EXPANDED prompt (each pad as
     its image's tokens: what the engine must hold), else the ids as tokenized."""
     kept, ids, too_long = [], [], 0
     for ex in examples:
-        text = render(ex, data_cfg, tokenizer)
+        text = render(ex, data_cfg, tokenizer, tools)
         toks = tokenizer(text, add_special_tokens=False)["input_ids"]
         if not toks:
             toks = [tokenizer.eos_token_id]

@@ -55,6 +55,13 @@ class RolloutSide:
     """Multi-turn rollouts (``agent.environment``): the environment and the trajectory limits; None: one completion
     per sample."""
 
+    @property
+    def prompt_tools(self) -> list[dict] | None:
+        """The tool descriptions the chat template writes into every prompt (multi-turn rollouts with tools)."""
+        if self.multi_turn is None or not self.multi_turn.environment.tool_schemas:
+            return None
+        return list(self.multi_turn.environment.tool_schemas)
+
     def generator(self) -> Generator:
         """Who generates and scores here, for ``rollout.groups.generate_groups``."""
         return Generator(

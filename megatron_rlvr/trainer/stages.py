@@ -54,7 +54,7 @@ def rollout(side: RolloutSide, step: int) -> RolloutBatch:
     for round_idx in range(cfg.train.dynamic_sampling_max_rounds if dynamic else 1):
         examples = side.loader.next_batch(need)
         examples, ids, too_long = tokenize_prompts(
-            examples, side.tokenizer, cfg.data, cfg.rollout.max_prompt_len, side.image_processor
+            examples, side.tokenizer, cfg.data, cfg.rollout.max_prompt_len, side.image_processor, side.prompt_tools
         )
         m["data/prompts_too_long"] += too_long
         rnd = Round(

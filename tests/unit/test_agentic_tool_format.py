@@ -130,3 +130,26 @@ def test_tool_environment_runs_calls_and_turns_every_error_into_an_observation()
         text_obs, _ = env.run(parse_calls(text, 4)[0])
         assert said in text_obs and text_obs.startswith("error"), text_obs
     assert act("2146").done
+
+
+def test_hermes_tools_are_described_in_the_rendered_prompt():
+    """With the hermes format the tools environment hands its tool descriptions to the chat template (tools=),
+    which writes them into the prompt; the plain format describes none."""
+    from megatron_rlvr.agentic.agent_config import AgentConfig
+    from megatron_rlvr.agentic.registry import build_environment
+    from megatron_rlvr.data.records import Example
+    from megatron_rlvr.data.templates import render_prompt
+
+    tok = qwen_like_tokenizer()
+    tok.chat_template = (
+        "{%- if tools %}{{- '<|im_start|>system\\n' }}{%- for t in tools %}{{- t.function.name + ':' }}"
+        "{{- t.function.parameters.required | join(',') + ';' }}{%- endfor %}{{- '<|im_end|>\\n' }}{%- endif %}"
+        + QWEN_TOOL_TEMPLATE
+    )
+    env = build_environment(AgentConfig(environment="tools", tools=["calculator", "python"]), tok)
+    assert [s["function"]["name"] for s in env.tool_schemas] == ["calculator", "python"]
+    text = render_prompt(Example(prompt="2+2", answer="4", source="t", id="0"), "chat", "{problem}", None, tok,
+                         list(env.tool_schemas))  # fmt: skip
+    assert text.startswith("<|im_start|>system\ncalculator:expression;python:code;<|im_end|>\n<|im_start|>user\n2+2")
+    plain = build_environment(AgentConfig(environment="tools", tools=["calculator"]), tiny_tokenizer("tiny_tools"))
+    assert plain.tool_schemas == ()

