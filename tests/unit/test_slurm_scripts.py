@@ -292,3 +292,30 @@ def test_collective_timeout_option_and_message():
         assert len(msg) < 300  # the CLI's error line keeps the first 300 characters
     finally:
         parallel._COLLECTIVE_TIMEOUT_S = saved
+
+
+def test_tools_7b_renders_and_its_header_is_the_planners_table():
+    """slurm/tools_qwen2_5_7b.sh (multi-turn rollouts with the Python tool): 1 node x 8 tasks running its config, and
+    the layout table in its header is the planner's (the chosen row and a refused one)."""
+    from megatron_rlvr.planner import format_search, load_plan_config, search_layouts
+
+    script = REPO / "slurm" / "tools_qwen2_5_7b.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    d = sbatch_directives(script)
+    assert (d["nodes"], d["ntasks-per-node"], d["gpus-per-node"]) == ("1", "8", "8") and d["signal"] == "USR1@180"
+    alloc = {"SLURM_JOB_ID": "9", "SLURM_JOB_NODELIST": "n1", "SLURM_JOB_NUM_NODES": "1", "SLURM_NTASKS": "8",
+             "SLURM_NTASKS_PER_NODE": "8"}  # fmt: skip
+    assert dry_run(str(script), alloc)["SRUN"].split()[-3:] == [
+        "megatron-rlvr",
+        "train",
+        "configs/tools_qwen2_5_7b.yaml",
+    ]
+    table = format_search(
+        search_layouts(load_plan_config(REPO / "configs" / "tools_qwen2_5_7b.yaml", warn=lambda _: None))
+    )
+    rows = [" ".join(line.split()) for line in table.splitlines()]
+    header = [" ".join(line.lstrip("# ").split()) for line in script.read_text().splitlines() if line.startswith("#  ")]
+    chosen = next(r for r in rows if r.endswith("<- chosen"))
+    assert chosen in header, (chosen, header)
+    refused = [r for r in header if " no: " in r]
+    assert refused and all(any(row.startswith(r.split(" no:")[0]) for row in rows) for r in refused), refused
