@@ -46,10 +46,20 @@ class MultiTurn:
     max_turn_tokens: int
     """Most tokens per assistant turn."""
 
-    @property
-    def stop(self) -> tuple[str, ...]:
-        """Extra stop strings of an assistant turn (the environment's)."""
-        return tuple(self.environment.stop)
+    stop: tuple[str, ...] = ()
+    """Extra stop strings of an assistant turn (the environment's that are not one token)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Extra stop token ids of an assistant turn (the environment's stop strings that are one token each: exact on
+    every engine, and no detokenizer needed)."""
+
+    @classmethod
+    def build(cls, environment: Environment, tokenizer, max_turns: int, budget: int, max_turn_tokens: int):
+        """Split the environment's stop strings into single tokens and the rest."""
+        strings, ids = [], []
+        for s in environment.stop:
+            toks = tokenizer(s, add_special_tokens=False)["input_ids"]
+            (ids.append(toks[0]) if len(toks) == 1 else strings.append(s))
+        return cls(environment, max_turns, budget, max_turn_tokens, tuple(strings), tuple(ids))
 
 
 @dataclass
@@ -122,9 +132,7 @@ def roll_out(
     try:
         while running:
             if turn == 0:
-                first = dataclasses.replace(
-                    params, max_tokens=min(multi.max_turn_tokens, multi.budget), stop=_stop(params, multi)
-                )
+                first = _turn(params, multi, max_tokens=min(multi.max_turn_tokens, multi.budget))
                 results = engine.generate(prompts, first, prompt_keys=list(prompt_keys), **kw)
                 completions = [c for r in results for c in r.completions]
             else:
@@ -137,8 +145,14 @@ def roll_out(
     return out
 
 
-def _stop(params: SamplingParams, multi: MultiTurn) -> tuple[str, ...]:
-    return tuple(dict.fromkeys(params.stop + multi.stop))
+def _turn(params: SamplingParams, multi: MultiTurn, **kw) -> SamplingParams:
+    """The sampling parameters of one assistant turn: the run's, with the environment's stops added."""
+    return dataclasses.replace(
+        params,
+        stop=tuple(dict.fromkeys(params.stop + multi.stop)),
+        stop_token_ids=tuple(dict.fromkeys(params.stop_token_ids + multi.stop_token_ids)),
+        **kw,
+    )
 
 
 def _continue(engine, multi: MultiTurn, running: list[_Running], params: SamplingParams, turn: int, kw) -> list:
@@ -151,7 +165,7 @@ def _continue(engine, multi: MultiTurn, running: list[_Running], params: Samplin
     completions: list = [None] * len(running)
     seed = None if params.seed is None else sample_seed(params.seed, turn, 0x7475726E)  # "turn"
     for limit, idx in by_limit.items():
-        p = dataclasses.replace(params, n=1, max_tokens=limit, seed=seed, stop=_stop(params, multi))
+        p = _turn(params, multi, n=1, max_tokens=limit, seed=seed)
         res = engine.generate(
             [running[k].prompt + running[k].traj.response_ids for k in idx],
             p,

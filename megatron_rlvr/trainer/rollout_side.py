@@ -133,8 +133,9 @@ def build_multi_turn(cfg: RunConfig, tokenizer) -> MultiTurn | None:
     if not agent.multi_turn:
         return None
     budget = cfg.rollout.max_response_len
-    return MultiTurn(
-        environment=build_environment(agent, tokenizer),
+    return MultiTurn.build(
+        build_environment(agent, tokenizer),
+        tokenizer,
         max_turns=agent.max_turns,
         budget=budget,
         max_turn_tokens=min(agent.max_turn_tokens or budget, budget),

@@ -99,6 +99,10 @@ def test_tool_environment_runs_calls_and_turns_every_error_into_an_observation()
     tok = tiny_tokenizer("tiny_tools")
     env = build_environment(AgentConfig(environment="tools", tools=["calculator"]), tok)
     assert env.stop == ("</tool_call>",)
+    from megatron_rlvr.rollout.multiturn import MultiTurn
+
+    multi = MultiTurn.build(env, tok, max_turns=3, budget=32, max_turn_tokens=12)  # a one-token stop is a stop id
+    assert multi.stop == () and multi.stop_token_ids == (tok.convert_tokens_to_ids("</tool_call>"),)
     ep = env.start(Example(prompt="37*58=", answer="2146", source="t", id="0"))
 
     def act(text):

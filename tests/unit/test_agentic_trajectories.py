@@ -106,7 +106,7 @@ def make_engine(tok, seed=0):
 def run(tok, env, budget=120, max_turns=4, turn_tokens=24, n=4, seed=3):
     engine, model = make_engine(tok)
     rec = Recorder(engine)
-    multi = MultiTurn(env, max_turns=max_turns, budget=budget, max_turn_tokens=turn_tokens)
+    multi = MultiTurn.build(env, tok, max_turns=max_turns, budget=budget, max_turn_tokens=turn_tokens)
     prompts = [tok("ab=", add_special_tokens=False)["input_ids"], tok("c+d=", add_special_tokens=False)["input_ids"]]
     examples = [Example(prompt="p", answer="", source="t", id=str(i)) for i in range(2)]
     params = SamplingParams(n=n, temperature=1.0, max_tokens=turn_tokens, seed=seed)
