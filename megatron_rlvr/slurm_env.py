@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import random
 import re
 import socket
 import struct
@@ -39,8 +40,25 @@ MASTER_PORT_BASE = 20000
 MASTER_PORT_SPAN = 20000
 
 
+LOCAL_PORTS = (24000, 32000)
+"""Where :func:`free_port` looks: below Linux's default ephemeral range (32768-60999), from which the kernel hands
+out the source ports of outgoing connections. A port taken from that range can be handed to some other process's
+connection between the moment it is found free and the moment rank 0 listens on it (EADDRINUSE under load). Above
+the ports of Slurm jobs' rendezvous that a local test cluster's first job ids give (MASTER_PORT_BASE + job id)."""
+
+
 def free_port() -> int:
-    """A TCP port free on this host now (rendezvous of a local launch, the test harness)."""
+    """A TCP port free on this host now (rendezvous of a local launch, the test harness): a random one of
+    LOCAL_PORTS that binds, else one the kernel picks."""
+    rng = random.SystemRandom()
+    for _ in range(64):
+        port = rng.randrange(*LOCAL_PORTS)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

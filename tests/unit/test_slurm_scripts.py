@@ -319,3 +319,21 @@ def test_tools_7b_renders_and_its_header_is_the_planners_table():
     assert chosen in header, (chosen, header)
     refused = [r for r in header if " no: " in r]
     assert refused and all(any(row.startswith(r.split(" no:")[0]) for row in rows) for r in refused), refused
+
+
+def test_free_port_is_below_the_ephemeral_range_and_binds():
+    """A local launch's rendezvous port comes from LOCAL_PORTS (below the kernel's ephemeral range, which hands
+    ports to other processes' outgoing connections) and can be listened on; a taken port is never returned."""
+    import socket
+
+    from megatron_rlvr.slurm_env import LOCAL_PORTS, free_port
+
+    lo, hi = (int(x) for x in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    assert LOCAL_PORTS[1] <= lo
+    for _ in range(20):
+        port = free_port()
+        assert LOCAL_PORTS[0] <= port < LOCAL_PORTS[1]
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+            s.listen()
+            assert free_port() != port
