@@ -11,6 +11,7 @@ left the group with setsid) or, without a cgroup, every process of the run's own
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -29,7 +30,15 @@ from pathlib import Path
 from megatron_rlvr.sandbox.limits import CGROUP_PIDS_ROOT, Guards, SandboxLimits, detect_guards
 from megatron_rlvr.sandbox.runner import SETUP_EXIT
 
-__all__ = ["STATUSES", "SandboxOutcome", "call_function", "describe_function", "run_argv", "run_python"]
+__all__ = [
+    "STATUSES",
+    "SandboxOutcome",
+    "call_function",
+    "describe_function",
+    "run_argv",
+    "run_python",
+    "sweep_stale_runs",
+]
 
 STATUSES = ("ok", "error", "timeout", "memory", "output_limit", "process_limit", "sandbox_error")
 """A run's outcome: exit 0; a non-zero exit or a signal; past wall_s or cpu_s; out of memory (MemoryError);
@@ -136,7 +145,51 @@ def _interpreter_paths() -> list[str]:
     return paths + [p for p in sys.path if p]
 
 
+@functools.cache
+def sweep_stale_runs() -> int:
+    """Kill what runs of dead parents left (a reward worker SIGKILLed mid-run never reached its clean-up) and
+    remove their pids cgroups; returns how many processes were killed. Done once per process, at its first run."""
+    base = os.path.join(CGROUP_PIDS_ROOT, "megatron-rlvr-sandbox")
+    killed = 0
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return 0
+    for name in names:
+        owner = name.partition("-")[0]
+        path = os.path.join(base, name)
+        if not owner.isdigit() or not os.path.isdir(path) or _alive(int(owner)):
+            continue
+        for _ in range(200):
+            pids = _cgroup_pids(path)
+            if not pids:
+                break
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    killed += 1
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.002)
+        try:
+            os.rmdir(path)
+        except OSError:
+            pass
+    return killed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _make_cgroup(max_processes: int) -> str:
+    sweep_stale_runs()
     path = os.path.join(CGROUP_PIDS_ROOT, "megatron-rlvr-sandbox", f"{os.getpid()}-{next(_counter)}")
     os.makedirs(path)
     with open(os.path.join(path, "pids.max"), "w") as f:
