@@ -28,8 +28,8 @@ LIMITS = SandboxLimits(wall_s=20, cpu_s=20, memory_mb=256, output_bytes=1 << 16,
 """Generous time: a loaded machine must not turn an error into a timeout."""
 SHORT = SandboxLimits(wall_s=1.5, cpu_s=1.5, memory_mb=256, output_bytes=1 << 16, max_processes=8)
 """For the cases that run into the time limit."""
-SLACK_S = 1.5
-"""Start-up and clean-up beyond a limit (the machine is shared)."""
+SLACK_S = 5.0
+"""Start-up and clean-up beyond a limit: the test machine may be shared and loaded (load 25 on 2 cores seen)."""
 
 
 def _needs(guard: str) -> None:
