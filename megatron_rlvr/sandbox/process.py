@@ -1,6 +1,7 @@
 """Run a Python program, an argv or a function call in a sandbox process and return a typed outcome.
 
-Each run: a fresh working directory (removed afterwards); an environment of PATH, LANG and HOME only; no inherited
+Each run: a fresh working directory (removed afterwards); an environment of PATH, LANG, HOME and one-thread BLAS
+settings only; no inherited
 file descriptors (stdin from the given text or empty); its own session and process group; its own pids cgroup,
 network and mount namespaces and user id where the machine allows (:mod:`megatron_rlvr.sandbox.limits`); rlimits.
 The parent reads stdout and stderr with a byte cap (a program printing 100 MB is killed at the cap, the parent
@@ -50,6 +51,9 @@ or the right to signal each other, and a run's processes are found by their user
 _counter = itertools.count()
 
 _RUNNER_SRC: str | None = None
+
+_ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+"""numpy's BLAS starts a thread per core at import: on a large machine that alone would pass max_processes."""
 
 _SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm")
 _TMP_SIZE = "64m"
@@ -364,7 +368,7 @@ def _run(
         stdin_file = tempfile.TemporaryFile()
         stdin_file.write(stdin.encode() if isinstance(stdin, str) else stdin)
         stdin_file.seek(0)
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir}
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir, **_ONE_THREAD}
         proc = subprocess.Popen(
             [sys.executable, "-I", "-B", "-c", _runner_source(), json.dumps(cfg)],
             stdin=stdin_file,
