@@ -9,7 +9,7 @@ import os
 from megatron_rlvr.sandbox.process import _SANDBOX_UID_BASE
 
 
-def _proc_table() -> list[tuple[int, int, int, str]]:
+def proc_table() -> list[tuple[int, int, int, str]]:
     """(pid, process group, real uid, state) of every process /proc shows."""
     rows = []
     for entry in os.listdir("/proc"):
@@ -30,7 +30,7 @@ def live_processes(pgid: int | None = None, uid: int | None = None) -> list[int]
     """Live (non-zombie) processes in process group ``pgid`` or running as ``uid``."""
     return [
         pid
-        for pid, group, owner, state in _proc_table()
+        for pid, group, owner, state in proc_table()
         if state != "Z" and ((pgid is not None and group == pgid) or (uid is not None and owner == uid))
     ]
 
@@ -38,7 +38,7 @@ def live_processes(pgid: int | None = None, uid: int | None = None) -> list[int]
 def live_sandbox_processes() -> list[int]:
     """Live processes under any user id this test process's sandbox runs were given (guard own_user)."""
     low = _SANDBOX_UID_BASE + (os.getpid() << 6)
-    return [pid for pid, _, owner, state in _proc_table() if state != "Z" and low <= owner < low + 64]
+    return [pid for pid, _, owner, state in proc_table() if state != "Z" and low <= owner < low + 64]
 
 
 def left_behind(outcome) -> list[int]:

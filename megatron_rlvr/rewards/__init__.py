@@ -1,6 +1,6 @@
 """Correctness rewards for RLVR: math-verify equivalence, GSM8K exact numbers, exact answers that must end by
-themselves (procedural tasks), user functions by dotted path, scored in reusable worker processes with a per-item
-timeout (crash or timeout -> reward 0, counted).
+themselves (procedural tasks), programs against test cases in the sandbox (``code``), user functions by dotted
+path, scored in reusable worker processes with a per-item timeout (crash or timeout -> reward 0, counted).
 
     with RewardManager(RewardConfig(fn="math")) as rm:
         rewards, stats = rm.score(responses, ground_truths, metas)
@@ -10,6 +10,7 @@ Importing this package is light (no sympy/math-verify); workers import the rewar
 
 from megatron_rlvr.rewards.builtin import (
     REWARD_FNS,
+    CodeReward,
     ExactStopReward,
     MathVerifyReward,
     NumericReward,
@@ -24,6 +25,7 @@ from megatron_rlvr.rewards.scorers import build_scorer, load_reward_fn
 __all__ = [
     "EXTRACTION_MODES",
     "REWARD_FNS",
+    "CodeReward",
     "ExactStopReward",
     "ItemResult",
     "MathVerifyReward",

@@ -77,7 +77,7 @@ class RewardConfig:
                 raise ValueError(f"reward.{name} must be a number > 0, got {value!r}")
         if self.code_tests not in CODE_TEST_MODES:
             raise ValueError(f"reward.code_tests must be one of {CODE_TEST_MODES}, got {self.code_tests!r}")
-        if self.code_test_timeout_s >= 0.8 * self.timeout_s:
+        if self.fn == "code" and self.code_test_timeout_s >= 0.8 * self.timeout_s:
             raise ValueError(
                 f"reward.code_test_timeout_s={self.code_test_timeout_s:g} must be below 80% of reward.timeout_s="
                 f"{self.timeout_s:g} (the tests of one response share that time)"

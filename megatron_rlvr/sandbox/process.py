@@ -1,6 +1,7 @@
 """Run a Python program, an argv or a function call in a sandbox process and return a typed outcome.
 
-Each run: a fresh working directory (removed afterwards); an environment of PATH, LANG and HOME only; no inherited
+Each run: a fresh working directory (removed afterwards); an environment of PATH, LANG, HOME and one-thread BLAS
+settings only; no inherited
 file descriptors (stdin from the given text or empty); its own session and process group; its own pids cgroup,
 network and mount namespaces and user id where the machine allows (:mod:`megatron_rlvr.sandbox.limits`); rlimits.
 The parent reads stdout and stderr with a byte cap (a program printing 100 MB is killed at the cap, the parent
@@ -11,6 +12,7 @@ left the group with setsid) or, without a cgroup, every process of the run's own
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -29,7 +31,15 @@ from pathlib import Path
 from megatron_rlvr.sandbox.limits import CGROUP_PIDS_ROOT, Guards, SandboxLimits, detect_guards
 from megatron_rlvr.sandbox.runner import SETUP_EXIT
 
-__all__ = ["STATUSES", "SandboxOutcome", "call_function", "describe_function", "run_argv", "run_python"]
+__all__ = [
+    "STATUSES",
+    "SandboxOutcome",
+    "call_function",
+    "describe_function",
+    "run_argv",
+    "run_python",
+    "sweep_stale_runs",
+]
 
 STATUSES = ("ok", "error", "timeout", "memory", "output_limit", "process_limit", "sandbox_error")
 """A run's outcome: exit 0; a non-zero exit or a signal; past wall_s or cpu_s; out of memory (MemoryError);
@@ -41,6 +51,9 @@ or the right to signal each other, and a run's processes are found by their user
 _counter = itertools.count()
 
 _RUNNER_SRC: str | None = None
+
+_ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+"""numpy's BLAS starts a thread per core at import: on a large machine that alone would pass max_processes."""
 
 _SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm")
 _TMP_SIZE = "64m"
@@ -136,7 +149,51 @@ def _interpreter_paths() -> list[str]:
     return paths + [p for p in sys.path if p]
 
 
+@functools.cache
+def sweep_stale_runs() -> int:
+    """Kill what runs of dead parents left (a reward worker SIGKILLed mid-run never reached its clean-up) and
+    remove their pids cgroups; returns how many processes were killed. Done once per process, at its first run."""
+    base = os.path.join(CGROUP_PIDS_ROOT, "megatron-rlvr-sandbox")
+    killed = 0
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return 0
+    for name in names:
+        owner = name.partition("-")[0]
+        path = os.path.join(base, name)
+        if not owner.isdigit() or not os.path.isdir(path) or _alive(int(owner)):
+            continue
+        for _ in range(200):
+            pids = _cgroup_pids(path)
+            if not pids:
+                break
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    killed += 1
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.002)
+        try:
+            os.rmdir(path)
+        except OSError:
+            pass
+    return killed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _make_cgroup(max_processes: int) -> str:
+    sweep_stale_runs()
     path = os.path.join(CGROUP_PIDS_ROOT, "megatron-rlvr-sandbox", f"{os.getpid()}-{next(_counter)}")
     os.makedirs(path)
     with open(os.path.join(path, "pids.max"), "w") as f:
@@ -311,7 +368,7 @@ def _run(
         stdin_file = tempfile.TemporaryFile()
         stdin_file.write(stdin.encode() if isinstance(stdin, str) else stdin)
         stdin_file.seek(0)
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir}
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir, **_ONE_THREAD}
         proc = subprocess.Popen(
             [sys.executable, "-I", "-B", "-c", _runner_source(), json.dumps(cfg)],
             stdin=stdin_file,

@@ -26,6 +26,8 @@ _MS_BIND = 4096
 _MS_REC = 0x4000
 _MS_PRIVATE = 1 << 18
 _PR_SET_NO_NEW_PRIVS = 38
+_PR_SET_PDEATHSIG = 1
+_PARENT = os.getppid()
 
 
 def _fail(msg: str) -> None:
@@ -109,6 +111,14 @@ def _drop_user(uid: int | None) -> None:
         _fail(f"still user id {os.getuid()} after setresuid({uid})")
 
 
+def _die_with_parent(libc) -> None:
+    # after the drop (a change of credentials clears it): a parent SIGKILLed mid-run (a hung reward worker) takes
+    # the run's main process with it; what that process started is swept by the next run's start
+    # (process.sweep_stale_runs)
+    if libc.prctl(_PR_SET_PDEATHSIG, 9, 0, 0, 0) != 0 or os.getppid() != _PARENT:
+        os._exit(SETUP_EXIT)
+
+
 def _load(module: str, function: str):
     import importlib
 
@@ -151,12 +161,14 @@ def main() -> None:
             _send(cfg["result_fd"], _describe(fn))
             return
         _drop_user(cfg["uid"])
+        _die_with_parent(ctypes.CDLL(None, use_errno=True))
         result = fn(**cfg["kwargs"])
         if not isinstance(result, str):
             raise TypeError(f"the tool returned {type(result).__name__}, not a str")
         _send(cfg["result_fd"], {"result": result})
         return
     _drop_user(cfg["uid"])
+    _die_with_parent(ctypes.CDLL(None, use_errno=True))
     if mode == "argv":
         os.execvpe(cfg["argv"][0], cfg["argv"], dict(os.environ))
     # mode "python": the program file in the working directory, as `python main.py` would run it

@@ -202,7 +202,7 @@ class ToolBox:
                 f"error: bad arguments for python ('code' must be a string, got {type(code).__name__})", "bad_arguments"
             )
         out = run_python(code, self.limits)
-        return done(_observation(out, out.stdout), out.status)
+        return done(_observation(out, out.stdout, self.observation_chars), out.status)
 
     def _calculator(self, expression: object, done) -> ToolResult:
         if not isinstance(expression, str):
@@ -223,18 +223,23 @@ class ToolBox:
         out = call_function(tool.module, tool.function, args, self.limits)
         if out.status == "ok":
             return done(out.result["result"], "ok")
-        return done(_observation(out, out.stdout), out.status)
+        return done(_observation(out, out.stdout, self.observation_chars), out.status)
 
 
-def _observation(out: SandboxOutcome, stdout: str) -> str:
-    """stdout, then what went wrong: the error's last line, or why the run was stopped."""
-    text = stdout
-    if out.truncated and out.status == "output_limit":
-        text += "\n[output cut]"
+def _observation(out: SandboxOutcome, stdout: str, chars: int) -> str:
+    """stdout (its head, when long), then what went wrong: the error's last line, or why the run was stopped; the
+    error is always kept, within ``chars`` characters in all."""
     if out.status == "ok":
-        return text if text.strip() else "(no output)"
-    if out.status == "error" and out.error_line:
-        reason = out.error_line
+        reason = ""
+    elif out.status == "error" and out.error_line:
+        reason = f"error: {out.error_line}"
     else:
-        reason = out.message or out.status
-    return (text.rstrip("\n") + "\n" if text.strip() else "") + f"error: {reason}"
+        reason = f"error: {out.message or out.status}"
+    reason = reason[: chars // 2]
+    room = chars - len(reason) - 40
+    text = stdout
+    if len(text) > room or (out.truncated and out.status == "output_limit"):
+        text = text[: max(0, room)] + f"\n[... output cut at {min(len(text), max(0, room))} characters]"
+    if not reason:
+        return text if text.strip() else "(no output)"
+    return (text.rstrip("\n") + "\n" if text.strip() else "") + reason

@@ -169,3 +169,29 @@ def test_plan_and_convert_are_wired(capsys):
         main(["convert", "--help"])
     assert e.value.code == 0
     assert "to-hf" in capsys.readouterr().out
+
+
+def test_tool_command_calls_a_tool_as_a_rollout_does(tmp_path, capsys, monkeypatch):
+    """`megatron-rlvr tool`: a program file runs in the sandbox and its stdout is the observation; the calculator is
+    exact; a user tool gets its JSON arguments; a failing call prints its error and exits 1; bad input exits 2."""
+    prog = tmp_path / "prog.py"
+    prog.write_text("print(sum(range(10)))")
+    assert main(["tool", "python", str(prog), "--wall-s", "5"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == "45\n" and "[tool python: status ok, " in captured.err
+    assert main(["tool", "calculator", "2**70 // 3"]) == 0
+    assert capsys.readouterr().out == f"{2**70 // 3}\n"
+    prog.write_text("import time\ntime.sleep(10)")
+    assert main(["tool", "python", str(prog), "--wall-s", "0.5"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "error: ran past wall_s=0.5 s: killed\n" and "status timeout" in captured.err
+    (tmp_path / "cli_tool_mod.py").write_text("def greet(name: str) -> str:\n    return 'hello ' + name\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["tool", "cli_tool_mod:greet", '{"name": "rl"}']) == 0
+    assert capsys.readouterr().out == "hello rl\n"
+    assert main(["tool", "cli_tool_mod:greet", "{bad"]) == 2
+    assert "megatron-rlvr tool: error: tool cli_tool_mod:greet: the arguments are not valid JSON" in (
+        capsys.readouterr().err
+    )
+    assert main(["tool", "shell", "ls"]) == 2
+    assert "unknown tool 'shell'" in capsys.readouterr().err
