@@ -1,0 +1,213 @@
+"""Context parallelism (parallel.cp): a CP = 2 run of the trainer's update path equals the CP = 1 run of the same
+batch, to fp32 rounding, for a tiny GQA model on the shared 4-rank gloo pool: the logits (gathered over CP and put
+back in global order), the per-token log-probs and entropies of the behaviour pass, and for several algorithms (every
+aggregation mode, GSPO's sequence ratio, the CPGD drift, MCPO's margin credit and hinge-KL, the k3 reference KL and the
+entropy bonus) the loss and every parameter gradient after megatron's DDP reduction over data x context parallel.
+
+The reference is the same code at CP = 1, whose exactness the rest of the suite establishes (fp64 references of the
+ops and losses, TP / PP / packing invariance). Sequence lengths are not multiples of 2 x CP (padding) and one
+sequence is shorter than the 2 x CP chunks. A control runs CP = 2 with the per-sequence sums NOT completed over the
+CP group: every algorithm with a per-sequence sum then differs by O(1e-2) or more, the token sums do not."""
+
+import torch
+
+from megatron_rlvr.algorithms import preset
+
+ALGOS = {
+    "grpo": dict(entropy={"coef": 0.01}),  # seq-mean-token-mean, k3 reference KL, entropy bonus
+    "dr_grpo": {},  # seq-mean-token-sum-norm
+    "dapo": {},  # token-mean
+    "gspo": {},  # sequence ratio
+    "cpgd": {},  # drift
+    "mcpo_margin": {},  # margin credit, hinge-KL over mastered sequences
+}
+PER_SEQUENCE = ("grpo", "gspo", "cpgd", "mcpo_margin")
+"""Algorithms whose loss needs a per-sequence sum over the whole sequence (the control's victims): |y_i| of
+seq-mean-token-mean (GRPO, GSPO, CPGD), GSPO's mean log-ratio, margin credit's per-sequence mean, MCPO's hinge-KL
+length. Dr.GRPO and DAPO only sum tokens over global counts."""
+LENGTHS = [13, 3, 9, 6, 11, 7, 10, 5]  # 2 groups of 4; none a multiple of 4, one shorter than 2 x CP chunks
+PROMPT = [4, 1, 3, 2, 5, 3, 4, 2]
+
+
+def _sequences():
+    from megatron_rlvr.trainer.microbatch import Sequence
+
+    g = torch.Generator().manual_seed(11)
+    out = []
+    for i, (n, p) in enumerate(zip(LENGTHS, PROMPT)):
+        tokens = torch.randint(3, 19, (n,), generator=g).tolist()
+        adv = float(torch.randn((), generator=g))
+        out.append(Sequence(tokens=tokens, prompt_len=p, adv=adv, mastered=i < 4, rollout_logprobs=[]))
+    return out
+
+
+def _global_logits(model, mb, pg, s: int):
+    """[b, s, V] logits of a (split) micro-batch, gathered over TP and CP and put back in global order."""
+    from megatron_rlvr.megatron.context_parallel import zigzag_positions
+    from megatron_rlvr.models.build import gather_vocab_parallel
+
+    with torch.no_grad():
+        mask = mb.attention_mask
+        out = model(mb.tokens, mb.position_ids, mask)
+    out = gather_vocab_parallel(out.float(), pg.tp)
+    cp = pg.cp.size()
+    if cp == 1:
+        return out
+    parts = [torch.empty_like(out) for _ in range(cp)]
+    torch.distributed.all_gather(parts, out.contiguous(), group=pg.cp)
+    full = torch.empty(out.shape[0], s, out.shape[2])
+    for r, part in enumerate(parts):
+        full[:, zigzag_positions(s, cp, r)] = part
+    return full
+
+
+def _cp_parity_rank(pack_rows: bool, skip_cp_seq_sum: bool):
+    """On every rank of the current layout: logits, log-probs / entropies and, per algorithm, the loss and
+    gradients of one update of the trainer (trainer.update's micro-batches, megatron/schedule.py, DDP)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from megatron_rlvr.algorithms import LossNormalizers
+    from megatron_rlvr.families.tiny import tiny_hf_config
+    from megatron_rlvr.megatron.policy import build_model, wrap_ddp
+    from megatron_rlvr.megatron.schedule import run_microbatches
+    from megatron_rlvr.models.hf_config import megatron_model_args
+    from megatron_rlvr.models.source import ModelSource
+    from megatron_rlvr.rollout.mismatch import MismatchCorrectionConfig
+    from megatron_rlvr.trainer import token_loss, update
+    from megatron_rlvr.trainer.token_loss import StatsSpec, policy_loss_fn
+
+    pg = ProcessGroupCollection.use_mpu_process_groups()
+    cp, tp = pg.cp.size(), pg.tp.size()
+    hf = {**tiny_hf_config(), "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+    args = megatron_model_args(hf, tp_size=tp, cp_size=cp)
+    model = wrap_ddp(build_model(args, ModelSource(hf, None, None, True), seed=5, pg=pg), distributed_optimizer=False)
+    spec = StatsSpec(
+        tp_group=pg.tp if tp > 1 else None,
+        vocab_size=args.dims.vocab_size,
+        temperature=1.0,
+        chunk_size=64,
+        cp_group=pg.cp if cp > 1 else None,
+    )
+    ctx = update.UpdateSettings(
+        algo=preset("grpo"),
+        spec=spec,
+        pg=pg,
+        device=torch.device("cpu"),
+        pad_id=0,
+        micro_batch_tokens=40 if pack_rows else 32,  # several micro-batches, several sequences in some
+        seq_multiple=2 * cp if cp > 1 else 1,
+        n_per_group=4,
+        num_mini_batches=1,
+        ppo_epochs=1,
+        correction=MismatchCorrectionConfig(tis_cap=None),
+        skip_nonfinite=False,
+        pack_rows=pack_rows,
+    )
+    seqs = _sequences()
+    ids = update.my_sequence_ids(ctx, len(seqs))
+    out = {"cp": cp, "tp_rank": pg.tp.rank(), "ids": ids, "logits": {}, "loss": {}, "grads": {}}
+    if not pack_rows:
+        mbs, members = update._microbatches(ctx, seqs, ids)
+        for mb, chosen in zip(mbs, members):
+            s = mb.tokens.shape[1] * cp
+            full = _global_logits(model, mb, pg, s)
+            for r, i in enumerate(chosen):
+                out["logits"][i] = full[r, : seqs[i].length].clone()
+    logp, ent, bad = update.compute_logprobs(ctx, model, seqs, ids, with_entropy=True)
+    assert bad == 0.0
+    out["logp"], out["entropy"] = logp, ent
+
+    def noise(i, scale):  # a function of the sequence only, whichever rank holds it
+        return scale * torch.randn(logp[i].shape, generator=torch.Generator().manual_seed(100 * i + int(10 * scale)))
+
+    old = {i: logp[i] + noise(i, 0.3) for i in logp}  # ratios off 1: clipping and the drift cap act
+    ref = {i: logp[i] + noise(i, 0.2) for i in logp}
+    norms = LossNormalizers.from_counts(update.normalizer_counts(seqs))
+    real_sequence_sum = token_loss.sequence_sum
+    if skip_cp_seq_sum:  # the control: per-sequence sums left rank-local
+        token_loss.sequence_sum = lambda group: None
+    try:
+        for name, over in ALGOS.items():
+            algo = preset(name, **over)
+            mbs, _ = update._microbatches(ctx, seqs, ids, old, ref)
+            model.zero_grad_buffer()
+            infos = run_microbatches(
+                model, mbs, policy_loss_fn(algo, norms, spec), pg=pg, forward_only=False, device=ctx.device
+            )
+            out["loss"][name] = sum(i.metrics["loss/total"] for i in infos)
+            out["grads"][name] = {n: p.main_grad.detach().clone() for n, p in model.named_parameters()}
+    finally:
+        token_loss.sequence_sum = real_sequence_sum
+    return out
+
+
+def _merged(per_rank, key):
+    """{sequence id: value} over ranks (CP ranks of one data-parallel rank must agree exactly in value)."""
+    out = {}
+    for r in per_rank:
+        for i, v in r[key].items():
+            if i in out:
+                assert torch.equal(out[i], v), (key, i)
+            out[i] = v
+    return out
+
+
+def _total_loss(per_rank, name):
+    """The step's loss: the sum of the shares of every data- and context-parallel rank (TP rank 0 of each)."""
+    return sum(r["loss"][name] for r in per_rank if r["tp_rank"] == 0)
+
+
+def _max_grad_err(a, b):
+    """max |a - b| over every parameter of two ranks' gradient dicts, and the largest |b|."""
+    err = max(float((a[n] - b[n]).abs().max()) for n in b)
+    return err, max(float(b[n].abs().max()) for n in b)
+
+
+def _compare(ref, got, logits: bool, control: bool = False) -> dict:
+    """The parity table of one layout (max abs errors) and the checks; ``control``: per-sequence algorithms must
+    differ, the others still match."""
+    table = {}
+    if logits:
+        lr, lg = _merged(ref, "logits"), _merged(got, "logits")
+        assert set(lr) == set(lg) == set(range(len(LENGTHS)))
+        table["logits"] = max(float((lg[i] - lr[i]).abs().max()) for i in lr)
+        assert table["logits"] < 1e-5, table
+    for key in ("logp", "entropy"):
+        a, b = _merged(ref, key), _merged(got, key)
+        assert set(a) == set(b) == set(range(len(LENGTHS)))
+        table[key] = max(float((b[i] - a[i]).abs().max()) for i in a)
+        assert table[key] < 1e-5, (key, table)
+    by_tp = {r["tp_rank"]: r for r in ref}
+    for name in ALGOS:
+        lr, lg = _total_loss(ref, name), _total_loss(got, name)
+        gerr, gscale = max(_max_grad_err(r["grads"][name], by_tp[r["tp_rank"]]["grads"][name]) for r in got)
+        table[f"loss {name}"], table[f"grads {name}"] = abs(lg - lr), gerr
+        assert gscale > 1e-5, (name, gscale)  # a real gradient to compare (Dr.GRPO divides by a large constant)
+        exact = abs(lg - lr) <= 1e-5 * max(1.0, abs(lr)) and gerr <= 1e-5 * gscale
+        if control and name in PER_SEQUENCE:
+            assert not exact and (abs(lg - lr) > 1e-3 or gerr > 1e-3 * gscale), (name, table)
+        else:
+            assert exact, (name, lr, lg, gerr, gscale)
+    return table
+
+
+def test_cp2_matches_cp1(dist_pool):
+    """CP = 2 x DP = 2 against CP = 1 x DP = 4 (gradients reduced over data x context parallel), one sequence per
+    row and packed rows (block-diagonal mask split on its query rows), and the control without the CP sums."""
+    ref = dist_pool.run(_cp_parity_rank, args=(False, False), timeout=600)
+    got = dist_pool.run(_cp_parity_rank, cp=2, args=(False, False), timeout=600)
+    assert {r["cp"] for r in got} == {2} and {r["cp"] for r in ref} == {1}
+    table = {"cp2": _compare(ref, got, logits=True)}
+    ref_p = dist_pool.run(_cp_parity_rank, args=(True, False), timeout=600)
+    got_p = dist_pool.run(_cp_parity_rank, cp=2, args=(True, False), timeout=600)
+    table["cp2 packed"] = _compare(ref_p, got_p, logits=False)
+    control = dist_pool.run(_cp_parity_rank, cp=2, args=(False, True), timeout=600)
+    table["cp2 control"] = _compare(ref, control, logits=True, control=True)
+    print(table)
+
+
+def test_cp2_tp2_matches_cp1_tp2(dist_pool):
+    """CP = 2 x TP = 2 against CP = 1 x TP = 2 x DP = 2 (vocabulary-sharded logits, TP shard by TP shard)."""
+    ref = dist_pool.run(_cp_parity_rank, tp=2, args=(False, False), timeout=600)
+    got = dist_pool.run(_cp_parity_rank, tp=2, cp=2, args=(False, False), timeout=600)
+    print({"cp2 x tp2": _compare(ref, got, logits=True)})
