@@ -79,7 +79,7 @@ def _cp_parity_rank(pack_rows: bool, skip_cp_seq_sum: bool):
     pg = ProcessGroupCollection.use_mpu_process_groups()
     cp, tp = pg.cp.size(), pg.tp.size()
     hf = {**tiny_hf_config(), "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
-    args = megatron_model_args(hf, tp_size=tp, cp_size=cp)
+    args = megatron_model_args(hf, tp_size=tp, pp_size=pg.pp.size(), cp_size=cp)
     model = wrap_ddp(build_model(args, ModelSource(hf, None, None, True), seed=5, pg=pg), distributed_optimizer=False)
     spec = StatsSpec(
         tp_group=pg.tp if tp > 1 else None,
@@ -105,8 +105,9 @@ def _cp_parity_rank(pack_rows: bool, skip_cp_seq_sum: bool):
     )
     seqs = _sequences()
     ids = update.my_sequence_ids(ctx, len(seqs))
-    out = {"cp": cp, "tp_rank": pg.tp.rank(), "ids": ids, "logits": {}, "loss": {}, "grads": {}}
-    if not pack_rows:
+    last = pg.pp.rank() == pg.pp.size() - 1
+    out = {"cp": cp, "mp_rank": (pg.pp.rank(), pg.tp.rank()), "last": last, "logits": {}, "loss": {}, "grads": {}}
+    if not pack_rows and pg.pp.size() == 1:
         mbs, members = update._microbatches(ctx, seqs, ids)
         for mb, chosen in zip(mbs, members):
             s = mb.tokens.shape[1] * cp
@@ -134,7 +135,7 @@ def _cp_parity_rank(pack_rows: bool, skip_cp_seq_sum: bool):
             infos = run_microbatches(
                 model, mbs, policy_loss_fn(algo, norms, spec), pg=pg, forward_only=False, device=ctx.device
             )
-            out["loss"][name] = sum(i.metrics["loss/total"] for i in infos)
+            out["loss"][name] = sum(i.metrics["loss/total"] for i in infos)  # [] before the last pipeline stage
             out["grads"][name] = {n: p.main_grad.detach().clone() for n, p in model.named_parameters()}
     finally:
         token_loss.sequence_sum = real_sequence_sum
@@ -153,8 +154,9 @@ def _merged(per_rank, key):
 
 
 def _total_loss(per_rank, name):
-    """The step's loss: the sum of the shares of every data- and context-parallel rank (TP rank 0 of each)."""
-    return sum(r["loss"][name] for r in per_rank if r["tp_rank"] == 0)
+    """The step's loss: the sum of the shares of every data- and context-parallel rank (TP rank 0 of the last
+    pipeline stage of each)."""
+    return sum(r["loss"][name] for r in per_rank if r["mp_rank"][1] == 0 and r["last"])
 
 
 def _max_grad_err(a, b):
@@ -173,14 +175,14 @@ def _compare(ref, got, logits: bool, control: bool = False) -> dict:
         table["logits"] = max(float((lg[i] - lr[i]).abs().max()) for i in lr)
         assert table["logits"] < 1e-5, table
     for key in ("logp", "entropy"):
-        a, b = _merged(ref, key), _merged(got, key)
+        a, b = _merged([r for r in ref if r["last"]], key), _merged([r for r in got if r["last"]], key)
         assert set(a) == set(b) == set(range(len(LENGTHS)))
         table[key] = max(float((b[i] - a[i]).abs().max()) for i in a)
         assert table[key] < 1e-5, (key, table)
-    by_tp = {r["tp_rank"]: r for r in ref}
+    by_mp = {r["mp_rank"]: r for r in ref}  # the same (PP, TP) shard of the parameters
     for name in ALGOS:
         lr, lg = _total_loss(ref, name), _total_loss(got, name)
-        gerr, gscale = max(_max_grad_err(r["grads"][name], by_tp[r["tp_rank"]]["grads"][name]) for r in got)
+        gerr, gscale = max(_max_grad_err(r["grads"][name], by_mp[r["mp_rank"]]["grads"][name]) for r in got)
         table[f"loss {name}"], table[f"grads {name}"] = abs(lg - lr), gerr
         assert gscale > 1e-5, (name, gscale)  # a real gradient to compare (Dr.GRPO divides by a large constant)
         exact = abs(lg - lr) <= 1e-5 * max(1.0, abs(lr)) and gerr <= 1e-5 * gscale
@@ -211,3 +213,11 @@ def test_cp2_tp2_matches_cp1_tp2(dist_pool):
     ref = dist_pool.run(_cp_parity_rank, tp=2, args=(False, False), timeout=600)
     got = dist_pool.run(_cp_parity_rank, tp=2, cp=2, args=(False, False), timeout=600)
     print({"cp2 x tp2": _compare(ref, got, logits=True)})
+
+
+def test_cp2_pp2_matches_cp1_pp2(dist_pool):
+    """CP = 2 x PP = 2 against CP = 1 x PP = 2 x DP = 2 (1F1B: the schedule gets the global length for its p2p
+    shapes, every micro-batch padded to one [b, s])."""
+    ref = dist_pool.run(_cp_parity_rank, pp=2, args=(False, False), timeout=600)
+    got = dist_pool.run(_cp_parity_rank, pp=2, cp=2, args=(False, False), timeout=600)
+    print({"cp2 x pp2": _compare(ref, got, logits=False)})
