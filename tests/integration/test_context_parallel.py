@@ -9,7 +9,11 @@ ops and losses, TP / PP / packing invariance). Sequence lengths are not multiple
 sequence is shorter than the 2 x CP chunks. A control runs CP = 2 with the per-sequence sums NOT completed over the
 CP group: every algorithm with a per-sequence sum then differs by O(1e-2) or more, the token sums do not."""
 
+import glob
+import os
+
 import torch
+from safetensors.torch import load_file
 
 from megatron_rlvr.algorithms import preset
 
@@ -168,15 +172,15 @@ def _cp_parity_rank(pack_rows: bool, skip_cp_seq_sum: bool):
 
 def _cp_resume_rank(root: str, save: bool):
     """Two optimizer steps of GRPO with megatron's distributed optimizer (state sharded over data x context
-    parallel). ``save``: step, save a checkpoint, step again; else: a model with other weights loads that
-    checkpoint at the current layout, then takes the second step. Returns the full HF-named weights after loading
-    (or saving) and after the second step."""
+    parallel). ``save``: step, save a checkpoint and export an HF folder, step again; else: a model with other
+    weights loads that checkpoint at the current layout, then takes the second step. Returns the full HF-named
+    weights after loading (or saving), after the second step, and (saving) the exported folder's tensors."""
     from megatron_rlvr.config import OptimizerConfig, ParallelConfig, ScheduleConfig
     from megatron_rlvr.megatron.optimizer_step import apply_gradients
     from megatron_rlvr.megatron.parallel import all_reduce_max
     from megatron_rlvr.megatron.policy import build_optimizer
     from megatron_rlvr.models.checkpointing import CheckpointConfig, load_checkpoint, save_checkpoint
-    from megatron_rlvr.models.export import iter_hf_tensors
+    from megatron_rlvr.models.export import export_hf, iter_hf_tensors
     from megatron_rlvr.trainer import update
 
     pg, args, model, ctx = _setup(False, distributed_optimizer=True, seed=5 if save else 9)
@@ -194,17 +198,22 @@ def _cp_resume_rank(root: str, save: bool):
     def weights():
         return {k: v.detach().clone() for k, v in iter_hf_tensors(model, args)}
 
-    cfg = CheckpointConfig(root, write_processes=1)
+    cfg = CheckpointConfig(os.path.join(root, "ckpt"), write_processes=1)
+    exported = {}
     if save:
         step()
+        export_hf(model, args, os.path.join(root, "hf"), dtype=torch.float32)  # one CP rank writes
+        if torch.distributed.get_rank() == 0:
+            for f in glob.glob(os.path.join(root, "hf", "*.safetensors")):
+                exported.update(load_file(f))
         save_checkpoint(
             cfg, 1, model=model, optimizer=optimizer, scheduler=scheduler, trainer_state={}, model_args=args
         )
     else:
-        load_checkpoint(root, model=model, optimizer=optimizer, scheduler=scheduler)
+        load_checkpoint(cfg.save_dir, model=model, optimizer=optimizer, scheduler=scheduler)
     at_checkpoint = weights()
     step()
-    return at_checkpoint, weights()
+    return at_checkpoint, weights(), exported
 
 
 def _merged(per_rank, key):
@@ -291,10 +300,12 @@ def test_cp2_pp2_matches_cp1_pp2(dist_pool):
 def test_resume_at_another_context_parallel_size(dist_pool, tmp_path):
     """A checkpoint written at CP = 2 x DP = 2 (distributed optimizer sharded over dp x cp = 4) resumes at CP = 1 x
     DP = 4: the weights are restored exactly and the next step (Adam moments and step count from the checkpoint)
-    lands where the uninterrupted CP = 2 run's did, to fp32 rounding."""
+    lands where the uninterrupted CP = 2 run's did, to fp32 rounding. The HF export at CP = 2 holds every tensor
+    once, equal to the model's."""
     ref = dist_pool.run(_cp_resume_rank, cp=2, args=(str(tmp_path), True), timeout=600)
     got = dist_pool.run(_cp_resume_rank, args=(str(tmp_path), False), timeout=600)
-    (saved, ref_next), (loaded, got_next) = ref[0], got[0]
+    (saved, ref_next, exported), (loaded, got_next, _) = ref[0], got[0]
+    assert sorted(exported) == sorted(saved) and all(torch.equal(exported[k], saved[k]) for k in saved)
     assert sorted(saved) == sorted(loaded)
     assert all(torch.equal(saved[k], loaded[k]) for k in saved)
     moved = max(float((ref_next[k] - saved[k]).abs().max()) for k in saved)
