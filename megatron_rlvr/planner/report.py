@@ -99,16 +99,17 @@ def _training_rows(plan: MemoryPlan) -> list[tuple[str, float]]:
     p = plan.stage_param_counts[plan.worst_stage]
     dp_div = plan.dp * par.cp if par.distributed_optimizer else 1  # megatron shards over data x context parallel
     opt = "Adam m,v (8 B/param" if cfg.dtype == "float32" else "fp32 master + Adam m,v (12 B/param"
+    dp_name = "DPxCP" if par.cp > 1 else "DP"
     rows = [
         (f"weights {dt} ({p / 1e9:.3f} B params on this GPU)", c["weights"]),
         ("main grads fp32 (4 B/param)", c["grads"]),
-        (f"{opt} / DP={dp_div})", c["optimizer"]),
+        (f"{opt} / {dp_name}={dp_div})", c["optimizer"]),
     ]
     if m.is_moe:
         e = plan.stage_expert_param_counts[plan.worst_stage]
         edp_div = plan.edp if par.distributed_optimizer else 1
         rows[0] = (f"weights bf16 ({p / 1e9:.3f} B params, {e / 1e9:.3f} B in experts)", c["weights"])
-        rows[2] = (f"fp32 master + Adam m,v (12 B/param / DP={dp_div}, experts / {edp_div})", c["optimizer"])
+        rows[2] = (f"fp32 master + Adam m,v (12 B/param / {dp_name}={dp_div}, experts / {edp_div})", c["optimizer"])
     if cfg.keeps_ref_model:
         rows.append((f"reference model {dt}", c["ref_model"]))
     mark_n = " <-" if tr.recompute == "none" else ""
