@@ -98,14 +98,25 @@ def _nonfinite(x: torch.Tensor, mask: torch.Tensor) -> bool:
 
 
 def _whole_sequences(values_BT: torch.Tensor, mb: MicroBatch, spec: StatsSpec) -> torch.Tensor:
-    """Per-position values [n, s] of the whole micro-batch on every CP rank: each rank's values where it holds the
-    position, summed over the CP group (the ranks' positions are disjoint). Without CP: ``values_BT`` itself."""
+    """Per-position values [..., n, s] of the whole micro-batch on every CP rank: each rank's values where it holds
+    the position, summed over the CP group (the ranks' positions are disjoint). Without CP: ``values_BT`` itself."""
     if not isinstance(mb, ContextParallelMicroBatch) or mb.cp_size == 1:
         return values_BT
     held = mb.held.to(values_BT.device)
     out = torch.where(held, values_BT.detach().float(), torch.zeros((), device=values_BT.device)).contiguous()
     torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.SUM, group=spec.cp_group)
     return out
+
+
+def _ratio_quantiles(logp_BT, old_BT, mask_BT, mb: MicroBatch, spec: StatsSpec) -> dict[str, float]:
+    """trainer.diagnostics.ratio_quantile_metrics of the micro-batch. Quantiles do not add up over ranks: with
+    context parallelism every CP rank computes them over the WHOLE sequences (its peers' positions summed in), so
+    the token-weighted merge over ranks gives the CP = 1 values."""
+    if isinstance(mb, ContextParallelMicroBatch) and mb.cp_size > 1:
+        stacked = torch.stack([logp_BT.detach().float(), old_BT.float(), mask_BT.float()])  # [3, n, s]
+        logp_BT, old_BT, mask_BT = _whole_sequences(stacked, mb, spec).unbind(0)
+        mask_BT = mask_BT > 0.5
+    return ratio_quantile_metrics(logp_BT, old_BT, mask_BT)
 
 
 def logprob_fn(spec: StatsSpec, with_entropy: bool):
@@ -206,7 +217,7 @@ def policy_loss_fn(
         loss, metrics = compute_policy_loss(algo, inputs, norms)
         bad = bad_logits or _nonfinite(logp, mask) or not bool(torch.isfinite(loss))
         info = {k: float(v) for k, v in metrics.items()}
-        info.update(ratio_quantile_metrics(logp, inputs.old_logp_BT, mask))  # diagnostics: ratio dynamics (CPGD)
+        info.update(_ratio_quantiles(logp, inputs.old_logp_BT, mask, mb, spec))  # diagnostics: ratio dynamics (CPGD)
         if is_BT is not None:  # how much the mismatch correction reweights (token-weighted over the step)
             info.update(_correction_metrics(is_BT, mask, correction))
         info["train/nonfinite"] = float(bad)
