@@ -191,6 +191,12 @@ def check_layout(cfg: RunConfig, world_size: int) -> None:
             f"parallel.tp={par.tp} does not divide the model's num_key_value_heads={kv}: choose a parallel.tp that "
             f"divides {kv} (parallel.rollout_tp may still be larger: vLLM replicates key/value heads)"
         )
+    if par.cp > 1 and par.cp_comm_type == "a2a" and heads and ((heads // par.tp) % par.cp or (kv // par.tp) % par.cp):
+        raise ConfigError(
+            f"parallel.cp_comm_type=a2a splits each TP rank's heads over the {par.cp} context-parallel ranks: "
+            f"parallel.cp={par.cp} must divide the {heads // par.tp} attention and {kv // par.tp} key/value heads per "
+            "TP rank (use p2p or all_gather)"
+        )
     ffn = int(hf.get("intermediate_size", 0) or 0)
     if ffn and ffn % par.tp:
         raise ConfigError(f"parallel.tp={par.tp} does not divide the model's intermediate_size={ffn}")

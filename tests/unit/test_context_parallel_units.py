@@ -45,6 +45,10 @@ def test_layout_checks_refuse_what_cannot_run_in_one_line():
     with pytest.raises(ConfigError, match=r"train.micro_batch_tokens=12 .* multiple of 2 x parallel.cp = 8 \(16\)"):
         load_run_config(None, [*TINY, "parallel.cp=4", "train.micro_batch_tokens=12"], check_files=False)
     validate_cross_section(load_run_config(None, [*TINY, "parallel.cp=2"], check_files=False), {})
+    a2a = load_run_config(None, [*TINY, "parallel.cp=4", "parallel.cp_comm_type=a2a"], check_files=False)
+    with pytest.raises(ConfigError, match=r"cp_comm_type=a2a .* parallel.cp=4 must divide the 2 attention"):
+        check_layout(a2a, 4)  # the tiny model has 2 heads
+    check_layout(load_run_config(None, [*TINY, "parallel.cp=2", "parallel.cp_comm_type=a2a"], check_files=False), 2)
 
 
 def test_model_args_carry_the_context_parallel_settings():
