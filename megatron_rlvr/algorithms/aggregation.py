@@ -19,6 +19,11 @@ Modes (``l_it`` the per-token value, ``m_it`` the response mask, ``|y_i| = sum_t
 ``N_tok`` counts valid response tokens and ``N_seq`` counts sequences with at least one valid token (empty or fully
 masked rows contribute nothing and are not counted). A zero global count gives a zero loss, never NaN.
 
+Sequences split over ranks (context parallelism): each rank holds some positions of every sequence and sums only
+those. A token-level sum then stays this rank's share of the loss, but a per-sequence quantity (``|y_i|`` of
+``seq-mean-token-mean``) must be the whole sequence's: ``seq_sum`` (a :data:`SeqSum`) completes such per-sequence
+sums over the ranks (None: every sequence is whole here).
+
 Gradient semantics: the returned loss is "sum-reduced": the full-batch gradient is the SUM of the gradients of all
 micro-batches on all DP ranks. A framework that averages gradients over DP ranks or divides each micro-batch loss by
 the number of micro-batches must undo that scaling (multiply by dp_size and/or num_microbatches).
@@ -33,6 +38,16 @@ import torch
 from torch import Tensor
 
 from .algorithm_config import AGGREGATION_NAMES, AggregationConfig, check_registry
+
+SeqSum = Callable[[Tensor], Tensor]
+"""Completes per-sequence sums over the ranks that share the sequences (context parallelism): given this rank's
+sums over the positions it holds, [B], returns the sums over whole sequences, [B] (detached values: counts and
+detached statistics only). The Megatron glue builds it (megatron_rlvr.megatron.context_parallel.sequence_sum)."""
+
+
+def complete_seq_sum(x_B: Tensor, seq_sum: SeqSum | None) -> Tensor:
+    """``x_B`` [B] summed over the whole sequences (``seq_sum`` None: they are whole here already)."""
+    return x_B if seq_sum is None else seq_sum(x_B)
 
 
 @dataclass
@@ -108,26 +123,31 @@ def _masked_sum_per_seq(values_BT: Tensor, mask_BT: Tensor) -> Tensor:
     return torch.where(mask_BT, values_BT, torch.zeros_like(values_BT)).sum(dim=1)
 
 
-def _token_mean(values_BT: Tensor, mask_BT: Tensor, norms: LossNormalizers, cfg: AggregationConfig) -> Tensor:
+def _token_mean(values_BT: Tensor, mask_BT: Tensor, norms: LossNormalizers, cfg: AggregationConfig, seq_sum) -> Tensor:
     return _masked_sum_per_seq(values_BT, mask_BT).sum() / max(norms.num_tokens, 1.0)
 
 
-def _seq_mean_token_mean(values_BT: Tensor, mask_BT: Tensor, norms: LossNormalizers, cfg: AggregationConfig) -> Tensor:
-    len_B = mask_BT.sum(dim=1).clamp_min(1).to(values_BT.dtype)
+def _seq_mean_token_mean(
+    values_BT: Tensor, mask_BT: Tensor, norms: LossNormalizers, cfg: AggregationConfig, seq_sum
+) -> Tensor:
+    # |y_i| of the WHOLE sequence: a rank holding part of it divides its part of the sum by the full length
+    len_B = complete_seq_sum(mask_BT.sum(dim=1).to(values_BT.dtype), seq_sum).clamp_min(1)
     return (_masked_sum_per_seq(values_BT, mask_BT) / len_B).sum() / max(norms.num_seqs, 1.0)
 
 
-def _seq_mean_token_sum(values_BT: Tensor, mask_BT: Tensor, norms: LossNormalizers, cfg: AggregationConfig) -> Tensor:
+def _seq_mean_token_sum(
+    values_BT: Tensor, mask_BT: Tensor, norms: LossNormalizers, cfg: AggregationConfig, seq_sum
+) -> Tensor:
     return _masked_sum_per_seq(values_BT, mask_BT).sum() / max(norms.num_seqs, 1.0)
 
 
 def _seq_mean_token_sum_norm(
-    values_BT: Tensor, mask_BT: Tensor, norms: LossNormalizers, cfg: AggregationConfig
+    values_BT: Tensor, mask_BT: Tensor, norms: LossNormalizers, cfg: AggregationConfig, seq_sum
 ) -> Tensor:
     return _masked_sum_per_seq(values_BT, mask_BT).sum() / (max(norms.num_seqs, 1.0) * float(cfg.token_sum_norm))
 
 
-AGGREGATIONS: dict[str, Callable[[Tensor, Tensor, LossNormalizers, AggregationConfig], Tensor]] = {
+AGGREGATIONS: dict[str, Callable[[Tensor, Tensor, LossNormalizers, AggregationConfig, SeqSum | None], Tensor]] = {
     "token-mean": _token_mean,
     "seq-mean-token-mean": _seq_mean_token_mean,
     "seq-mean-token-sum": _seq_mean_token_sum,
@@ -136,10 +156,17 @@ AGGREGATIONS: dict[str, Callable[[Tensor, Tensor, LossNormalizers, AggregationCo
 check_registry(AGGREGATIONS, AGGREGATION_NAMES, "aggregation.mode")
 
 
-def aggregate(values_BT: Tensor, mask_BT: Tensor, cfg: AggregationConfig, norms: LossNormalizers) -> Tensor:
-    """Reduce per-token ``values_BT`` [B, T] to this micro-batch's share of the global-batch loss (0-dim)."""
+def aggregate(
+    values_BT: Tensor,
+    mask_BT: Tensor,
+    cfg: AggregationConfig,
+    norms: LossNormalizers,
+    seq_sum: SeqSum | None = None,
+) -> Tensor:
+    """Reduce per-token ``values_BT`` [B, T] to this micro-batch's share of the global-batch loss (0-dim);
+    ``seq_sum``: completes per-sequence sums when the sequences are split over ranks (module docstring)."""
     if values_BT.shape != mask_BT.shape or values_BT.dim() != 2:
         raise ValueError(
             f"aggregate: values_BT {tuple(values_BT.shape)} and mask_BT {tuple(mask_BT.shape)} must both be [B, T]"
         )
-    return AGGREGATIONS[cfg.mode](values_BT, mask_BT.bool(), norms, cfg)
+    return AGGREGATIONS[cfg.mode](values_BT, mask_BT.bool(), norms, cfg, seq_sum)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .aggregation import LossNormalizers, aggregate
+from .aggregation import LossNormalizers, SeqSum, aggregate
 from .algorithm_config import AlgorithmConfig
 from .cpgd import policy_drift_per_token
 from .margin_credit import margin_credit_metrics, margin_credit_weights
@@ -57,6 +57,9 @@ class PolicyLossInputs:
     """Detached top-2 margin p1 - p2 from the ops, for margin credit."""
     mastered_B: Tensor | None = None
     """bool [B]: the sequence's prompt is mastered, for the MCPO hinge-KL."""
+    seq_sum: SeqSum | None = None
+    """Context parallelism: completes per-sequence sums over the ranks that share the sequences (each holds some of
+    their positions; the others are out of ``mask_BT``). None: the sequences are whole here."""
 
     def __post_init__(self) -> None:
         if self.mask_BT.dim() != 2:
@@ -90,6 +93,7 @@ def compute_policy_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """This micro-batch's share of the global-batch loss (0-dim, differentiable) and its metrics."""
     mask = inputs.mask_BT.bool()
+    seq_sum = inputs.seq_sum
     logp = _clean(inputs.logp_BT, mask)
     old = _clean(inputs.old_logp_BT.detach(), mask)
     if inputs.adv_BT is not None:
@@ -102,33 +106,33 @@ def compute_policy_loss(
         if inputs.margin_BT is None:
             raise ValueError("margin_credit.enabled needs margin_BT (ops 'margin') in PolicyLossInputs")
         margin = _clean(inputs.margin_BT.detach(), mask)
-        w = margin_credit_weights(cfg.margin_credit, margin, mask)
+        w = margin_credit_weights(cfg.margin_credit, margin, mask, seq_sum)
         adv = adv * w.to(adv.dtype)
         metrics.update(margin_credit_metrics(cfg.margin_credit, margin, w, mask))
 
-    pl_BT, pl_metrics = POLICY_LOSSES[cfg.policy_loss.name](cfg.policy_loss, logp, old, adv, mask)
-    pg_loss = aggregate(pl_BT, mask, cfg.aggregation, norms)
+    pl_BT, pl_metrics = POLICY_LOSSES[cfg.policy_loss.name](cfg.policy_loss, logp, old, adv, mask, seq_sum)
+    pg_loss = aggregate(pl_BT, mask, cfg.aggregation, norms, seq_sum)
     loss = pg_loss
     metrics["loss/policy"] = pg_loss.detach().float()
     metrics.update(pl_metrics)
 
     if cfg.drift.coef > 0:
         drift_BT, capped = policy_drift_per_token(logp, old, cfg.drift.clip, cfg.policy_loss.log_ratio_clamp)
-        drift = aggregate(drift_BT, mask, cfg.aggregation, norms)
+        drift = aggregate(drift_BT, mask, cfg.aggregation, norms, seq_sum)
         loss = loss + cfg.drift.coef * drift
         metrics["drift/kl"] = drift.detach().float()
         metrics["drift/capped_frac"] = masked_mean(capped.double(), mask)
 
     if cfg.ref_kl.coef > 0:
         kl_BT = ref_kl_per_token(cfg.ref_kl, logp, _clean(inputs.ref_logp_BT, mask), _clean(inputs.ref_kl_BT, mask))
-        ref_kl = aggregate(kl_BT, mask, cfg.aggregation, norms)
+        ref_kl = aggregate(kl_BT, mask, cfg.aggregation, norms, seq_sum)
         loss = loss + cfg.ref_kl.coef * ref_kl
         metrics["loss/ref_kl"] = ref_kl.detach().float()
 
     if cfg.entropy.coef > 0:
         if inputs.entropy_BT is None:
             raise ValueError("entropy.coef > 0 needs entropy_BT (ops 'entropy') in PolicyLossInputs")
-        ent = aggregate(_clean(inputs.entropy_BT, mask), mask, cfg.aggregation, norms)
+        ent = aggregate(_clean(inputs.entropy_BT, mask), mask, cfg.aggregation, norms, seq_sum)
         loss = loss - cfg.entropy.coef * ent
         metrics["loss/entropy_bonus"] = ent.detach().float()
     if inputs.entropy_BT is not None:
@@ -138,7 +142,7 @@ def compute_policy_loss(
         if inputs.mastered_B is None:
             raise ValueError("hinge_kl.enabled needs mastered_B (see advantages.mastered_rollouts) in PolicyLossInputs")
         hinge, h_metrics = hinge_kl_loss(
-            cfg.hinge_kl, logp, old, mask, inputs.mastered_B.bool(), norms, cfg.policy_loss.log_ratio_clamp
+            cfg.hinge_kl, logp, old, mask, inputs.mastered_B.bool(), norms, cfg.policy_loss.log_ratio_clamp, seq_sum
         )
         loss = loss + hinge
         metrics.update(h_metrics)

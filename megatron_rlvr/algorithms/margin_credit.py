@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .aggregation import complete_seq_sum
 from .algorithm_config import MarginCreditConfig
 from .metrics import masked_max, masked_mean
 
@@ -34,14 +35,15 @@ def margin_score(cfg: MarginCreditConfig, margin_BT: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def margin_credit_weights(cfg: MarginCreditConfig, margin_BT: Tensor, mask_BT: Tensor) -> Tensor:
-    """Per-token weights [B, T] (at least float32, detached): mean 1 over each row's valid tokens, 0 elsewhere."""
+def margin_credit_weights(cfg: MarginCreditConfig, margin_BT: Tensor, mask_BT: Tensor, seq_sum=None) -> Tensor:
+    """Per-token weights [B, T] (at least float32, detached): mean 1 over each row's valid tokens, 0 elsewhere.
+    ``seq_sum`` (context parallelism, :data:`.aggregation.SeqSum`): the mean is over the whole sequence's tokens."""
     mask = mask_BT.bool()
     m = margin_BT.detach()
     m = m.to(torch.promote_types(m.dtype, torch.float32))
     s = torch.where(mask, margin_score(cfg, m), torch.zeros_like(m))
-    total_B = s.sum(dim=1, keepdim=True)
-    len_B = mask.sum(dim=1, keepdim=True).to(m.dtype)
+    total_B = complete_seq_sum(s.sum(dim=1), seq_sum)[:, None]
+    len_B = complete_seq_sum(mask.sum(dim=1).to(m.dtype), seq_sum)[:, None]
     uniform = mask.to(m.dtype)
     w = torch.where(total_B > 0, s * len_B / total_B.clamp_min(1e-30), uniform)
     return torch.where(mask, w, torch.zeros_like(w))

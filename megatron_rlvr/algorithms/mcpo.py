@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .aggregation import LossNormalizers
+from .aggregation import LossNormalizers, SeqSum, complete_seq_sum
 from .algorithm_config import HingeKLConfig
 
 
@@ -91,17 +91,19 @@ def hinge_kl_loss(
     mastered_B: Tensor,
     norms: LossNormalizers,
     log_ratio_clamp: float = 20.0,
+    seq_sum: SeqSum | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """beta * sum_{i mastered} (1/|y_i|) sum_t phi(d_it) / N_mastered_global, and its metrics; phi is replaced by
     its tangent above ``log_ratio_clamp`` (:func:`hinge_phi_bounded`), never clamped to a zero gradient.
 
-    ``mask_BT`` bool [B, T]; ``mastered_B`` bool [B]. Returns (0-dim loss, metrics).
+    ``mask_BT`` bool [B, T]; ``mastered_B`` bool [B]. Returns (0-dim loss, metrics). ``seq_sum`` (context
+    parallelism): |y_i| is the whole sequence's length.
     """
     mask = mask_BT.bool() & mastered_B.bool()[:, None]
     d = logp_BT - old_logp_BT.detach()
     d = torch.where(mask, d, torch.zeros_like(d))
     phi = hinge_phi_bounded(d, cfg.delta, log_ratio_clamp)
-    len_B = mask.sum(dim=1).clamp_min(1).to(phi.dtype)
+    len_B = complete_seq_sum(mask.sum(dim=1).to(phi.dtype), seq_sum).clamp_min(1)
     per_seq = torch.where(mask, phi, torch.zeros_like(phi)).sum(dim=1) / len_B
     loss = cfg.beta * per_seq.sum() / max(norms.num_mastered_seqs, 1.0)
     with torch.no_grad():

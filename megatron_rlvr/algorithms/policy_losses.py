@@ -1,6 +1,7 @@
 """Per-token policy losses on log-probs from the vocab-parallel ops.
 
-Inputs (all [B, T]): ``logp_BT`` current policy log-prob of the sampled token (carries the gradient),
+Inputs (all [B, T]; ``seq_sum``, see :data:`.aggregation.SeqSum`, only where a loss sums over a sequence):
+``logp_BT`` current policy log-prob of the sampled token (carries the gradient),
 ``old_logp_BT`` behaviour-policy log-prob (detached here), ``adv_BT`` per-token advantage (a per-sequence advantage
 broadcast over its tokens, possibly reshaped by margin credit), ``mask_BT`` bool response mask. Each loss returns
 the per-token loss [B, T] (0 on masked positions) and its metrics; :mod:`.aggregation` reduces it.
@@ -34,6 +35,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from .aggregation import complete_seq_sum
 from .algorithm_config import POLICY_LOSS_NAMES, PolicyLossConfig, check_registry
 from .cpgd import cpgd_clipped_pg_per_token
 from .metrics import masked_mean
@@ -71,17 +73,17 @@ def _ppo(cfg, logp_BT, old_logp_BT, adv_BT, mask_BT, dual: bool) -> tuple[Tensor
     return loss, metrics
 
 
-def ppo_clip_loss(cfg, logp_BT, old_logp_BT, adv_BT, mask_BT) -> tuple[Tensor, dict[str, Tensor]]:
+def ppo_clip_loss(cfg, logp_BT, old_logp_BT, adv_BT, mask_BT, seq_sum=None) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate (asymmetric: DAPO clip-higher); dual-clipped when ``cfg.dual_clip``."""
     return _ppo(cfg, logp_BT, old_logp_BT, adv_BT, mask_BT, dual=cfg.dual_clip)
 
 
-def dual_clip_ppo_loss(cfg, logp_BT, old_logp_BT, adv_BT, mask_BT) -> tuple[Tensor, dict[str, Tensor]]:
+def dual_clip_ppo_loss(cfg, logp_BT, old_logp_BT, adv_BT, mask_BT, seq_sum=None) -> tuple[Tensor, dict[str, Tensor]]:
     """Dual-clip PPO: ``ppo`` with the dual clip on."""
     return _ppo(cfg, logp_BT, old_logp_BT, adv_BT, mask_BT, dual=True)
 
 
-def cispo_loss(cfg, logp_BT, old_logp_BT, adv_BT, mask_BT) -> tuple[Tensor, dict[str, Tensor]]:
+def cispo_loss(cfg, logp_BT, old_logp_BT, adv_BT, mask_BT, seq_sum=None) -> tuple[Tensor, dict[str, Tensor]]:
     """CISPO: REINFORCE with a clipped, stop-gradient importance weight; every token keeps its gradient."""
     r = log_ratio(cfg, logp_BT, old_logp_BT).detach().exp()
     lo = None if cfg.eps_low is None else 1.0 - cfg.eps_low
@@ -91,7 +93,7 @@ def cispo_loss(cfg, logp_BT, old_logp_BT, adv_BT, mask_BT) -> tuple[Tensor, dict
     return loss, _clip_metrics(low, r > 1.0 + cfg.eps_high, mask_BT)
 
 
-def gspo_loss(cfg, logp_BT, old_logp_BT, adv_BT, mask_BT) -> tuple[Tensor, dict[str, Tensor]]:
+def gspo_loss(cfg, logp_BT, old_logp_BT, adv_BT, mask_BT, seq_sum=None) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO-token: sequence-level ratio s_i = exp(min(mean_t log r_it, L)) with the token-level stop-gradient form;
     dual-clipped when ``cfg.dual_clip``.
 
@@ -99,10 +101,13 @@ def gspo_loss(cfg, logp_BT, old_logp_BT, adv_BT, mask_BT) -> tuple[Tensor, dict[
     tokens all drifted to the per-token clamp would weigh e^20 |A| in loss and gradient (the unclipped branch of the
     PPO-style max is the pessimistic one for A < 0, so the eps clip never bounds it); clamped, the loss is at most
     e^L |A| and, the clamp having gradient 0 outside its range, such a sequence gets no gradient, as verl's GSPO
-    (same L = 10). Below, s -> 0 bounds itself (the gradient of a sequence with A > 0 is A s)."""
+    (same L = 10). Below, s -> 0 bounds itself (the gradient of a sequence with A > 0 is A s).
+
+    ``seq_sum`` completes the per-sequence log-ratio sum and length over the ranks that share a sequence (context
+    parallelism): s_i is the whole sequence's on every rank."""
     lr = torch.where(mask_BT, log_ratio(cfg, logp_BT, old_logp_BT), torch.zeros_like(logp_BT))
-    len_B = mask_BT.sum(dim=1).clamp_min(1).to(lr.dtype)
-    log_s_B = (lr.sum(dim=1) / len_B).detach()
+    len_B = complete_seq_sum(mask_BT.sum(dim=1).to(lr.dtype), seq_sum).clamp_min(1)
+    log_s_B = complete_seq_sum(lr.sum(dim=1).detach(), seq_sum) / len_B
     log_s_BT = (log_s_B[:, None] + logp_BT - logp_BT.detach()).clamp(max=cfg.seq_log_ratio_clamp)
     s = log_s_BT.exp()
     loss = torch.maximum(-adv_BT * s, -adv_BT * s.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high))
@@ -118,19 +123,20 @@ def gspo_loss(cfg, logp_BT, old_logp_BT, adv_BT, mask_BT) -> tuple[Tensor, dict[
     return loss, metrics
 
 
-def pg_loss(cfg, logp_BT, old_logp_BT, adv_BT, mask_BT) -> tuple[Tensor, dict[str, Tensor]]:
+def pg_loss(cfg, logp_BT, old_logp_BT, adv_BT, mask_BT, seq_sum=None) -> tuple[Tensor, dict[str, Tensor]]:
     """Plain policy gradient -A logp (no importance ratio, no clip)."""
     zeros = torch.zeros_like(mask_BT)
     return -adv_BT * logp_BT, _clip_metrics(zeros, zeros, mask_BT)
 
 
-def cpgd_loss(cfg, logp_BT, old_logp_BT, adv_BT, mask_BT) -> tuple[Tensor, dict[str, Tensor]]:
+def cpgd_loss(cfg, logp_BT, old_logp_BT, adv_BT, mask_BT, seq_sum=None) -> tuple[Tensor, dict[str, Tensor]]:
     """CPGD clipped policy gradient (see :mod:`.cpgd`)."""
     loss, low, high = cpgd_clipped_pg_per_token(logp_BT, old_logp_BT, adv_BT, cfg.eps_low, cfg.eps_high)
     return loss, _clip_metrics(low, high, mask_BT)
 
 
-PolicyLossFn = Callable[[PolicyLossConfig, Tensor, Tensor, Tensor, Tensor], tuple[Tensor, dict[str, Tensor]]]
+PolicyLossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
+"""(cfg, logp_BT, old_logp_BT, adv_BT, mask_BT, seq_sum=None) -> (per-token loss [B, T], metrics)."""
 
 POLICY_LOSSES: dict[str, PolicyLossFn] = {
     "ppo": ppo_clip_loss,

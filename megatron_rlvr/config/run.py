@@ -140,7 +140,7 @@ def model_hf_config(cfg: ModelConfig) -> dict:
 
 
 def default_world_size(cfg: RunConfig) -> int:
-    """Ranks of a local launch: launch.nproc, else the visible GPUs, else TP x PP."""
+    """Ranks of a local launch: launch.nproc, else the visible GPUs, else TP x CP x PP."""
     if cfg.launch.nproc:
         return cfg.launch.nproc
     try:
@@ -150,20 +150,21 @@ def default_world_size(cfg: RunConfig) -> int:
             return torch.cuda.device_count()
     except ImportError:  # pragma: no cover
         pass
-    return cfg.parallel.tp * cfg.parallel.pp + cfg.parallel.rollout_ranks
+    return cfg.parallel.tp * cfg.parallel.cp * cfg.parallel.pp + cfg.parallel.rollout_ranks
 
 
 def check_layout(cfg: RunConfig, world_size: int) -> None:
-    """ConfigError unless the layout divides: TP x PP into the world, rollout TP into the world, TP into the model's
-    heads (and KV heads), PP into its layers."""
+    """ConfigError unless the layout divides: TP x CP x PP into the world, rollout TP into the world, TP into the
+    model's heads (and KV heads), PP into its layers; CP only for text models without experts."""
     par = cfg.parallel
+    mp = par.tp * par.cp * par.pp
     if par.rollout_ranks:
         check_disaggregated_layout(cfg, world_size)
         world_size -= par.rollout_ranks  # below: the training ranks' layout
-    elif world_size % (par.tp * par.pp):
+    elif world_size % mp:
         raise ConfigError(
-            f"parallel.tp x parallel.pp = {par.tp} x {par.pp} = {par.tp * par.pp} does not divide the world size "
-            f"{world_size} (ranks); change launch.nproc or the layout"
+            f"parallel.tp x parallel.cp x parallel.pp = {par.tp} x {par.cp} x {par.pp} = {mp} does not divide the "
+            f"world size {world_size} (ranks); change launch.nproc or the layout"
         )
     if not par.rollout_ranks and world_size % par.rollout_tp:
         raise ConfigError(f"parallel.rollout_tp={par.rollout_tp} does not divide the world size {world_size}")
@@ -175,6 +176,11 @@ def check_layout(cfg: RunConfig, world_size: int) -> None:
             raise ConfigError(
                 f"parallel.pp={par.pp}: vision-language policies ({hf['architectures'][0]}) train with parallel.pp=1 "
                 "(the vision tower and the 3-D positions are not passed between pipeline stages); use parallel.tp"
+            )
+        if par.cp > 1:
+            raise ConfigError(
+                f"parallel.cp={par.cp}: vision-language policies ({hf['architectures'][0]}) train with parallel.cp=1 "
+                "(their M-RoPE positions and image embeddings are not split over context-parallel ranks)"
             )
         hf = vl_text_config(hf)
     elif cfg.model.freeze_vision:
@@ -188,6 +194,12 @@ def check_layout(cfg: RunConfig, world_size: int) -> None:
         raise ConfigError(
             f"parallel.tp={par.tp} does not divide the model's num_key_value_heads={kv}: choose a parallel.tp that "
             f"divides {kv} (parallel.rollout_tp may still be larger: vLLM replicates key/value heads)"
+        )
+    if par.cp > 1 and par.cp_comm_type == "a2a" and heads and ((heads // par.tp) % par.cp or (kv // par.tp) % par.cp):
+        raise ConfigError(
+            f"parallel.cp_comm_type=a2a splits each TP rank's heads over the {par.cp} context-parallel ranks: "
+            f"parallel.cp={par.cp} must divide the {heads // par.tp} attention and {kv // par.tp} key/value heads per "
+            "TP rank (use p2p or all_gather)"
         )
     ffn = int(hf.get("intermediate_size", 0) or 0)
     if ffn and ffn % par.tp:
@@ -223,6 +235,11 @@ def check_expert_layout(par, world_size: int, hf: dict) -> None:
     if not hf:
         return
     experts = int(hf.get("num_experts", hf.get("num_local_experts")) or 0)
+    if experts and par.cp > 1:
+        raise ConfigError(
+            f"parallel.cp={par.cp}: mixture-of-experts models train with parallel.cp=1 (context parallelism is wired "
+            "for dense models only: the router statistics are not reduced over context-parallel ranks)"
+        )
     if not experts:
         if par.ep > 1 or (par.etp or 1) > 1:
             raise ConfigError("parallel.ep / parallel.etp > 1 need a mixture-of-experts model")
@@ -244,15 +261,38 @@ def check_disaggregated_layout(cfg: RunConfig, world_size: int) -> None:
             f"parallel.rollout_ranks={par.rollout_ranks} leaves no training rank in a world of {world_size}; the "
             "training ranks are the first world - rollout_ranks ranks (raise launch.nproc or lower rollout_ranks)"
         )
-    if train_ranks % (par.tp * par.pp):
+    if train_ranks % (par.tp * par.cp * par.pp):
         raise ConfigError(
-            f"parallel.tp x parallel.pp = {par.tp * par.pp} does not divide the {train_ranks} training ranks "
+            f"parallel.tp x parallel.cp x parallel.pp = {par.tp * par.cp * par.pp} does not divide the {train_ranks} "
+            "training ranks "
             f"(world {world_size} - parallel.rollout_ranks {par.rollout_ranks}); change the layout or launch.nproc"
         )
     if par.rollout_ranks % par.rollout_tp:
         raise ConfigError(
             f"parallel.rollout_tp={par.rollout_tp} does not divide parallel.rollout_ranks={par.rollout_ranks}: each "
             "engine spans rollout_tp rollout ranks"
+        )
+
+
+def check_context_parallel(cfg: RunConfig, seq: int) -> None:
+    """parallel.cp > 1: the longest sequence (rollout.max_prompt_len + rollout.max_response_len) must give every
+    context-parallel rank at least one token of each of its two chunks, and a micro-batch budget must hold it padded
+    to a multiple of 2 x cp."""
+    cp = cfg.parallel.cp
+    if cp == 1:
+        return
+    if seq < 2 * cp:
+        raise ConfigError(
+            f"parallel.cp={cp} splits a sequence into 2 x cp = {2 * cp} chunks but rollout.max_prompt_len + "
+            f"rollout.max_response_len = {seq} tokens: lower parallel.cp (context parallelism is for long sequences)"
+        )
+    padded = -(-seq // (2 * cp)) * 2 * cp
+    budget = cfg.train.micro_batch_tokens
+    if budget is not None and budget < padded:
+        raise ConfigError(
+            f"train.micro_batch_tokens={budget} cannot hold one sequence of rollout.max_prompt_len + "
+            f"rollout.max_response_len = {seq} tokens padded to a multiple of 2 x parallel.cp = {2 * cp} ({padded}); "
+            "raise it"
         )
 
 
@@ -331,6 +371,7 @@ def validate_cross_section(cfg: RunConfig, hf: dict) -> None:
             f"train.micro_batch_tokens={t.micro_batch_tokens} cannot hold one sequence of rollout.max_prompt_len + "
             f"rollout.max_response_len = {seq} tokens; raise it or shorten the lengths"
         )
+    check_context_parallel(cfg, seq)
     max_pos = hf.get("max_position_embeddings")
     if max_pos and seq > int(max_pos):
         # an empty or partial config gets model.name=tiny (a 64-position toy) with lengths sized for real models

@@ -99,6 +99,9 @@ class ModelConfig:
 
 
 MOE_DISPATCHERS = ("alltoall", "allgather")
+CP_COMM_TYPES = ("p2p", "a2a", "all_gather")
+"""``parallel.cp_comm_type`` values: Transformer Engine's context-parallel attention exchanges (megatron's
+``cp_comm_type``)."""
 
 
 @dataclass
@@ -109,6 +112,15 @@ class ParallelConfig:
     """Training tensor-parallel size (Megatron tensor_model_parallel_size)."""
     pp: int = 1
     """Training pipeline-parallel size; must divide the layer count."""
+    cp: int = 1
+    """Context parallelism (Megatron context_parallel_size): every sequence of a micro-batch is split over ``cp``
+    ranks, each holding 2 of its 2 x cp chunks (chunks r and 2cp-1-r: balanced causal work), so activations and
+    logits per rank shrink by cp. The world is tp x cp x dp x pp ranks; micro-batch lengths are padded to a multiple
+    of 2 x cp (x tp under sequence parallelism). Text models only (no vision-language or mixture-of-experts models)."""
+    cp_comm_type: str = "p2p"
+    """How the context-parallel attention exchanges keys and values, with Transformer Engine on GPUs: ``p2p`` (ring,
+    overlapped with compute), ``a2a`` (all-to-all over heads, Ulysses style; cp must divide the heads per TP rank)
+    or ``all_gather``. Without Transformer Engine (CPU) the attention all-gathers keys and values whatever this says."""
     rollout_tp: int = 1
     """Tensor-parallel size of each vLLM engine; (rollout ranks) / rollout_tp engines run side by side."""
     rollout_ranks: int = 0
@@ -130,8 +142,10 @@ class ParallelConfig:
     ``allgather`` (every rank sees every token, megatron's default). Megatron's ``flex`` needs CUDA-only DeepEP."""
 
     def __post_init__(self) -> None:
-        for k in ("tp", "pp", "rollout_tp", "ep"):
+        for k in ("tp", "pp", "cp", "rollout_tp", "ep"):
             _positive_int(f"parallel.{k}", getattr(self, k))
+        if self.cp_comm_type not in CP_COMM_TYPES:
+            raise ValueError(f"parallel.cp_comm_type must be one of {CP_COMM_TYPES}, got {self.cp_comm_type!r}")
         if self.etp is not None:
             _positive_int("parallel.etp", self.etp)
         if self.moe_dispatcher not in MOE_DISPATCHERS:
@@ -584,7 +598,7 @@ class LaunchConfig:
     ranks), and how every rank talks to the others (backend, collective_timeout_s)."""
 
     nproc: int | None = None
-    """Ranks to start. None: the number of GPUs, or parallel.tp x parallel.pp on a CPU machine."""
+    """Ranks to start. None: the number of GPUs, or parallel.tp x parallel.cp x parallel.pp on a CPU machine."""
     backend: str = "auto"
     """torch.distributed backend: ``auto`` (nccl with CUDA, else gloo), ``gloo`` or ``nccl``."""
     master_addr: str = "127.0.0.1"

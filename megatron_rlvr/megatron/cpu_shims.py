@@ -183,6 +183,7 @@ def _patch_megatron() -> None:
         wrapped._rlvr_cpu_patched = True
 
     _patch_causal_masks()
+    _patch_rope_cp_slice()
     _patch_distributed_optimizer_torch_adam()
     _patch_moe()
 
@@ -211,6 +212,29 @@ def _patch_causal_masks() -> None:
             module.get_default_causal_mask = _cpu_causal_mask
         if hasattr(module, "get_sliding_window_causal_mask"):
             module.get_sliding_window_causal_mask = _cpu_sliding_window_mask
+
+
+def _rope_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
+    """The rotary angles of the positions a context-parallel rank holds, chunks r and 2cp - 1 - r of 2cp along
+    ``seq_dim`` (megatron_rlvr.megatron.context_parallel.zigzag_positions), on ``pos_emb``'s own device."""
+    if cp_group is None:
+        raise ValueError("the rotary embedding of a context-parallel rank needs its cp_group")
+    cp, r = cp_group.size(), cp_group.rank()
+    chunks = pos_emb.unflatten(seq_dim, (2 * cp, -1))
+    picked = chunks.index_select(seq_dim, torch.tensor([r, 2 * cp - 1 - r], device=pos_emb.device))
+    return picked.flatten(seq_dim, seq_dim + 1)
+
+
+def _patch_rope_cp_slice() -> None:
+    """megatron's ``get_pos_emb_on_this_cp_rank`` (context parallelism) builds its chunk index with
+    ``pin_memory=True`` and ``.cuda()``; the model forward runs outside the CUDA -> CPU redirect (``native_torch``),
+    where that raises "pin_memory=True requires a CUDA or other accelerator backend". The rotary modules import the
+    function by name, so each gets the CPU version."""
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding
+
+    for module in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding):
+        if hasattr(module, "get_pos_emb_on_this_cp_rank"):
+            module.get_pos_emb_on_this_cp_rank = _rope_on_this_cp_rank
 
 
 def _patch_distributed_optimizer_torch_adam() -> None:

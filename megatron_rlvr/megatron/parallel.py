@@ -56,6 +56,14 @@ class DistInfo:
         return self.pg.pp.size()
 
     @property
+    def cp_rank(self) -> int:
+        return self.pg.cp.rank()
+
+    @property
+    def cp_size(self) -> int:
+        return self.pg.cp.size()
+
+    @property
     def dp_rank(self) -> int:
         return self.pg.dp.rank()
 
@@ -117,9 +125,10 @@ def init_distributed(
     timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
     ep: int = 1,
     etp: int | None = None,
+    cp: int = 1,
 ) -> DistInfo:
-    """Join (or reuse) the default process group and (re-)initialise megatron's model parallel groups for (tp, pp)
-    and the experts' (ep, etp; etp None: tp).
+    """Join (or reuse) the default process group and (re-)initialise megatron's model parallel groups for (tp, cp,
+    pp) and the experts' (ep, etp; etp None: tp).
 
     ``timeout_s`` (launch.collective_timeout_s) bounds every collective of the default group and of megatron's
     groups, and the rendezvous: a rank waiting longer for a hung, stopped or unreachable peer raises (gloo; NCCL's
@@ -161,9 +170,11 @@ def init_distributed(
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     world = dist.get_world_size()
-    if world % (tp * pp):
-        raise ValueError(f"parallel.tp x parallel.pp = {tp * pp} does not divide the world size {world}")
-    init_model_parallel(tp, pp, seed, ep=ep, etp=etp, timeout_s=timeout_s)
+    if world % (tp * cp * pp):
+        raise ValueError(
+            f"parallel.tp x parallel.cp x parallel.pp = {tp * cp * pp} does not divide the world size {world}"
+        )
+    init_model_parallel(tp, pp, seed, ep=ep, etp=etp, timeout_s=timeout_s, cp=cp)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     return DistInfo(
         rank=dist.get_rank(),
@@ -195,21 +206,29 @@ def init_model_parallel(
     ep: int = 1,
     etp: int | None = None,
     timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+    cp: int = 1,
 ) -> None:
-    """(Re-)initialise megatron's model-parallel groups for (tp, pp) and the experts' (ep, etp; etp None: tp) on an
-    initialised default process group (kept when the layout is unchanged; ``on_rebuild()`` runs after the old ones
+    """(Re-)initialise megatron's model-parallel groups for (tp, cp, pp) and the experts' (ep, etp; etp None: tp) on
+    an initialised default process group (kept when the layout is unchanged; ``on_rebuild()`` runs after the old ones
     are destroyed), then seed torch and megatron's model-parallel RNG tracker. The trainer and the test harness
     (megatron_rlvr.testing) both use it. ``timeout_s``: the collective timeout of the new groups (megatron's own
-    default is 30 minutes)."""
+    default is 30 minutes). ``cp``: context-parallel size; megatron orders the dense grid tp-cp-dp-pp, so the ranks of
+    a CP group are tp apart, and its data-parallel-with-CP group (``dp_cp``) is the one gradients are reduced over."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     etp = tp if etp is None else etp
+    if dist.get_world_size() % (tp * cp * pp):
+        raise ValueError(
+            f"parallel.tp x parallel.cp x parallel.pp = {tp * cp * pp} does not divide the world size "
+            f"{dist.get_world_size()}"
+        )
     check_expert_layout(dist.get_world_size(), tp, pp, ep, etp)
     if parallel_state.model_parallel_is_initialized():
         same = (
             parallel_state.get_tensor_model_parallel_world_size() == tp
             and parallel_state.get_pipeline_model_parallel_world_size() == pp
+            and parallel_state.get_context_parallel_world_size() == cp
             and parallel_state.get_expert_model_parallel_world_size() == ep
             and parallel_state.get_expert_tensor_parallel_world_size() == etp
         )
@@ -221,6 +240,7 @@ def init_model_parallel(
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
+            context_parallel_size=cp,
             expert_model_parallel_size=ep,
             expert_tensor_parallel_size=etp,
             distributed_timeout_minutes=timeout_s / 60.0,  # only ever used as timedelta(minutes=...)

@@ -10,6 +10,7 @@ import torch
 
 from megatron_rlvr.config import ModelConfig, OptimizerConfig, ParallelConfig, ScheduleConfig, TrainConfig
 from megatron_rlvr.families.table import vl_family_of, vl_saved_name
+from megatron_rlvr.megatron.context_parallel import cp_core_attention
 from megatron_rlvr.models.build import build_gpt_model, unwrap
 from megatron_rlvr.models.hf_config import hf_config_object, megatron_model_args
 from megatron_rlvr.models.hf_loading import load_hf_weights
@@ -39,6 +40,8 @@ def model_args_for(source: ModelSource, model_cfg: ModelConfig, par: ParallelCon
         pp_size=par.pp,
         dtype=_DTYPES[model_cfg.dtype],
         sequence_parallel=par.sequence_parallel_on(torch.cuda.is_available()),
+        cp_size=par.cp,
+        cp_comm_type=par.cp_comm_type,
         **overrides,
     )
 
@@ -90,7 +93,8 @@ def build_model(
 
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
-    model = build_gpt_model(args, pg_collection=pg)
+    cp_attention = cp_core_attention() if args.config.context_parallel_size > 1 else None  # used without TE
+    model = build_gpt_model(args, pg_collection=pg, cp_core_attention=cp_attention)
     weights = source.weights_dir
     if weights is None:
         weights = random_hf_state_dict(source.hf_config, seed, vision_std=TINY_VISION_STD if source.is_tiny else None)

@@ -6,6 +6,11 @@ of the global mini-batch loss (divided by GLOBAL token / sequence counts), so th
 all micro-batch gradients on all data-parallel ranks. megatron's schedule divides each returned loss by the number
 of micro-batches and its DDP averages gradients over the data-parallel group; ``run_microbatches`` multiplies the
 loss by ``num_microbatches * dp_size`` before handing it over, which undoes both exactly.
+
+Context parallelism: each CP rank's loss is its share (its positions' terms over global normalisers), megatron's
+schedule multiplies a returned loss by the CP size and its DDP averages gradients over data x context parallel
+(``dp_cp``): the two cancel, and the gradients of the CP ranks' shares add up. Micro-batches come split (model inputs
+[b, s / cp]); the schedule is told the global length s, which it divides by CP itself (PP p2p shapes).
 """
 
 from __future__ import annotations
@@ -82,7 +87,7 @@ def run_microbatches(
             data_iterator=iter(microbatches),
             model=[model],
             num_microbatches=n_micro,
-            seq_length=s,
+            seq_length=s * pg.cp.size(),  # the global length: megatron divides it by CP
             micro_batch_size=b,
             forward_only=forward_only,
         )

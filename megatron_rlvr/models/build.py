@@ -26,9 +26,13 @@ def te_available() -> bool:
     return True
 
 
-def layer_spec(args: MegatronModelArgs, use_te: bool | None = None, pp_rank: int = 0):
+def layer_spec(args: MegatronModelArgs, use_te: bool | None = None, pp_rank: int = 0, cp_core_attention=None):
     """ModuleSpec of one decoder layer (dense models), or the block spec of pipeline stage ``pp_rank`` (MoE models:
     MoE and dense layers per ``moe_layer_freq``). ``use_te=None`` picks TE when available.
+
+    Context parallelism (``context_parallel_size > 1``): TE's attention does it itself (``cp_comm_type``); megatron's
+    local attention refuses it, so without TE the local spec takes ``cp_core_attention`` as its core attention (the
+    fenced megatron_rlvr.megatron.context_parallel.cp_core_attention(), which the trainer passes).
 
     MoE experts: Transformer Engine's grouped GEMM (``TEGroupedMLP``) where TE runs, else megatron's
     ``SequentialMLP`` (one GEMM per local expert; CPU).
@@ -43,6 +47,8 @@ def layer_spec(args: MegatronModelArgs, use_te: bool | None = None, pp_rank: int
         if use_te:
             raise ValueError("multi-latent attention is built from megatron's local layer spec (use_te=False)")
         _mla_without_te()
+    if cfg.context_parallel_size > 1 and (cfg.num_moe_experts or getattr(cfg, "multi_latent_attention", False)):
+        raise ValueError("context parallelism is supported for dense models with standard attention only")
     if cfg.num_moe_experts:
         if cfg.moe_grouped_gemm and not use_te:
             raise ValueError("moe_grouped_gemm needs the Transformer Engine layer spec (use_te)")
@@ -60,9 +66,17 @@ def layer_spec(args: MegatronModelArgs, use_te: bool | None = None, pp_rank: int
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=None, moe_grouped_gemm=False, qk_layernorm=args.config.qk_layernorm
         )
-    return gpt_layer_specs.get_gpt_layer_local_spec(
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(
         num_experts=None, moe_grouped_gemm=False, qk_layernorm=args.config.qk_layernorm, normalization="RMSNorm"
     )
+    if cfg.context_parallel_size > 1:
+        if cp_core_attention is None:
+            raise ValueError(
+                f"context_parallel_size={cfg.context_parallel_size} without Transformer Engine needs a context-parallel"
+                " core attention (cp_core_attention=megatron_rlvr.megatron.context_parallel.cp_core_attention())"
+            )
+        spec.submodules.self_attention.submodules.core_attention = cp_core_attention
+    return spec
 
 
 def _mla_without_te() -> None:
@@ -170,8 +184,11 @@ def build_gpt_model(
     use_te: bool | None = None,
     parallel_output: bool = True,
     wrap_float16: bool = True,
+    cp_core_attention=None,
 ):
     """The GPTModel of this pipeline stage (``Float16Module``-wrapped for bf16/fp16 unless ``wrap_float16=False``).
+
+    ``cp_core_attention``: the core attention of a context-parallel model without Transformer Engine (``layer_spec``).
 
     ``pg_collection``: megatron ``ProcessGroupCollection`` (default: megatron's initialised parallel_state groups).
     ``pre_process`` / ``post_process`` default to first / last pipeline stage of ``pg_collection.pp``.
@@ -186,11 +203,17 @@ def build_gpt_model(
     pp_group = pg_collection.pp
     pp_rank, pp_size = pp_group.rank(), pp_group.size()
     tp_size = pg_collection.tp.size()
+    cp_size = pg_collection.cp.size()
     cfg = args.config
     if cfg.tensor_model_parallel_size != tp_size or cfg.pipeline_model_parallel_size != pp_size:
         raise ValueError(
             f"model args are for TP={cfg.tensor_model_parallel_size}, PP={cfg.pipeline_model_parallel_size} but the "
             f"process groups are TP={tp_size}, PP={pp_size}; rebuild them with megatron_model_args(tp_size=, pp_size=)"
+        )
+    if cfg.context_parallel_size != cp_size:
+        raise ValueError(
+            f"model args are for CP={cfg.context_parallel_size} but the process groups are CP={cp_size}; rebuild them "
+            "with megatron_model_args(cp_size=)"
         )
     if pre_process is None:
         pre_process = pp_rank == 0
@@ -207,7 +230,7 @@ def build_gpt_model(
         cls, extra = vl_gpt_model_class(), {"vision": args.vision}
     model = cls(
         config=cfg,
-        transformer_layer_spec=layer_spec(args, use_te, pp_rank=pp_rank),
+        transformer_layer_spec=layer_spec(args, use_te, pp_rank=pp_rank, cp_core_attention=cp_core_attention),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_sequence_length,
         pre_process=pre_process,
@@ -248,7 +271,9 @@ def takes_block_attention_mask(model) -> bool:
         return False
     cores = [m.core_attention for m in gpt.modules() if hasattr(m, "core_attention")]
     local = (DotProductAttention, _MLA_CORE) if _MLA_CORE is not None else (DotProductAttention,)
-    return all(type(c) in local for c in cores)
+    # the context-parallel core attention (megatron_rlvr.megatron.context_parallel) re-indexes a given mask's key
+    # columns and applies it as the parent does
+    return all(type(c) in local or getattr(type(c), "applies_given_mask", False) for c in cores)
 
 
 def gather_vocab_parallel(logits: torch.Tensor, tp_group, vocab_size: int | None = None) -> torch.Tensor:

@@ -157,26 +157,33 @@ def _set_rng_state(state: dict) -> None:
 
 
 def _layout(pg) -> dict:
-    ep = getattr(pg, "ep", None)
-    return {"tp": pg.tp.size(), "pp": pg.pp.size(), "dp": pg.dp.size(), "ep": ep.size() if ep is not None else 1}
+    ep, cp = getattr(pg, "ep", None), getattr(pg, "cp", None)
+    return {
+        "tp": pg.tp.size(),
+        "pp": pg.pp.size(),
+        "dp": pg.dp.size(),
+        "ep": ep.size() if ep is not None else 1,
+        "cp": cp.size() if cp is not None else 1,
+    }
 
 
 def _same_layout(saved: dict, now: dict) -> bool:
-    """Checkpoints written before the layout recorded EP compare on what they recorded."""
+    """Checkpoints written before the layout recorded EP compare on what they recorded; before it recorded CP, they
+    were written at CP = 1."""
+    saved = {"cp": 1, **saved}
     return all(saved[k] == now[k] for k in saved.keys() & now.keys())
 
 
 def _rng_sharded_object(pg, state):
+    """Every rank's RNG states, one object per (pp, tp, dp) rank, and per CP rank with context parallelism (the CP
+    ranks of one data-parallel rank hold different states; at CP = 1 the key shape stays what it always was)."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     lay = _layout(pg)
-    return ShardedObject(
-        "rng_state",
-        state,
-        (lay["pp"], lay["tp"], lay["dp"]),
-        (pg.pp.rank(), pg.tp.rank(), pg.dp.rank()),
-        replica_id=0,
-    )
+    shape, where = (lay["pp"], lay["tp"], lay["dp"]), (pg.pp.rank(), pg.tp.rank(), pg.dp.rank())
+    if lay["cp"] > 1:
+        shape, where = (*shape, lay["cp"]), (*where, pg.cp.rank())
+    return ShardedObject("rng_state", state, shape, where, replica_id=0)
 
 
 # --------------------------------------------------------------------------------------------------------------------

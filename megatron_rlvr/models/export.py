@@ -146,7 +146,8 @@ def export_hf(
     dtype = export_dtype(args, dtype)
     rank = torch.distributed.get_rank()
     pp_rank = pg_collection.pp.rank()
-    writer = pg_collection.tp.rank() == 0 and pg_collection.dp.rank() == 0
+    cp = getattr(pg_collection, "cp", None)  # context-parallel ranks hold the same weights: one of them writes
+    writer = pg_collection.tp.rank() == 0 and pg_collection.dp.rank() == 0 and (cp is None or cp.rank() == 0)
 
     err = _prepare_out_dir(out_dir, overwrite) if rank == 0 else None
     err = _broadcast_object(err)
@@ -189,8 +190,8 @@ def _prepare_out_dir(out_dir: str, overwrite: bool) -> str | None:
 
 
 def _write_temp_shards(tensors, out_dir: str, pp_rank: int, dtype, max_shard_bytes: int, writer: bool) -> list:
-    """Iterate the (collective) tensor stream to its end; a writer rank (TP rank 0, DP rank 0 of its stage) saves
-    the tensors into temporary shard files of at most ``max_shard_bytes``: [(temp path, names, bytes)]."""
+    """Iterate the (collective) tensor stream to its end; a writer rank (TP rank 0, DP rank 0, CP rank 0 of its stage)
+    saves the tensors into temporary shard files of at most ``max_shard_bytes``: [(temp path, names, bytes)]."""
     files: list[tuple[str, list[str], int]] = []
     pending: dict[str, torch.Tensor] = {}
     pending_bytes = 0

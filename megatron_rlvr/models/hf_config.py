@@ -206,6 +206,8 @@ def megatron_model_args(
     moe_aux_loss_coeff: float = 0.0,
     moe_z_loss_coeff: float = 0.0,
     moe_expert_bias_update_rate: float = 0.0,
+    cp_size: int = 1,
+    cp_comm_type: str = "p2p",
     **config_overrides,
 ) -> MegatronModelArgs:
     """Translate an HF causal-LM config into megatron's TransformerConfig and GPTModel arguments.
@@ -225,6 +227,9 @@ def megatron_model_args(
     aux-loss-free bias update after each optimizer step (0: the checkpoint's bias stays as it is).
 
     Multi-latent attention families (DeepSeek-V3) get an ``MLATransformerConfig`` (``mla_settings``).
+
+    ``cp_size``: context parallelism (sequences split over ``cp_size`` ranks); ``cp_comm_type``: how Transformer
+    Engine's attention exchanges keys and values then (``p2p``, ``a2a``, ``all_gather``). Dense text models only.
     """
     cfg = load_hf_config(hf_config)
     full_cfg = cfg
@@ -238,6 +243,11 @@ def megatron_model_args(
 
     moe = moe_fields(cfg, fam)
     mla = mla_fields(cfg, fam)
+    if cp_size > 1 and (vision is not None or moe is not None or mla is not None):
+        kind = "vision-language" if vision is not None else "mixture-of-experts" if moe is not None else "MLA"
+        raise ValueError(f"context parallelism (parallel.cp={cp_size}) supports dense text models, not {kind} models")
+    if cp_size > 1:
+        config_overrides = {"context_parallel_size": cp_size, "cp_comm_type": cp_comm_type, **config_overrides}
     dims = _model_dims(cfg, fam, moe, mla, vision, tp_size, pp_size, vocab_multiple, padded_vocab_size)
     dims.check_tp(tp_size)
     etp_size = tp_size if etp_size is None else etp_size

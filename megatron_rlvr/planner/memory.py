@@ -138,15 +138,18 @@ def validate_layout(model: ModelSpec, par: ParallelConfig, world_size: int, gpus
             warnings.append(f"parallel.{axis}={t} spans nodes ({gpus_per_node} GPUs/node): TP traffic leaves NVLink")
     if model.layers % par.pp:
         errors.append(f"parallel.pp={par.pp} does not divide the {model.layers} layers")
-    mp = par.tp * par.pp
+    if par.cp > 1 and (model.vision is not None or model.is_moe or model.mla is not None):
+        errors.append(f"parallel.cp={par.cp}: context parallelism is for dense text models (use parallel.cp=1)")
+    mp = par.tp * par.cp * par.pp
     what = f"training ranks {world_size} (world - rollout_ranks)" if R else f"world size {world_size}"
+    grid = f"tp x cp x pp = {par.tp} x {par.cp} x {par.pp}" if par.cp > 1 else f"tp x pp = {par.tp} x {par.pp}"
     if world_size % mp:
-        errors.append(f"{what} is not divisible by tp x pp = {par.tp} x {par.pp} = {mp}")
+        errors.append(f"{what} is not divisible by {grid} = {mp}")
     if engine_world % par.rollout_tp:
         where = f"parallel.rollout_ranks={R}" if R else f"world size {engine_world}"
         errors.append(f"{where} is not divisible by rollout_tp={par.rollout_tp}")
     if world_size < mp:
-        errors.append(f"{what} is smaller than tp x pp = {mp}")
+        errors.append(f"{what} is smaller than {grid} = {mp}")
     expert_layout_errors(model, par, world_size, errors)
     return errors, warnings
 
@@ -307,7 +310,8 @@ class MemoryPlan:
     world_size: int
     """nodes x GPUs per node."""
     dp: int
-    """Data-parallel size world / (tp x pp): the distributed optimizer's sharding factor."""
+    """Data-parallel size world / (tp x cp x pp); the distributed optimizer shards over dp x cp (megatron's
+    data-with-context-parallel group)."""
     errors: list[str]
     """Layout errors (the layout cannot be built); memory is not estimated when non-empty."""
     warnings: list[str]
@@ -407,7 +411,7 @@ def estimate_memory(cfg: PlanConfig) -> MemoryPlan:
     R = par.rollout_ranks
     disagg = R > 0
     train_world = world - R
-    dp = max(1, train_world // (par.tp * par.pp))
+    dp = max(1, train_world // (par.tp * par.cp * par.pp))
     plan = MemoryPlan(config=cfg, world_size=world, dp=dp, errors=errors, warnings=warnings)
     plan.engines = max(1, (R or world) // par.rollout_tp)
     T = cfg.micro_batch_tokens
@@ -432,7 +436,7 @@ def estimate_memory(cfg: PlanConfig) -> MemoryPlan:
 
     best = None
     for s, p in enumerate(params):
-        c = _state_terms(cfg, s, p, lora_params[s], expert_params[s], dp, edp)
+        c = _state_terms(cfg, s, p, lora_params[s], expert_params[s], dp * par.cp, edp)
         c.update(_activation_terms(cfg, s, moe_per_stage[s]))
         c["train_overhead"] = cl.train_overhead_gb * GIB
         c["engine_in_training"] = engine.in_training
@@ -536,8 +540,12 @@ def _state_terms(
 
 def _activation_terms(cfg: PlanConfig, stage: int, n_moe: int) -> dict[str, float]:
     """Bytes of activations and logits on one GPU of pipeline stage ``stage`` (``n_moe`` of its layers MoE):
-    act_none, act_full, vision_activations, activations (the configured recompute mode), logits, logits_chunk."""
-    m, par, tr, b, T = cfg.model, cfg.parallel, cfg.train, cfg.dtype_bytes, cfg.micro_batch_tokens
+    act_none, act_full, vision_activations, activations (the configured recompute mode), logits, logits_chunk.
+    Context parallelism: a GPU holds 1 / cp of every sequence's tokens, so every per-token term (activations,
+    logits) is for T / cp tokens (the attention's own keys and values, gathered or passed around the ring, are
+    transient and not stored for backward beyond the local ones)."""
+    m, par, tr, b = cfg.model, cfg.parallel, cfg.train, cfg.dtype_bytes
+    T = -(-cfg.micro_batch_tokens // par.cp)
     # Megatron trains MoE layers with tp > 1 only under sequence parallelism (the model args switch it on)
     sp = cfg.sequence_parallel or (m.is_moe and par.tp > 1)
     a_layer = activation_bytes_per_layer(m, T, par.tp, sp, b)

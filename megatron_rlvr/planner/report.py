@@ -59,7 +59,8 @@ def _header_lines(plan: MemoryPlan) -> list[str]:
         f"model   {m.name} ({cfg.dtype}): {m.param_count() / 1e9:.2f} B params, L={m.layers} h={m.hidden} f={m.ffn} "
         f"heads={m.heads} kv_heads={m.kv_heads} d={m.head_dim} V={m.vocab}",
         f"cluster {cl.nodes} node(s) x {cl.gpus_per_node} GPUs x {cl.gpu_mem_gb:g} GiB = world {plan.world_size}",
-        f"layout  TP={par.tp} PP={par.pp} DP={plan.dp} SP={'on' if cfg.sequence_parallel else 'off'} | rollout "
+        f"layout  TP={par.tp}{f' CP={par.cp}' if par.cp > 1 else ''} PP={par.pp} DP={plan.dp} "
+        f"SP={'on' if cfg.sequence_parallel else 'off'} | rollout "
         f"TP={par.rollout_tp} ({plan.engines} {engine} engines"
         f"{', rollout.engine=auto' if ro.engine == 'auto' else ''})",
     ]
@@ -93,21 +94,22 @@ def _training_rows(plan: MemoryPlan) -> list[tuple[str, float]]:
     m, par, ro, tr = cfg.model, cfg.parallel, cfg.rollout, cfg.train
     c = plan.components
     dt = _DTYPE_SHORT[cfg.dtype]
-    T = cfg.micro_batch_tokens
+    T = -(-cfg.micro_batch_tokens // par.cp)  # context parallelism: this GPU's share of the micro-batch's tokens
     vp = m.padded_vocab(par.tp)
     p = plan.stage_param_counts[plan.worst_stage]
-    dp_div = plan.dp if par.distributed_optimizer else 1
+    dp_div = plan.dp * par.cp if par.distributed_optimizer else 1  # megatron shards over data x context parallel
     opt = "Adam m,v (8 B/param" if cfg.dtype == "float32" else "fp32 master + Adam m,v (12 B/param"
+    dp_name = "DPxCP" if par.cp > 1 else "DP"
     rows = [
         (f"weights {dt} ({p / 1e9:.3f} B params on this GPU)", c["weights"]),
         ("main grads fp32 (4 B/param)", c["grads"]),
-        (f"{opt} / DP={dp_div})", c["optimizer"]),
+        (f"{opt} / {dp_name}={dp_div})", c["optimizer"]),
     ]
     if m.is_moe:
         e = plan.stage_expert_param_counts[plan.worst_stage]
         edp_div = plan.edp if par.distributed_optimizer else 1
         rows[0] = (f"weights bf16 ({p / 1e9:.3f} B params, {e / 1e9:.3f} B in experts)", c["weights"])
-        rows[2] = (f"fp32 master + Adam m,v (12 B/param / DP={dp_div}, experts / {edp_div})", c["optimizer"])
+        rows[2] = (f"fp32 master + Adam m,v (12 B/param / {dp_name}={dp_div}, experts / {edp_div})", c["optimizer"])
     if cfg.keeps_ref_model:
         rows.append((f"reference model {dt}", c["ref_model"]))
     mark_n = " <-" if tr.recompute == "none" else ""

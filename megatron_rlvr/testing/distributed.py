@@ -83,12 +83,14 @@ def _destroy_groups(keep: frozenset = frozenset()) -> None:
             dist.destroy_process_group(pg)
 
 
-def init_megatron_parallel(tp: int, pp: int, seed: int = 1234, ep: int = 1, etp: int | None = None) -> frozenset:
-    """(Re-)initialise megatron's model-parallel groups for (tp, pp) and the experts' (ep, etp; etp None: tp) and
+def init_megatron_parallel(
+    tp: int, pp: int, seed: int = 1234, ep: int = 1, etp: int | None = None, cp: int = 1
+) -> frozenset:
+    """(Re-)initialise megatron's model-parallel groups for (tp, cp, pp) and the experts' (ep, etp; etp None: tp) and
     seed every RNG, as the trainer does
     (trainer.distributed.init_model_parallel), destroying a previous layout's extra groups. Returns the process
     groups that exist afterwards (the layout's own), so groups a task creates beyond them can be destroyed after it."""
-    init_model_parallel(tp, pp, seed, on_rebuild=_destroy_groups, ep=ep, etp=etp)
+    init_model_parallel(tp, pp, seed, on_rebuild=_destroy_groups, ep=ep, etp=etp, cp=cp)
     return frozenset(c10d._world.pg_map)
 
 
@@ -110,8 +112,8 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, parent_pid: i
             break
         task_id, payload = task
         try:
-            fn, (tp, pp, ep, etp), seed, args, kwargs = pickle.loads(payload)
-            layout_groups = init_megatron_parallel(tp, pp, seed, ep=ep, etp=etp)
+            fn, (tp, pp, ep, etp, cp), seed, args, kwargs = pickle.loads(payload)
+            layout_groups = init_megatron_parallel(tp, pp, seed, ep=ep, etp=etp, cp=cp)
             out = fn(*args, **kwargs)
             _destroy_groups(keep=layout_groups)
             results.put((task_id, rank, True, pickle.dumps(out)))
@@ -124,7 +126,7 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, parent_pid: i
 
 
 class DistributedPool:
-    """``world_size`` persistent gloo ranks; ``run(fn, tp=, pp=, ep=, etp=)`` executes ``fn`` on all of them.
+    """``world_size`` persistent gloo ranks; ``run(fn, tp=, pp=, ep=, etp=, cp=)`` executes ``fn`` on all of them.
 
     Ranks are spawned lazily on the first ``run`` and again after a failure or timeout.
     """
@@ -191,15 +193,16 @@ class DistributedPool:
         pp: int = 1,
         ep: int = 1,
         etp: int | None = None,
+        cp: int = 1,
         args: tuple = (),
         kwargs: dict | None = None,
         seed: int = 1234,
         timeout: float = 300.0,
     ) -> list[Any]:
-        """Run ``fn(*args, **kwargs)`` on every rank under a (tp, pp) layout with ``ep`` expert-parallel ranks and
-        expert TP ``etp`` (None: tp); return the per-rank results."""
-        if self.world_size % (tp * pp) != 0:
-            raise ValueError(f"tp*pp={tp * pp} does not divide world_size={self.world_size}")
+        """Run ``fn(*args, **kwargs)`` on every rank under a (tp, cp, pp) layout with ``ep`` expert-parallel ranks
+        and expert TP ``etp`` (None: tp); return the per-rank results."""
+        if self.world_size % (tp * cp * pp) != 0:
+            raise ValueError(f"tp*cp*pp={tp * cp * pp} does not divide world_size={self.world_size}")
         if self.world_size % (ep * (tp if etp is None else etp) * pp) != 0:
             raise ValueError(f"ep*etp*pp does not divide world_size={self.world_size}")
         if not self._procs or not all(p.is_alive() for p in self._procs):
@@ -207,7 +210,7 @@ class DistributedPool:
             self._start()
         task_id = self._next_id
         self._next_id += 1
-        payload = pickle.dumps((fn, (tp, pp, ep, etp), seed, args, kwargs or {}))
+        payload = pickle.dumps((fn, (tp, pp, ep, etp, cp), seed, args, kwargs or {}))
         for q in self._tasks:
             q.put((task_id, payload))
 
@@ -243,7 +246,8 @@ class DistributedPool:
             if errors:
                 text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
                 raise DistributedError(
-                    f"{fn.__name__} failed on ranks {sorted(errors)} (tp={tp}, pp={pp}, ep={ep}, etp={etp}):\n{text}"
+                    f"{fn.__name__} failed on ranks {sorted(errors)} (tp={tp}, cp={cp}, pp={pp}, ep={ep}, etp={etp}):"
+                    f"\n{text}"
                 )
             raise TimeoutError(f"{fn.__name__} timed out after {timeout:.0f}s; ranks {missing} did not finish")
         return [outputs[r] for r in range(self.world_size)]
@@ -285,6 +289,7 @@ def run_distributed(
     pp: int = 1,
     ep: int = 1,
     etp: int | None = None,
+    cp: int = 1,
     args: tuple = (),
     kwargs: dict | None = None,
     seed: int = 1234,
@@ -292,4 +297,4 @@ def run_distributed(
 ) -> list[Any]:
     """One-shot: spawn ``world_size`` ranks, run ``fn`` once, shut them down."""
     with DistributedPool(world_size) as pool:
-        return pool.run(fn, tp=tp, pp=pp, ep=ep, etp=etp, args=args, kwargs=kwargs, seed=seed, timeout=timeout)
+        return pool.run(fn, tp=tp, pp=pp, ep=ep, etp=etp, cp=cp, args=args, kwargs=kwargs, seed=seed, timeout=timeout)

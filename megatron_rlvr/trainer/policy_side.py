@@ -113,12 +113,14 @@ def update_settings(cfg: RunConfig, d: DistInfo, args: MegatronModelArgs, tokeni
             temperature=cfg.rollout.temperature,
             chunk_size=cfg.train.logits_chunk,
             impl=cfg.train.fused_statistics,
+            cp_group=d.pg.cp if d.cp_size > 1 else None,
         ),
         pg=d.pg,
         device=d.device,
         pad_id=int(pad_id),
         micro_batch_tokens=cfg.train.micro_batch_tokens,
-        seq_multiple=d.tp_size if args.config.sequence_parallel else 1,  # MoE at TP > 1 switches SP on
+        # SP splits s / cp over TP (MoE at TP > 1 switches SP on); CP cuts s into 2 x cp chunks
+        seq_multiple=(d.tp_size if args.config.sequence_parallel else 1) * (2 * d.cp_size if d.cp_size > 1 else 1),
         n_per_group=cfg.rollout.n,
         num_mini_batches=cfg.train.num_mini_batches,
         ppo_epochs=cfg.train.ppo_epochs,
@@ -152,4 +154,5 @@ def describe(policy: PolicySide) -> str:
     """The layout line of the start-up message."""
     d = policy.dist
     rows = "packed rows" if policy.settings.pack_rows else "one sequence per row"
-    return f"world {d.world_size} (tp {d.tp_size}, pp {d.pp_size}, dp {d.dp_size}) | {d.backend} | {rows}"
+    cp = f", cp {d.cp_size}" if d.cp_size > 1 else ""
+    return f"world {d.world_size} (tp {d.tp_size}{cp}, pp {d.pp_size}, dp {d.dp_size}) | {d.backend} | {rows}"

@@ -65,7 +65,14 @@ def start_rank(cfg: RunConfig) -> DistInfo:
     """Join the job (process groups at the run's layout) and set a CPU rank's torch threads."""
     par = cfg.parallel
     d = init_distributed(
-        par.tp, par.pp, cfg.train.seed, cfg.launch.backend, cfg.launch.collective_timeout_s, ep=par.ep, etp=par.etp
+        par.tp,
+        par.pp,
+        cfg.train.seed,
+        cfg.launch.backend,
+        cfg.launch.collective_timeout_s,
+        ep=par.ep,
+        etp=par.etp,
+        cp=par.cp,
     )
     set_cpu_threads(cfg, d.world_size)
     return d

@@ -201,7 +201,8 @@ def mismatch_metrics(policy: PolicySide, seqs, old) -> dict[str, float]:
     pairs = [(lp, seqs[i].rollout_logprobs, seqs[i].loss_mask) for i, lp in old.items()]
     pairs = [(a, b, m) for a, b, m in pairs if len(a) == len(b) and len(a) > 0]
     local = None
-    if policy.dist.is_last_stage and policy.dist.tp_rank == 0 and pairs:
+    # one rank per data-parallel rank: the TP ranks and the context-parallel ranks all hold the same log-probs
+    if policy.dist.is_last_stage and policy.dist.tp_rank == 0 and policy.dist.cp_rank == 0 and pairs:
         with native_torch():  # CPU tensors of this rank's response tokens: no CUDA call, skip the shims' handler
             lt = torch.cat([a for a, _, _ in pairs])[None]
             lr = torch.tensor([x for _, b, _ in pairs for x in b], dtype=torch.float32)[None]

@@ -9,9 +9,11 @@ from dataclasses import dataclass
 import torch
 
 from megatron_rlvr.algorithms import AlgorithmConfig, LossNormalizers, PolicyLossInputs, compute_policy_loss
+from megatron_rlvr.megatron.context_parallel import sequence_sum
 from megatron_rlvr.megatron.cpu_shims import native_torch
 from megatron_rlvr.ops import vocab_parallel_token_stats
 from megatron_rlvr.rollout.mismatch import MismatchCorrectionConfig
+from megatron_rlvr.trainer.context_split import ContextParallelMicroBatch
 from megatron_rlvr.trainer.diagnostics import ratio_quantile_metrics
 from megatron_rlvr.trainer.microbatch import MicroBatch, importance_weights, unpack_values
 
@@ -30,6 +32,9 @@ class StatsSpec:
     """Tokens per chunk of the ops."""
     impl: str = "eager"
     """Implementation of the ops: ``eager`` or ``compiled`` (``train.fused_statistics``)."""
+    cp_group: object = None
+    """Context-parallel process group (None without CP): micro-batches come split over it
+    (trainer.context_split), per-sequence sums and forward-only log-probs are completed over it."""
 
 
 def token_stats(logits_bsv: torch.Tensor, labels_bs: torch.Tensor, spec: StatsSpec, want, other_logits_bsv=None):
@@ -92,6 +97,28 @@ def _nonfinite(x: torch.Tensor, mask: torch.Tensor) -> bool:
     return bool((~torch.isfinite(x) & mask).any())
 
 
+def _whole_sequences(values_BT: torch.Tensor, mb: MicroBatch, spec: StatsSpec) -> torch.Tensor:
+    """Per-position values [..., n, s] of the whole micro-batch on every CP rank: each rank's values where it holds
+    the position, summed over the CP group (the ranks' positions are disjoint). Without CP: ``values_BT`` itself."""
+    if not isinstance(mb, ContextParallelMicroBatch) or mb.cp_size == 1:
+        return values_BT
+    held = mb.held.to(values_BT.device)
+    out = torch.where(held, values_BT.detach().float(), torch.zeros((), device=values_BT.device)).contiguous()
+    torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.SUM, group=spec.cp_group)
+    return out
+
+
+def _ratio_quantiles(logp_BT, old_BT, mask_BT, mb: MicroBatch, spec: StatsSpec) -> dict[str, float]:
+    """trainer.diagnostics.ratio_quantile_metrics of the micro-batch. Quantiles do not add up over ranks: with
+    context parallelism every CP rank computes them over the WHOLE sequences (its peers' positions summed in), so
+    the token-weighted merge over ranks gives the CP = 1 values."""
+    if isinstance(mb, ContextParallelMicroBatch) and mb.cp_size > 1:
+        stacked = torch.stack([logp_BT.detach().float(), old_BT.float(), mask_BT.float()])  # [3, n, s]
+        logp_BT, old_BT, mask_BT = _whole_sequences(stacked, mb, spec).unbind(0)
+        mask_BT = mask_BT > 0.5
+    return ratio_quantile_metrics(logp_BT, old_BT, mask_BT)
+
+
 def logprob_fn(spec: StatsSpec, with_entropy: bool):
     """Forward-only statistics: returns (0, TokenLogprobs)."""
 
@@ -101,10 +128,12 @@ def logprob_fn(spec: StatsSpec, with_entropy: bool):
             st, bad = token_stats(logits_bsv, mb.labels, spec, want)
             st = {k: unpack_values(v, mb) for k, v in st.items()}  # packed rows -> one sequence per row
         mask = mb.mask.to(logits_bsv.device)
+        bad = bool(bad or _nonfinite(st["logprob"], mask))
+        st = {k: _whole_sequences(v, mb, spec) for k, v in st.items()}  # CP: every rank gets every position
         out = TokenLogprobs(
             logp_BT=st["logprob"].detach().float().cpu(),
             entropy_BT=st["entropy"].detach().float().cpu() if with_entropy else None,
-            nonfinite=bool(bad or _nonfinite(st["logprob"], mask)),
+            nonfinite=bad,
         )
         return torch.zeros((), device=logits_bsv.device), out
 
@@ -140,6 +169,7 @@ def policy_loss_fn(
     the mismatch ``correction`` (truncated IS) is computed from them (else its weights come with the micro-batch).
     """
     exact_kl = algo.ref_kl.coef > 0 and algo.ref_kl.estimator == "exact"
+    seq_sum = sequence_sum(spec.cp_group)  # context parallelism: per-sequence sums over the CP group
 
     def fn(mb: MicroBatch, logits_bsv):
         want = ["logprob", "entropy"]
@@ -182,11 +212,12 @@ def policy_loss_fn(
             entropy_BT=st["entropy"],
             margin_BT=st.get("margin"),
             mastered_B=mb.mastered.to(dev),
+            seq_sum=seq_sum,
         )
         loss, metrics = compute_policy_loss(algo, inputs, norms)
         bad = bad_logits or _nonfinite(logp, mask) or not bool(torch.isfinite(loss))
         info = {k: float(v) for k, v in metrics.items()}
-        info.update(ratio_quantile_metrics(logp, inputs.old_logp_BT, mask))  # diagnostics: ratio dynamics (CPGD)
+        info.update(_ratio_quantiles(logp, inputs.old_logp_BT, mask, mb, spec))  # diagnostics: ratio dynamics (CPGD)
         if is_BT is not None:  # how much the mismatch correction reweights (token-weighted over the step)
             info.update(_correction_metrics(is_BT, mask, correction))
         info["train/nonfinite"] = float(bad)
@@ -194,7 +225,7 @@ def policy_loss_fn(
             # keep the backward finite-or-not as it is: the step is skipped after the all-reduce of this flag
             info = {k: (v if v == v and abs(v) != float("inf") else 0.0) for k, v in info.items()}
             info["train/nonfinite"] = 1.0
-        first = logp.detach().float().cpu() if old_from_forward else None
+        first = _whole_sequences(logp.detach().float(), mb, spec).cpu() if old_from_forward else None
         return loss, MicroBatchLoss(metrics=info, first_forward_logp_BT=first)
 
     return fn

@@ -25,6 +25,7 @@ from megatron_rlvr.megatron.router_loss import reset_router_loss_tracker, router
 from megatron_rlvr.megatron.schedule import run_microbatches
 from megatron_rlvr.rollout.mismatch import MismatchCorrectionConfig
 from megatron_rlvr.trainer.batch import TrainBatch
+from megatron_rlvr.trainer.context_split import split_for_context_parallel
 from megatron_rlvr.trainer.loss_metrics import LossMetrics
 from megatron_rlvr.trainer.microbatch import MicroBatch, Sequence, build_microbatch, pack, pack_packed, response_values
 from megatron_rlvr.trainer.token_loss import StatsSpec, logprob_fn, policy_loss_fn
@@ -41,7 +42,8 @@ class UpdateSettings:
     pad_id: int
     micro_batch_tokens: int | None
     seq_multiple: int
-    """Pad sequence lengths to a multiple of this (TP size under sequence parallelism)."""
+    """Pad sequence lengths to a multiple of this (TP size under sequence parallelism, times 2 x CP with context
+    parallelism)."""
     n_per_group: int
     num_mini_batches: int
     ppo_epochs: int
@@ -70,10 +72,12 @@ class UpdateResult:
 def _microbatches(ctx: UpdateSettings, seqs, ids: list[int], old=None, ref=None, correct: bool = False):
     """Micro-batches of ``ids`` (indices into ``seqs``); a fully masked dummy micro-batch when ``ids`` is empty so
     every rank still enters the collective schedule."""
+    cp = ctx.pg.cp.size()
     if not ids:
         dummy = Sequence(tokens=[ctx.pad_id, ctx.pad_id], prompt_len=2, train=False)
         s = max(2, ctx.seq_multiple)
-        return [build_microbatch([dummy], 1, s, ctx.pad_id)], [[]]
+        mbs = [build_microbatch([dummy], 1, s, ctx.pad_id)]
+        return ([split_for_context_parallel(mbs[0], cp, ctx.pg.cp.rank())] if cp > 1 else mbs), [[]]
     mbs: list[MicroBatch] = []
     members = []
     for chosen, b, s, rows in _plan(ctx, seqs, ids):
@@ -91,6 +95,8 @@ def _microbatches(ctx: UpdateSettings, seqs, ids: list[int], old=None, ref=None,
             )
         )
         members.append(chosen)
+    if cp > 1:  # this context-parallel rank's part of each (trainer.context_split)
+        mbs = [split_for_context_parallel(mb, cp, ctx.pg.cp.rank()) for mb in mbs]
     return mbs, members
 
 

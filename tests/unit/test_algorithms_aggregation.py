@@ -1,6 +1,10 @@
 """Loss aggregation with global normalisers: hand-computed modes, and the split invariance they give: for every
 preset (and the remaining loss/regulariser options), 1 vs 4 micro-batches and 1 vs 2 simulated DP ranks give the
-same loss and the same gradients (sum over shards == full batch), with empty responses and fully masked rows."""
+same loss and the same gradients (sum over shards == full batch), with empty responses and fully masked rows; and
+the same for the POSITIONS of every sequence split over 2 simulated context-parallel ranks (two threads whose
+``seq_sum`` adds their per-sequence sums)."""
+
+import threading
 
 import pytest
 import torch
@@ -179,6 +183,95 @@ def test_local_normalisers_would_break_invariance():
         _, g, _ = _loss_and_grads(cfg, data, rows, own)
         buggy = g["logp"] / 4 if buggy is None else buggy + g["logp"] / 4
     assert (buggy - grads1["logp"]).abs().max() > 1e-3
+
+
+def _cp_split_total(cfg, data, complete: bool):
+    """Loss and gradients summed over 2 simulated context-parallel ranks, each holding the positions megatron's
+    zig-zag split gives it (of T padded to 12) and computing in its own thread; ``complete``: their ``seq_sum`` adds
+    both ranks' per-sequence sums (a barrier-synchronised exchange), else None (rank-local sums)."""
+    from megatron_rlvr.megatron.context_parallel import zigzag_positions
+
+    cp = 2
+    parts = []
+    for r in range(cp):
+        held = torch.zeros(12, dtype=torch.bool)
+        held[zigzag_positions(12, cp, r)] = True
+        parts.append(held[:T])
+    barrier = threading.Barrier(cp, timeout=30)
+    box: list = [None] * cp
+    out: list = [None] * cp
+
+    def rank(r):
+        def seq_sum(x_B):
+            box[r] = x_B.detach().clone()
+            barrier.wait()
+            total = box[0] + box[1]  # the same order on both ranks: the same floats
+            barrier.wait()
+            return total
+
+        leaves = {k: data[k].clone().requires_grad_() for k in ("logp", "exact_kl", "entropy")}
+        inp = PolicyLossInputs(
+            logp_BT=leaves["logp"],
+            old_logp_BT=data["old"],
+            mask_BT=data["mask"] & parts[r][None, :],
+            adv_B=data["adv"],
+            ref_logp_BT=data["ref"],
+            ref_kl_BT=leaves["exact_kl"],
+            entropy_BT=leaves["entropy"],
+            margin_BT=data["margin"],
+            mastered_B=data["mastered"],
+            seq_sum=seq_sum if complete else None,
+        )
+        try:
+            loss, _ = compute_policy_loss(cfg, inp, _global_norms(data, [list(range(B))]))
+            loss.backward()
+            grads = {k: torch.zeros_like(v) if v.grad is None else v.grad for k, v in leaves.items()}
+            out[r] = (loss.detach(), grads)
+        except BaseException as e:  # re-raised below; release the peer
+            barrier.abort()
+            out[r] = e
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(cp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for o in out:
+        if isinstance(o, BaseException):
+            raise o
+    return out[0][0] + out[1][0], {k: out[0][1][k] + out[1][1][k] for k in out[0][1]}
+
+
+def _sums_over_sequences(cfg) -> bool:
+    """A configuration with a sum over a whole sequence: |y_i| of seq-mean-token-mean, GSPO's mean log-ratio, margin
+    credit's per-sequence mean, the hinge-KL's |y_i|. The others only sum tokens over global counts."""
+    return (
+        cfg.aggregation.mode == "seq-mean-token-mean"
+        or cfg.policy_loss.name == "gspo"
+        or cfg.margin_credit.enabled
+        or cfg.hinge_kl.enabled
+    )
+
+
+@pytest.mark.parametrize("name", sorted(ALL_CONFIGS))
+def test_context_parallel_position_split_invariance(name):
+    """The positions of every sequence split over 2 ranks (context parallelism): the ranks' losses and gradients
+    add up to the full batch's when ``seq_sum`` completes the per-sequence sums; rank-local sums (``seq_sum`` None,
+    the bug a CP trainer that forgot the CP group would have) change exactly the configurations in
+    ``_sums_over_sequences``."""
+    cfg = ALL_CONFIGS[name]()
+    data = _batch()
+    loss1, grads1, _ = _loss_and_grads(cfg, data, list(range(B)), _global_norms(data, [list(range(B))]))
+    loss_cp, grads_cp = _cp_split_total(cfg, data, complete=True)
+    torch.testing.assert_close(loss_cp, loss1, rtol=1e-12, atol=1e-13)
+    for k in grads1:
+        torch.testing.assert_close(grads_cp[k], grads1[k], rtol=1e-12, atol=1e-13)
+    loss_bad, grads_bad = _cp_split_total(cfg, data, complete=False)
+    err = max(float((loss_bad - loss1).abs()), float((grads_bad["logp"] - grads1["logp"]).abs().max()))
+    if _sums_over_sequences(cfg):
+        assert err > 1e-3, (name, err)
+    else:
+        assert err < 1e-12, (name, err)
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

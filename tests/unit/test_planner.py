@@ -427,3 +427,36 @@ def test_moe_config_in_repo_fits_and_hf_config_gives_the_builtin_spec():
     hf |= {"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "tie_word_embeddings": False}
     spec = model_spec_from_hf_config(hf)
     assert spec == ModelSpec(**{**BUILTIN_SPECS["qwen3-30b-a3b"].__dict__, "name": spec.name})
+
+
+def test_context_parallel_divides_activations_and_logits_and_shards_the_optimizer_over_dp_x_cp():
+    """parallel.cp=2 on the same 32 GPUs as TP=4 x DP=8: the GPU holds half of every micro-batch's tokens (per-token
+    activations and logits halve, by hand from the CP=1 plan of half the tokens), the weights stay whole per TP
+    shard, DP halves to 4 while the distributed optimizer still shards over dp x cp = 8; layouts that do not divide,
+    and CP on an MoE model, are refused."""
+    m = get_model_spec("qwen2.5-14b")
+    T = 16384
+
+    def plan(cp, tokens):
+        cfg = PlanConfig(
+            model=m,
+            parallel=ParallelConfig(tp=4, cp=cp, rollout_tp=2),
+            train=TrainConfig(micro_batch_tokens=tokens, recompute="full"),
+            cluster=ClusterConfig(nodes=4, gpus_per_node=8, gpu_mem_gb=80),
+        )
+        return estimate_memory(cfg)
+
+    cp2, cp1, half = plan(2, T), plan(1, T), plan(1, T // 2)
+    assert not cp2.errors and (cp2.dp, cp1.dp) == (4, 8)
+    for k in ("act_none", "act_full", "logits", "logits_chunk"):
+        assert cp2.components[k] == half.components[k], k
+    assert cp2.components["logits"] == cp1.components["logits"] / 2
+    per_layer_full = (T // 2) * (8 * H + 4 * A * D + 4 * KV * D + 6 * F) // 4
+    assert cp2.components["act_none"] == L * per_layer_full
+    for k in ("weights", "grads", "optimizer"):
+        assert cp2.components[k] == cp1.components[k], k
+    errors, _ = validate_layout(m, ParallelConfig(tp=4, cp=3), 32)
+    assert "world size 32 is not divisible by tp x cp x pp = 4 x 3 x 1 = 12" in errors
+    moe = get_model_spec("qwen3-30b-a3b")
+    errors, _ = validate_layout(moe, ParallelConfig(tp=2, cp=2), 32)
+    assert any("parallel.cp=2: context parallelism is for dense text models" in e for e in errors)
