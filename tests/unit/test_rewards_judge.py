@@ -350,3 +350,43 @@ def test_judge_run_config_loads_from_overrides(judges):
     assert [(t.fn, t.weight) for t in cfg.reward.mix] == [("exact_stop", 1.0), ("judge", 0.5)]
     assert cfg.reward.judge.kind == "scalar" and cfg.reward.judge_weight() == 0.5
     assert cfg.reward.worker_fn == "mix" and cfg.reward.rule_fns() == ["exact_stop"]
+
+
+def test_rollout_side_hands_the_question_to_the_judge_and_sums_unparsed_over_engines():
+    """generate_groups with a scripted engine and two engines' results gathered (the same share twice): the judge
+    sees each example's question (chat prompts: the last user message) with the response, the rewards land on the
+    samples, and reward/n_judge_unparsed is summed over the engines like the other counters."""
+    from megatron_rlvr.data import Example
+    from megatron_rlvr.rollout.engine import Completion, RolloutOutput, SamplingParams
+    from megatron_rlvr.rollout.groups import Generator, Round, engine_info, generate_groups
+
+    class TwoSamples:
+        interruptible = False
+
+        def generate(self, prompts, params, prompt_keys=None):
+            return [RolloutOutput(list(p), [Completion([3], [0.0], "stop", None, t) for t in "7x"]) for p in prompts]
+
+    seen = []
+
+    def scripted(ids, stop):
+        texts = ["".join(map(chr, x)) for x in ids]
+        seen.extend(texts)
+        return ["Verdict: correct" if t.endswith("7") else "no verdict" for t in texts]
+
+    judge = scripted_judge(scripted)
+    examples = [
+        Example(prompt="3=", answer="3", source="t", id="p0"),
+        Example(
+            prompt=[{"role": "system", "content": "s"}, {"role": "user", "content": "5="}],
+            answer="5",
+            source="t",
+            id="p1",
+        ),
+    ]
+    rnd = Round(examples, [[1], [2]], SamplingParams(n=2, max_tokens=2), seed=0, step=1, round_idx=0)
+    with manager(judge) as rm:
+        gen = Generator(TwoSamples(), rm, None, engine_info(0, 1, 1), lambda obj: [obj, obj])
+        groups, stats = generate_groups(gen, rnd)
+    assert seen == ["3=7", "3=x", "5=7", "5=x"]
+    assert [g.rewards for g in groups] == [[1.0, 0.0], [1.0, 0.0]] * 2
+    assert stats["reward/n_judge_unparsed"] == 2 * 2 and stats["reward/n_items"] == 2 * 4
