@@ -94,8 +94,8 @@ class ItemResult:
     """The reward; 0.0 unless status is "ok"."""
     status: str
     """"ok", "timeout" (interrupted or killed at the limit), "error" (the function raised or returned a
-    non-number, or the worker died), "nonfinite" (it returned NaN or +-inf) or "unscored" (not scored: the batch
-    was stopped early, too many of its items had failed)."""
+    non-number, or the worker died), "nonfinite" (it returned NaN or +-inf), "unscored" (not scored: the batch
+    was stopped early, too many of its items had failed) or "unparsed" (a judge's reply could not be read)."""
     error: str = ""
     """Short description of the error or timeout; empty when ok."""
     detail: str = ""

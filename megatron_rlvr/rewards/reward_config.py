@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megatron_rlvr.rewards.builtin import REWARD_FNS
 from megatron_rlvr.rewards.code_reward import CODE_TEST_MODES
 from megatron_rlvr.rewards.extract import EXTRACTION_MODES
+from megatron_rlvr.rewards.judge_config import MODEL_REWARD_FNS, JudgeConfig, MixTerm
 
 __all__ = ["RewardConfig"]
 
@@ -20,7 +21,16 @@ class RewardConfig:
     in the sandbox, see code_tests) or a user function's dotted path ("my_pkg.my_mod:fn" or
     "my_pkg.my_mod.fn") with signature fn(response: str, ground_truth: str, **metadata) -> float. The metadata are
     the example's fields plus the sample's ``finish_reason``: "stop" (EOS or a stop string) or "length" (cut at the
-    generation limit)."""
+    generation limit). "judge": the ``judge`` model's reward (a generative judge's parsed verdict or a reward
+    model's score). "mix": the weighted sum of the ``mix`` terms."""
+
+    judge: JudgeConfig | None = None
+    """The judge or reward model of fn "judge" and of a "judge" term of ``mix`` (None: no model is loaded)."""
+
+    mix: list[MixTerm] = field(default_factory=list)
+    """fn "mix" only: the terms [{fn, weight}, ...]; the reward is the sum of weight x term. The rule terms of an
+    item are scored together in one reward worker (one timeout); the "judge" term in the rank's process. A term that
+    fails adds 0 and the item is counted once, under the first failed part's counter (rule terms first)."""
 
     extraction: str = "boxed"
     """How built-in rewards take the answer from a response: "boxed" (last \\boxed{}/\\fbox{}), "lenient" (boxed,
@@ -59,12 +69,16 @@ class RewardConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.fn, str) or not self.fn.strip():
-            raise ValueError(f"reward.fn must be a built-in {sorted(REWARD_FNS)} or a dotted path, got {self.fn!r}")
-        if self.fn not in REWARD_FNS:
-            # Fail before any rank starts: import the user's module now (clear error naming the path).
-            from megatron_rlvr.rewards.scorers import load_reward_fn
+            raise ValueError(
+                f"reward.fn must be a built-in {sorted(REWARD_FNS)}, 'judge', 'mix' or a dotted path, got {self.fn!r}"
+            )
+        self._check_model_rewards()
+        for fn in self.rule_fns():
+            if fn not in REWARD_FNS:
+                # Fail before any rank starts: import the user's module now (clear error naming the path).
+                from megatron_rlvr.rewards.scorers import load_reward_fn
 
-            load_reward_fn(self.fn)
+                load_reward_fn(fn)
         if self.extraction not in EXTRACTION_MODES:
             raise ValueError(f"reward.extraction must be one of {EXTRACTION_MODES}, got {self.extraction!r}")
         if not isinstance(self.num_workers, int) or self.num_workers < 0:
@@ -89,9 +103,62 @@ class RewardConfig:
         ):
             raise ValueError(f"reward.code_memory_mb must be an int >= 64, got {self.code_memory_mb!r}")
 
-    def scorer_options(self) -> dict:
-        """The settings a built-in reward is built with besides the extraction (the "code" reward's); {} else."""
-        if self.fn != "code":
+    def check_files(self) -> None:
+        """The judge's checkpoint folder exists (``config.loader.check_run_files``)."""
+        if self.judge is not None:
+            self.judge.check_files()
+
+    def _check_model_rewards(self) -> None:
+        terms = [t.fn for t in self.mix]
+        if self.fn == "mix" and not self.mix:
+            raise ValueError("reward.fn=mix needs reward.mix: a list of {fn, weight} terms")
+        if self.mix and self.fn != "mix":
+            raise ValueError(f"reward.mix is set but reward.fn={self.fn!r}: set reward.fn: mix to use it")
+        if len(set(terms)) != len(terms):
+            raise ValueError(f"reward.mix names a term twice: {terms}")
+        uses_judge = self.fn in MODEL_REWARD_FNS or any(t in MODEL_REWARD_FNS for t in terms)
+        if uses_judge and self.judge is None:
+            raise ValueError("reward.fn=judge (or a 'judge' term of reward.mix) needs a reward.judge section")
+        if self.judge is not None and not uses_judge:
+            raise ValueError(
+                f"reward.judge is set but unused (reward.fn={self.fn!r}): set reward.fn: judge, or add "
+                "{fn: judge, weight: ...} to reward.mix"
+            )
+
+    @property
+    def uses_judge(self) -> bool:
+        """Some of the reward comes from the ``judge`` model (scored in the rank's own process)."""
+        return self.fn in MODEL_REWARD_FNS or any(t.fn in MODEL_REWARD_FNS for t in self.mix)
+
+    def rule_fns(self) -> list[str]:
+        """The rule rewards (built-ins and user functions) scored in the reward workers."""
+        if self.fn == "mix":
+            return [t.fn for t in self.mix if t.fn not in MODEL_REWARD_FNS]
+        return [] if self.fn in MODEL_REWARD_FNS else [self.fn]
+
+    @property
+    def worker_fn(self) -> str | None:
+        """What the reward workers score: ``fn``, "mix" (the weighted rule terms of a mix), or None (no rule
+        reward: the workers are not started)."""
+        rules = self.rule_fns()
+        if not rules:
+            return None
+        return "mix" if self.fn == "mix" else self.fn
+
+    def judge_weight(self) -> float:
+        """The weight of the judge's reward in the total (0 when the judge is not used)."""
+        if self.fn in MODEL_REWARD_FNS:
+            return 1.0
+        return sum(t.weight for t in self.mix if t.fn in MODEL_REWARD_FNS)
+
+    def scorer_options(self, fn: str | None = None) -> dict:
+        """The settings a built-in reward is built with besides the extraction (the "code" reward's; for "mix", the
+        rule terms as {"terms": [(fn, weight, options)]}); {} else."""
+        fn = self.fn if fn is None else fn
+        if fn == "mix":
+            rules = [t for t in self.mix if t.fn not in MODEL_REWARD_FNS]
+            return {"terms": [(t.fn, float(t.weight), self.scorer_options(t.fn)) for t in rules]}
+        if fn != "code":
             return {}
         return {
             "tests": self.code_tests,

@@ -131,9 +131,29 @@ class Scorer:
             warm()
 
 
+class RuleMix:
+    """The weighted sum of rule rewards (``reward.mix``'s terms other than the judge), scored as one item: each
+    term through its own :class:`Scorer` (its metadata filter and number check), so any term's failure fails the
+    item."""
+
+    def __init__(self, terms: list[tuple[str, float, Scorer]]):
+        self.terms = terms
+
+    def __call__(self, response: str, ground_truth: str, **metadata) -> float:
+        return sum(weight * scorer(response, ground_truth, metadata) for _, weight, scorer in self.terms)
+
+    def warmup(self) -> None:
+        for _, _, scorer in self.terms:
+            scorer.warmup()
+
+
 def build_scorer(fn: str, extraction: str = "boxed", options: dict | None = None) -> Scorer:
     """A built-in reward (``"math"``, ``"gsm8k"``, ``"reasoning_gym"``, ``"code"``, ...) built with ``extraction``
-    and its ``options`` (``RewardConfig.scorer_options()``), or a user function loaded from its dotted path."""
+    and its ``options`` (``RewardConfig.scorer_options()``), a user function loaded from its dotted path, or
+    ``"mix"``: the weighted rule terms ``options["terms"]`` = [(fn, weight, options)]."""
+    if fn == "mix":
+        terms = [(name, weight, build_scorer(name, extraction, opts)) for name, weight, opts in options["terms"]]
+        return Scorer(RuleMix(terms), "mix")
     if fn in REWARD_FNS:
         return Scorer(REWARD_FNS[fn](extraction=extraction, **(options or {})), fn)
     return Scorer(load_reward_fn(fn), fn)

@@ -21,6 +21,7 @@ from typing import Any
 
 from megatron_rlvr.data import Example, render, shard_range
 from megatron_rlvr.rewards import RewardManager
+from megatron_rlvr.rewards.judge import question_text
 from megatron_rlvr.rewards.manager import check_failure_fraction
 from megatron_rlvr.rewards.pool import ScoringStopped
 from megatron_rlvr.rollout.engine import GenerationStopped, RolloutEngine, SamplingParams, sample_seed
@@ -307,7 +308,7 @@ def _trajectory_group(rnd: Round, i: int, trajs: list[Trajectory]) -> Group:
 def _score(reward_manager, groups: list[Group], max_error_frac: float | None, should_stop=None) -> dict[str, float]:
     """Score every sample of ``groups`` (each exactly once) into ``Group.rewards``; the manager's counts.
     ScoringStopped when ``should_stop()`` returned True meanwhile."""
-    texts, gts, metas, item_ids = [], [], [], []
+    texts, gts, metas, item_ids, questions = [], [], [], [], []
     for g in groups:
         ex = g.example
         for text, reason in zip(g.texts, g.finish_reasons):
@@ -315,8 +316,11 @@ def _score(reward_manager, groups: list[Group], max_error_frac: float | None, sh
             gts.append(ex.answer)
             metas.append({**ex.metadata, "finish_reason": reason})
             item_ids.append(ex.id)
+            questions.append(question_text(ex.prompt))  # a judge's prompt shows the question
     # stops early once more than the allowed fraction of this share failed (the step fails on every rank)
-    rewards, reward_stats = reward_manager.score(texts, gts, metas, item_ids, max_error_frac, should_stop=should_stop)
+    rewards, reward_stats = reward_manager.score(
+        texts, gts, metas, item_ids, max_error_frac, should_stop=should_stop, questions=questions
+    )
     bad = {i for i, r in enumerate(rewards) if not (isinstance(r, (int, float)) and math.isfinite(r))}
     # the manager scores NaN/inf as 0 and counts it; anything else non-finite here is counted too
     reward_stats["reward/n_nonfinite"] = reward_stats.get("reward/n_nonfinite", 0.0) + float(len(bad))
@@ -337,6 +341,7 @@ REWARD_COUNTS = (
     "reward/n_no_answer",
     "reward/n_nonfinite",
     "reward/n_unscored",
+    "reward/n_judge_unparsed",
     "reward/workers_restarted",
 )
 """Reward counters summed over the engines."""

@@ -22,6 +22,7 @@ from megatron_rlvr.rollout.groups import EngineInfo, Generator, engine_info
 from megatron_rlvr.rollout.lora_sync import AdapterSync
 from megatron_rlvr.rollout.multiturn import MultiTurn
 from megatron_rlvr.trainer.engine_setup import build_engine
+from megatron_rlvr.trainer.judge_setup import build_judge
 
 
 @dataclass
@@ -104,7 +105,8 @@ def build_rollout_side(
     try:
         lora = cfg.model.lora
         adapter_sync = AdapterSync(engine) if lora is not None and lora.sync == "adapter" else None
-        reward_manager = RewardManager(cfg.reward) if info.leader else None
+        judge = build_judge(cfg.reward, device, cfg.train.seed) if info.leader else None
+        reward_manager = RewardManager(cfg.reward, judge=judge) if info.leader else None
         loader, n_malformed = build_loader(cfg)
         multi_turn = build_multi_turn(cfg, tokenizer)
     except BaseException:

@@ -454,7 +454,7 @@ def test_a_stop_during_a_ranks_scoring_stops_every_rank_after_the_gather():
     class StopsWhenAsked:
         report_now = True
 
-        def score(self, texts, gts, metas, ids, max_error_frac, should_stop=None):
+        def score(self, texts, gts, metas, ids, max_error_frac, should_stop=None, questions=None):
             if should_stop is not None and should_stop():
                 raise ScoringStopped("stop")
             return [1.0] * len(texts), {"reward/n_items": float(len(texts))}
