@@ -17,16 +17,17 @@ from megatron_rlvr.config import (
     check_run_files,
     load_run_config,
     model_hf_config,
+    teacher_model_config,
 )
 from megatron_rlvr.families.table import BUILTIN_SPECS, ModelSpec, get_model_spec, model_spec_from_hf_config
 from megatron_rlvr.families.tiny import TINY_MODELS
 from megatron_rlvr.planner.memory import PlanConfig
 
 
-def model_spec_for(run: RunConfig) -> ModelSpec:
-    """The shapes of the run's model: its HF config when readable here (tiny, hf_path, hf_config, gguf), else the
-    built-in spec of ``model.name``."""
-    m = run.model
+def model_spec_for(run: RunConfig, m=None) -> ModelSpec:
+    """The shapes of the run's model (or of the model config ``m``): its HF config when readable here (tiny,
+    hf_path, hf_config, gguf), else the built-in spec of ``model.name``."""
+    m = run.model if m is None else m
     try:
         hf = model_hf_config(m)
     except ConfigError as e:
@@ -49,8 +50,12 @@ def _vision_trainable(run: RunConfig) -> bool:
 
 
 def plan_config_from_run(run: RunConfig, spec: ModelSpec | None = None) -> PlanConfig:
-    """The planner's view of a run config: its own sections, the model's spec, the reference model resolved."""
+    """The planner's view of a run config: its own sections, the model's spec, the reference model resolved, the
+    distillation teacher's spec."""
+    teacher = teacher_model_config(run)
     return PlanConfig(
+        teacher=None if teacher is None else model_spec_for(run, teacher),
+        teacher_logits=teacher is not None and run.algorithm.distill.estimator == "full",
         vision_trainable=_vision_trainable(run),
         model=spec or model_spec_for(run),
         parallel=run.parallel,
