@@ -22,6 +22,10 @@ ADVANTAGE_ESTIMATOR_NAMES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "cpgd")
 AGGREGATION_NAMES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 POLICY_LOSS_NAMES = ("ppo", "dual_clip", "cispo", "gspo", "pg", "cpgd")
 KL_ESTIMATOR_NAMES = ("k1", "k2", "k3")
+DISTILL_ESTIMATORS = ("sampled", "full")
+"""On-policy distillation's reverse-KL estimate per token (distill.py)."""
+DISTILL_MODES = ("loss", "advantage")
+"""Where the distillation term enters: a loss term, or a per-token advantage term (distill.py)."""
 DUAL_CLIP_LOSSES = ("ppo", "dual_clip", "gspo")
 """Policy losses whose negative-advantage branch ``policy_loss.dual_clip`` caps."""
 
@@ -319,6 +323,61 @@ class DapoConfig:
             )
 
 
+# distill.py
+
+
+@dataclass
+class DistillConfig:
+    """On-policy distillation from a frozen teacher: the student's own samples are scored by the teacher and the
+    student minimises the per-token reverse KL(p_student || p_teacher) (docs/algorithms.md, "On-policy
+    distillation"). Off unless ``teacher`` is set."""
+
+    teacher: str | None = None
+    """The teacher model, named as ``model.name`` / ``model.hf_path`` name the policy: a built-in tiny model
+    (``tiny``), or an HF model folder (its weights and tokenizer). Loaded frozen on the training ranks at the
+    policy's TP / PP layout, like the reference model; it may be larger than the student but must share its
+    tokenizer. None: no distillation."""
+    teacher_seed: int | None = None
+    """Seed of a built-in tiny teacher's random init (None: ``train.seed``, i.e. the student's own start weights).
+    Ignored for a teacher loaded from a folder."""
+    estimator: str = "sampled"
+    """``sampled``: log p_s(y) - log p_t(y) at the sampled token y only (the teacher's log-prob of y from a
+    forward-only pass before the update); ``full``: the exact reverse KL over the whole vocabulary per token, from
+    the teacher's logits shard in the same micro-batch (needs ``parallel.pp=1`` and ``mode=loss``)."""
+    mode: str = "loss"
+    """``loss``: add ``coef`` x the reverse KL, aggregated like every loss term, to the policy loss; ``advantage``:
+    add ``-coef * (log p_s(y) - log p_t(y))`` to each token's advantage (``sampled`` only), as the on-policy
+    distillation of prime-rl, NeMo-RL and Thinking Machines does."""
+    coef: float = 1.0
+    """Weight of the distillation term (> 0)."""
+    reward_weight: float = 1.0
+    """Weight of the verifiable reward's advantage (>= 0); 0: distillation alone."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.teacher is not None
+
+    def __post_init__(self) -> None:
+        if self.teacher is not None and (not isinstance(self.teacher, str) or not self.teacher):
+            raise ValueError(f"DistillConfig.teacher must be a model name or HF folder, got {self.teacher!r}")
+        if self.teacher_seed is not None and (not isinstance(self.teacher_seed, int) or self.teacher_seed < 0):
+            raise ValueError(f"DistillConfig.teacher_seed must be an integer >= 0 or null, got {self.teacher_seed!r}")
+        if self.estimator not in DISTILL_ESTIMATORS:
+            raise ValueError(f"DistillConfig.estimator must be one of {DISTILL_ESTIMATORS}, got {self.estimator!r}")
+        if self.mode not in DISTILL_MODES:
+            raise ValueError(f"DistillConfig.mode must be one of {DISTILL_MODES}, got {self.mode!r}")
+        if not (isinstance(self.coef, (int, float)) and self.coef > 0 and math.isfinite(self.coef)):
+            raise ValueError(f"DistillConfig.coef must be a finite number > 0, got {self.coef!r}")
+        rw = self.reward_weight
+        if not (isinstance(rw, (int, float)) and rw >= 0 and math.isfinite(rw)):
+            raise ValueError(f"DistillConfig.reward_weight must be a finite number >= 0, got {rw!r}")
+        if self.estimator == "full" and self.mode == "advantage":
+            raise ValueError(
+                "DistillConfig: estimator=full needs mode=loss (the exact KL over the vocabulary is a differentiable "
+                "loss, not a per-token reward of the sampled token); use estimator=sampled for mode=advantage"
+            )
+
+
 @dataclass
 class AlgorithmConfig:
     """Everything that defines an RLVR algorithm of the GRPO family."""
@@ -343,6 +402,8 @@ class AlgorithmConfig:
     """MCPO top-2-margin token credit."""
     dapo: DapoConfig = field(default_factory=DapoConfig)
     """DAPO overlong shaping, truncation masking, dynamic sampling."""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """On-policy distillation from a frozen teacher (off unless ``distill.teacher`` is set)."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -407,4 +468,5 @@ _SECTIONS: dict[str, type] = {
     "drift": PolicyDriftConfig,
     "margin_credit": MarginCreditConfig,
     "dapo": DapoConfig,
+    "distill": DistillConfig,
 }

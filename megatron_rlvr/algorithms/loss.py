@@ -10,8 +10,11 @@ neither loss nor gradient.
          + ref_kl.coef  * aggregate(kl_BT)                 # reference KL (k1/k2/k3/exact)
          - entropy.coef * aggregate(entropy_BT)            # entropy bonus
          + hinge-KL over mastered sequences                # MCPO
+         + distill.coef * aggregate(reverse_kl_BT)         # on-policy distillation, mode=loss (distill.py)
 
-with the per-token advantage A_BT = adv_B (broadcast) or adv_BT, times the margin-credit weights when enabled.
+with the per-token advantage A_BT = adv_B (broadcast) or adv_BT, times the margin-credit weights when enabled. With
+distillation the caller composes adv_BT by :func:`.distill.distill_advantages` (the reward's weight, and in
+``advantage`` mode the teacher's per-token term).
 Every aggregate divides by GLOBAL counts (:class:`LossNormalizers`), so micro-batch losses and gradients simply add
 up to the full-batch ones.
 """
@@ -26,6 +29,7 @@ from torch import Tensor
 from .aggregation import LossNormalizers, SeqSum, aggregate
 from .algorithm_config import AlgorithmConfig
 from .cpgd import policy_drift_per_token
+from .distill import distill_loss
 from .margin_credit import margin_credit_metrics, margin_credit_weights
 from .mcpo import hinge_kl_loss
 from .metrics import masked_max, masked_mean, masked_min
@@ -60,12 +64,27 @@ class PolicyLossInputs:
     seq_sum: SeqSum | None = None
     """Context parallelism: completes per-sequence sums over the ranks that share the sequences (each holds some of
     their positions; the others are out of ``mask_BT``). None: the sequences are whole here."""
+    teacher_logp_BT: Tensor | None = None
+    """The distillation teacher's log-prob of each sampled token (detached), for ``distill``."""
+    distill_kl_BT: Tensor | None = None
+    """Exact per-token reverse KL(pi || teacher) over the vocabulary from the ops (``kl``, with gradient), for
+    ``distill.estimator='full'``."""
 
     def __post_init__(self) -> None:
         if self.mask_BT.dim() != 2:
             raise ValueError(f"PolicyLossInputs.mask_BT must be [B, T], got shape {tuple(self.mask_BT.shape)}")
         shape = tuple(self.mask_BT.shape)
-        for name in ("logp_BT", "old_logp_BT", "adv_BT", "ref_logp_BT", "ref_kl_BT", "entropy_BT", "margin_BT"):
+        for name in (
+            "logp_BT",
+            "old_logp_BT",
+            "adv_BT",
+            "ref_logp_BT",
+            "ref_kl_BT",
+            "entropy_BT",
+            "margin_BT",
+            "teacher_logp_BT",
+            "distill_kl_BT",
+        ):
             t = getattr(self, name)
             if t is not None and tuple(t.shape) != shape:
                 raise ValueError(
@@ -146,6 +165,22 @@ def compute_policy_loss(
         )
         loss = loss + hinge
         metrics.update(h_metrics)
+
+    if cfg.distill.enabled:
+        d_loss, d_metrics = distill_loss(
+            cfg.distill,
+            cfg.aggregation,
+            norms,
+            mask,
+            logp,
+            old,
+            _clean(inputs.teacher_logp_BT, mask),
+            _clean(inputs.distill_kl_BT, mask),
+            cfg.policy_loss.log_ratio_clamp,
+        )
+        if d_loss is not None:
+            loss = loss + d_loss
+        metrics.update(d_metrics)
 
     with torch.no_grad():
         lr = log_ratio(cfg.policy_loss, logp, old)

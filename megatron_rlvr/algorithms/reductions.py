@@ -27,6 +27,7 @@ REDUCTIONS: MappingProxyType[str, str] = MappingProxyType(
         "loss/entropy_bonus": "share",
         "loss/num_tokens": "share",
         "drift/kl": "share",
+        "loss/distill": "share",
         "loss/ratio_max": "max",
         "loss/ratio_min": "min",
         # algorithms/mcpo.py: normalised by the global count of mastered sequences

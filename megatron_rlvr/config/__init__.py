@@ -26,6 +26,7 @@ from megatron_rlvr.config.run import (
     check_layout,
     default_world_size,
     model_hf_config,
+    teacher_model_config,
     validate_cross_section,
 )
 from megatron_rlvr.config.sections import (
@@ -77,5 +78,6 @@ __all__ = [
     "persisted_dict",
     "read_yaml",
     "resolved_dict",
+    "teacher_model_config",
     "validate_cross_section",
 ]

@@ -27,7 +27,7 @@ from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, Omega
 
 from megatron_rlvr.algorithms import AlgorithmConfig
 from megatron_rlvr.algorithms import preset as algorithm_preset
-from megatron_rlvr.config.run import ConfigError, RunConfig, model_hf_config, validate_cross_section
+from megatron_rlvr.config.run import ConfigError, RunConfig, check_teacher, model_hf_config, validate_cross_section
 
 DEFAULT_CONFIG = os.path.join(
     os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs", "tiny.yaml"
@@ -243,6 +243,7 @@ def build_run_config(raw: dict, check_files: bool = True) -> RunConfig:
             raise
         hf = {}
     validate_cross_section(cfg, hf)
+    check_teacher(cfg, hf, check_files)
     return cfg
 
 

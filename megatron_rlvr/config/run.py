@@ -53,7 +53,7 @@ from megatron_rlvr.config.sections import (
 from megatron_rlvr.data.data_config import DataConfig
 from megatron_rlvr.families import gguf
 from megatron_rlvr.families.table import vl_family_of, vl_text_config
-from megatron_rlvr.families.tiny import tiny_hf_config
+from megatron_rlvr.families.tiny import TINY_MODELS, tiny_hf_config
 from megatron_rlvr.rewards.reward_config import RewardConfig
 
 
@@ -110,6 +110,55 @@ class RunConfig:
     def keeps_ref_model(self) -> bool:
         """Whether the run holds a frozen reference model (train.ref_model, None: when the algorithm needs one)."""
         return self.needs_ref_model if self.train.ref_model is None else self.train.ref_model
+
+
+def teacher_model_config(cfg: RunConfig) -> ModelConfig | None:
+    """The distillation teacher (``algorithm.distill.teacher``) as a model config in the policy's dtype: a built-in
+    tiny model by name, an HF folder (a path), or else a built-in spec name (enough for ``plan``, not for training);
+    None without distillation."""
+    name = cfg.algorithm.distill.teacher
+    if name is None:
+        return None
+    if name in TINY_MODELS:
+        return ModelConfig(name=name, dtype=cfg.model.dtype)
+    if os.path.isdir(name) or os.sep in name or name.startswith("."):
+        return ModelConfig(name=os.path.basename(os.path.normpath(name)), hf_path=name, dtype=cfg.model.dtype)
+    return ModelConfig(name=name, dtype=cfg.model.dtype)
+
+
+def check_teacher(cfg: RunConfig, hf: dict, check_files: bool = True) -> None:
+    """ConfigError unless the distillation teacher can be loaded (its files, with ``check_files``) and scores the
+    student's tokens: the same vocabulary size, and (full estimator) the same pipeline stage for its logits."""
+    teacher = teacher_model_config(cfg)
+    if teacher is None:
+        return
+    distill = cfg.algorithm.distill
+    if distill.estimator == "full" and cfg.parallel.pp > 1:
+        raise ConfigError(
+            "algorithm.distill.estimator=full needs parallel.pp=1 (the teacher's logits on the student's stage); use "
+            "algorithm.distill.estimator=sampled with parallel.pp > 1"
+        )
+    if check_files:
+        try:
+            teacher.check_files()
+        except ValueError as e:  # its message names model.hf_path: here the teacher is meant
+            raise ConfigError(f"algorithm.distill.teacher: {str(e).replace('model.hf_path: ', '')}") from None
+    try:
+        thf = model_hf_config(teacher)
+    except ConfigError as e:
+        if check_files:
+            raise ConfigError(f"algorithm.distill.teacher: {e}") from None
+        return
+    if vl_family_of(thf) is not None:
+        thf = vl_text_config(thf)
+    if hf and vl_family_of(hf) is not None:
+        hf = vl_text_config(hf)
+    tv, sv = thf.get("vocab_size"), hf.get("vocab_size") if hf else None
+    if tv is not None and sv is not None and int(tv) != int(sv):
+        raise ConfigError(
+            f"algorithm.distill.teacher={distill.teacher!r} has vocab_size={tv} but the student "
+            f"model {cfg.model.name!r} has vocab_size={sv}: the teacher must share the student's tokenizer"
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -12,7 +12,8 @@ CONFIG is one of
     where ``plan`` runs: they are warnings here. The model's shapes come from its HF config.json when readable,
     else from the built-in spec named by ``model.name``. The planner reads ``model.dtype``, ``parallel``,
     ``rollout`` (engine, lengths, gpu_memory_utilization, kv_cache_gb, max_batch_rows, sleep_level), ``train``
-    (micro_batch_tokens, recompute, logits_chunk, ref_model) and
+    (micro_batch_tokens, recompute, logits_chunk, ref_model), ``algorithm.distill`` (the teacher: its weights at
+    the policy's layout, its logits with the full-vocabulary estimator, its share of the compute) and
     ``cluster`` (the allocation and the memory assumptions: vllm_overhead_gb, vllm_sleep_residual_gb,
     train_overhead_gb, offload_during_rollout);
   * a built-in model name (``qwen2.5-14b``, ``Qwen/Qwen2.5-14B-Instruct``, ... see ``families.table.BUILTIN_SPECS``)

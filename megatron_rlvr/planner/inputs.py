@@ -17,16 +17,17 @@ from megatron_rlvr.config import (
     check_run_files,
     load_run_config,
     model_hf_config,
+    teacher_model_config,
 )
 from megatron_rlvr.families.table import BUILTIN_SPECS, ModelSpec, get_model_spec, model_spec_from_hf_config
 from megatron_rlvr.families.tiny import TINY_MODELS
 from megatron_rlvr.planner.memory import PlanConfig
 
 
-def model_spec_for(run: RunConfig) -> ModelSpec:
-    """The shapes of the run's model: its HF config when readable here (tiny, hf_path, hf_config, gguf), else the
-    built-in spec of ``model.name``."""
-    m = run.model
+def model_spec_for(run: RunConfig, m=None) -> ModelSpec:
+    """The shapes of the run's model (or of the model config ``m``): its HF config when readable here (tiny,
+    hf_path, hf_config, gguf), else the built-in spec of ``model.name``."""
+    m = run.model if m is None else m
     try:
         hf = model_hf_config(m)
     except ConfigError as e:
@@ -48,11 +49,33 @@ def _vision_trainable(run: RunConfig) -> bool:
     return not bool(freeze)
 
 
-def plan_config_from_run(run: RunConfig, spec: ModelSpec | None = None) -> PlanConfig:
-    """The planner's view of a run config: its own sections, the model's spec, the reference model resolved."""
+def teacher_spec_for(run: RunConfig, student: ModelSpec, warn=None) -> ModelSpec | None:
+    """The distillation teacher's shapes (None without distillation): its HF config when readable here, else its
+    built-in spec; else, with a warning, the student's (a teacher folder that exists only on the cluster)."""
+    teacher = teacher_model_config(run)
+    if teacher is None:
+        return None
+    try:
+        return model_spec_for(run, teacher)
+    except ConfigError:
+        warn = warn or (lambda msg: print(f"warning: {msg}", file=sys.stderr))
+        warn(
+            f"algorithm.distill.teacher={run.algorithm.distill.teacher!r} is neither readable here nor a built-in "
+            "spec: planned at the student's size"
+        )
+        return student
+
+
+def plan_config_from_run(run: RunConfig, spec: ModelSpec | None = None, warn=None) -> PlanConfig:
+    """The planner's view of a run config: its own sections, the model's spec, the reference model resolved, the
+    distillation teacher's spec."""
+    spec = spec or model_spec_for(run)
+    teacher = teacher_spec_for(run, spec, warn)
     return PlanConfig(
+        teacher=teacher,
+        teacher_logits=teacher is not None and run.algorithm.distill.estimator == "full",
         vision_trainable=_vision_trainable(run),
-        model=spec or model_spec_for(run),
+        model=spec,
         parallel=run.parallel,
         rollout=run.rollout,
         train=run.train,
@@ -75,7 +98,7 @@ def load_plan_config(source: str | Path, overrides: Sequence[str] = (), warn=Non
             check_run_files(run)
         except ConfigError as e:
             warn(f"{e} (not needed for the plan; `train` refuses to start without it)")
-        return plan_config_from_run(run)
+        return plan_config_from_run(run, warn=warn)
     raw = apply_overrides({}, list(overrides))
     model = raw.get("model", {})
     if not isinstance(model, dict) or set(model) - {"dtype"}:
@@ -94,7 +117,7 @@ def load_plan_config(source: str | Path, overrides: Sequence[str] = (), warn=Non
             spec = get_model_spec(str(source))
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    return plan_config_from_run(run, spec)
+    return plan_config_from_run(run, spec, warn=warn)
 
 
 def run_dir_config(path: str) -> str:

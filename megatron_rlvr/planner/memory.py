@@ -35,6 +35,12 @@ class PlanConfig:
     """Allocation and memory assumptions."""
     ref_model: bool | None = None
     """Whether a reference model is kept; None: train.ref_model (the run config resolves it from the algorithm)."""
+    teacher: ModelSpec | None = None
+    """The distillation teacher (``algorithm.distill.teacher``): a frozen model at the policy's TP / PP layout in
+    the policy's dtype (its weights on every training GPU); None: no distillation."""
+    teacher_logits: bool = False
+    """The teacher's logits shard [micro_batch_tokens, V/tp] sits beside the policy's in every training forward
+    (``algorithm.distill.estimator=full``)."""
     lora: LoRAConfig | None = None
     """model.lora: frozen base weights (no gradients, no optimizer state, the reference is the base itself);
     gradients and Adam states for the adapters only."""
@@ -294,8 +300,8 @@ def moe_activation_bytes_per_layer(model: ModelSpec, tokens: int, tp: int, etp: 
     return attn + router + routed + shared
 
 
-_TRAIN_PHASE_TERMS = ("weights", "grads", "optimizer", "ref_model", "activations", "logits", "logits_chunk")
-_TRAIN_PHASE_TERMS += ("train_overhead", "engine_in_training")
+_TRAIN_PHASE_TERMS = ("weights", "grads", "optimizer", "ref_model", "teacher", "activations", "logits", "logits_chunk")
+_TRAIN_PHASE_TERMS += ("teacher_logits", "train_overhead", "engine_in_training")
 
 LOGITS_CHUNK_FACTOR = 4
 """fp32 [chunk, V/tp] buffers alive at once in the vocab-parallel ops: upcast logits, exp/softmax, grad, a temp."""
@@ -389,10 +395,11 @@ def _vllm_weight_params(model: ModelSpec, rtp: int) -> int:
 def estimate_memory(cfg: PlanConfig) -> MemoryPlan:
     """Validate the layout and estimate per-GPU memory of every pipeline stage; keeps the worst stage.
 
-    ``components`` keys (bytes, worst stage): weights, grads, optimizer, ref_model, act_none, act_full, activations
-    (the configured recompute mode), logits, logits_chunk, train_overhead, engine_in_training (vLLM asleep, or the
-    transformers engine's resident weights), train_state_in_rollout, engine (the rollout engine awake), of which
-    engine_weights, engine_overhead, kv_cache; host_ram_per_node (vLLM sleep level 1 weight backup). A
+    ``components`` keys (bytes, worst stage): weights, grads, optimizer, ref_model, teacher (the distillation
+    teacher's weights), act_none, act_full, activations (the configured recompute mode), logits, logits_chunk,
+    teacher_logits (the full-vocabulary distillation's teacher logits), train_overhead, engine_in_training (vLLM
+    asleep, or the transformers engine's resident weights), train_state_in_rollout, engine (the rollout engine
+    awake), of which engine_weights, engine_overhead, kv_cache; host_ram_per_node (vLLM sleep level 1 weight backup). A
     vision-language model's tower lives on pipeline stage 0, whole on every GPU there (a plain module beside
     Megatron, not TP-sharded): its weights, and when trained its fp32 gradients and Adam state (12 B/param, not
     sharded by the distributed optimizer) and the activations of its ``depth`` blocks for
@@ -407,6 +414,9 @@ def estimate_memory(cfg: PlanConfig) -> MemoryPlan:
     m, par, cl = cfg.model, cfg.parallel, cfg.cluster
     world = cl.world_size
     errors, warnings = validate_layout(m, par, world, cl.gpus_per_node)
+    if cfg.teacher is not None:  # the teacher is split like the policy: TP over its heads, PP over its layers
+        t_errors, _ = validate_layout(cfg.teacher, par, world, cl.gpus_per_node)
+        errors += [f"distillation teacher {cfg.teacher.name}: {e}" for e in t_errors if "rollout_tp" not in e]
     # disaggregated: training ranks hold only the training state, rollout ranks only an engine (never asleep)
     R = par.rollout_ranks
     disagg = R > 0
@@ -425,6 +435,7 @@ def estimate_memory(cfg: PlanConfig) -> MemoryPlan:
 
     params = stage_params(m, par)
     plan.stage_param_counts = params
+    teacher_params = stage_params(cfg.teacher, par) if cfg.teacher is not None else [0] * len(params)
     lora_params = lora_stage_params(m, par, cfg.lora) if cfg.lora else [0] * len(params)
     expert_params = stage_expert_params(m, par)
     plan.stage_expert_param_counts = expert_params
@@ -437,11 +448,12 @@ def estimate_memory(cfg: PlanConfig) -> MemoryPlan:
     best = None
     for s, p in enumerate(params):
         c = _state_terms(cfg, s, p, lora_params[s], expert_params[s], dp * par.cp, edp)
+        c["teacher"] = cfg.dtype_bytes * teacher_params[s]
         c.update(_activation_terms(cfg, s, moe_per_stage[s]))
         c["train_overhead"] = cl.train_overhead_gb * GIB
         c["engine_in_training"] = engine.in_training
         train_peak = sum(c[k] for k in _TRAIN_PHASE_TERMS)
-        state = c["weights"] + c["grads"] + c["optimizer"] + c["ref_model"]
+        state = c["weights"] + c["grads"] + c["optimizer"] + c["ref_model"] + c["teacher"]
         c["train_state_in_rollout"] = 0 if (cl.offload_during_rollout or disagg) else state
         c["engine"] = engine.total
         c["engine_weights"] = engine.weights
@@ -570,6 +582,7 @@ def _activation_terms(cfg: PlanConfig, stage: int, n_moe: int) -> dict[str, floa
     vocab_shard = m.padded_vocab(par.tp) // par.tp
     c["logits"] = T * vocab_shard * (b + b) if last else 0  # logits + their grad, in the model dtype
     c["logits_chunk"] = min(tr.logits_chunk, T) * vocab_shard * 4 * LOGITS_CHUNK_FACTOR if last else 0
+    c["teacher_logits"] = T * vocab_shard * b if last and cfg.teacher_logits else 0  # forward only: no grad
     return c
 
 

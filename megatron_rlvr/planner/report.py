@@ -84,6 +84,15 @@ def _header_lines(plan: MemoryPlan) -> list[str]:
             f"f={v.ffn}), {'trained' if cfg.trains_vision else 'frozen'}, whole on each GPU of pipeline stage 0; "
             f"{cfg.image_patches_per_micro_batch} patches per micro-batch"
         )
+    if cfg.teacher is not None:
+        t = cfg.teacher
+        # forward ~2 FLOPs per parameter per token, against ~6 for the policy's forward + backward
+        share = 2 * t.active_param_count() / (6 * m.active_param_count())
+        when = "in every update forward (full-vocabulary KL)" if cfg.teacher_logits else "once per step"
+        lines.append(
+            f"distill teacher {t.name}: {t.param_count() / 1e9:.2f} B params, frozen at the policy's layout; its "
+            f"forward costs ~{share:.2f}x the policy's training compute per token, {when}"
+        )
     lines += [f"warning: {w}" for w in plan.warnings]
     return lines
 
@@ -112,6 +121,8 @@ def _training_rows(plan: MemoryPlan) -> list[tuple[str, float]]:
         rows[2] = (f"fp32 master + Adam m,v (12 B/param / {dp_name}={dp_div}, experts / {edp_div})", c["optimizer"])
     if cfg.keeps_ref_model:
         rows.append((f"reference model {dt}", c["ref_model"]))
+    if cfg.teacher is not None:
+        rows.append((f"distillation teacher {cfg.teacher.name} {dt} (frozen)", c["teacher"]))
     mark_n = " <-" if tr.recompute == "none" else ""
     mark_f = " <-" if tr.recompute == "full" else ""
     rows += [
@@ -122,6 +133,10 @@ def _training_rows(plan: MemoryPlan) -> list[tuple[str, float]]:
             f"logits chunk work [{min(tr.logits_chunk, T)} x {vp // par.tp}] fp32 x{LOGITS_CHUNK_FACTOR}",
             c["logits_chunk"],
         ),
+    ]
+    if cfg.teacher_logits:
+        rows.append((f"teacher logits [{T} x {vp // par.tp}] {dt} (full-vocabulary KL)", c["teacher_logits"]))
+    rows += [
         ("framework (CUDA context, NCCL, fragmentation)", c["train_overhead"]),
     ]
     if m.vision is not None and plan.worst_stage == 0:

@@ -92,6 +92,9 @@ class TrainBatch:
     ``old_from_first_forward`` (the first update's forward gives them)."""
     ref_logprobs: Mapping[int, torch.Tensor] | None = None
     """Reference-policy log-probs [R] of this rank's sequences (None: no reference KL from log-probs)."""
+    teacher_logprobs: Mapping[int, torch.Tensor] | None = None
+    """The distillation teacher's log-probs [R] of this rank's sequences (None: no teacher, or the teacher's
+    logits come with each micro-batch of the update: ``algorithm.distill.estimator=full``)."""
     old_from_first_forward: bool = False
     """The first mini-batch's behaviour log-probs come from the first update's own forward (exact: the policy IS
     the behaviour policy before the first optimizer step)."""

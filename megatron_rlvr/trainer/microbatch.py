@@ -135,6 +135,8 @@ class MicroBatch:
     """[n_images, 3] long: their patch grids, same order."""
     image_mask: torch.Tensor | None = None
     """[b, s] bool: the image tokens of the model rows (prompt positions only)."""
+    teacher_logp: torch.Tensor | None = None
+    """[n, s] float32: the distillation teacher's log-probs of the response tokens (0 elsewhere); None: none given."""
 
     def vision_kwargs(self, device) -> dict[str, torch.Tensor]:
         """The model's image inputs on ``device`` (empty without images)."""
@@ -241,6 +243,7 @@ def build_microbatch(
     ids: list[int] | None = None,
     correction: MismatchCorrectionConfig | None = None,
     rows: list[list[int]] | None = None,
+    teacher_logp: list[torch.Tensor | None] | None = None,
 ) -> MicroBatch:
     """One micro-batch of ``seqs`` in ``b`` rows of length ``s`` (see :class:`MicroBatch`); ``correction`` (with
     ``old_logp``): the importance weights of the train/inference mismatch correction.
@@ -251,9 +254,10 @@ def build_microbatch(
     ``rows`` (row packing, see the module docstring): indices into ``seqs``, the sequences of each of the b model
     rows; the model inputs are then packed, everything else stays one sequence per row."""
     if rows is not None:
-        return _packed_microbatch(
+        packed = _packed_microbatch(
             seqs, rows, b, s, pad_id, old_logp=old_logp, ref_logp=ref_logp, ids=ids, correction=correction
         )
+        return _with_teacher(packed, seqs, len(seqs), s, teacher_logp)
     if len(seqs) > b:
         raise ValueError(f"build_microbatch: {len(seqs)} sequences do not fit micro-batch size {b}")
     tokens, labels, mask, rollout, old, ref = [], [], [], [], [], []
@@ -280,7 +284,7 @@ def build_microbatch(
     weight = None
     if correction is not None and correction.enabled and old_logp is not None:
         weight = importance_weights(old_t, rollout_t, mask_t, correction)
-    return MicroBatch(
+    mb = MicroBatch(
         tokens=torch.tensor(tokens + [[pad_id] * s] * dummy, dtype=torch.long).reshape(b, s),
         position_ids=vision.pop(
             "position_ids", torch.arange(s, dtype=torch.long).unsqueeze(0).expand(b, s).contiguous()
@@ -298,6 +302,16 @@ def build_microbatch(
         is_weight=weight,
         **vision,
     )
+    return _with_teacher(mb, seqs, b, s, teacher_logp)
+
+
+def _with_teacher(mb: MicroBatch, seqs: list[Sequence], n: int, s: int, teacher_logp) -> MicroBatch:
+    """``mb`` with the teacher's response-aligned log-probs scattered to [n, s] (unchanged when None)."""
+    if teacher_logp is None:
+        return mb
+    rows = [_response_row(v, q.prompt_len - 1, s, "teacher log-probs") for q, v in zip(seqs, teacher_logp)]
+    rows += [[0.0] * s] * (n - len(seqs))
+    return dataclasses.replace(mb, teacher_logp=torch.tensor(rows, dtype=torch.float32).reshape(n, s))
 
 
 def _vision_fields(rows: list[list[Sequence]], offsets: list[list[int]], b: int, s: int) -> dict:

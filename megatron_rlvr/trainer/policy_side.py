@@ -8,14 +8,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from megatron_rlvr.config import RunConfig
+from megatron_rlvr.config import RunConfig, teacher_model_config
 from megatron_rlvr.megatron.parallel import DistInfo, all_reduce_max
 from megatron_rlvr.megatron.policy import build_model, build_optimizer, current_lr, model_args_for, wrap_ddp
 from megatron_rlvr.megatron.routing import RoutingReplay
 from megatron_rlvr.models.build import takes_block_attention_mask
 from megatron_rlvr.models.hf_config import MegatronModelArgs
 from megatron_rlvr.models.lora import BaseModelView
-from megatron_rlvr.models.source import ModelSource, load_image_processor, load_tokenizer
+from megatron_rlvr.models.source import ModelSource, load_image_processor, load_tokenizer, resolve_model_source
 from megatron_rlvr.rollout.mismatch import MismatchCorrectionConfig
 from megatron_rlvr.rundir.checkpointer import PolicyState
 from megatron_rlvr.trainer.token_loss import StatsSpec
@@ -58,6 +58,9 @@ class PolicySide:
     """Everything the mini-batch updates and log-prob passes need besides the models."""
     ref_model: GPTModel | BaseModelView | None = None
     """Frozen reference policy (reference-KL algorithms): its own model, or a LoRA policy with its adapters off."""
+    teacher: GPTModel | None = None
+    """Frozen distillation teacher (``algorithm.distill``): its own model at the policy's TP / PP layout, never the
+    LoRA base."""
 
     @property
     def state(self) -> PolicyState:
@@ -82,10 +85,10 @@ def build_policy_side(cfg: RunConfig, dist: DistInfo, source: ModelSource) -> Po
     if cfg.keeps_ref_model and cfg.model.lora is not None:  # the base model is the policy with adapters off
         ref_model = BaseModelView(model)
     elif cfg.keeps_ref_model:
-        ref_args = model_args_for(source, cfg.model, par, cfg.train)
-        ref_model = build_model(ref_args, source, cfg.train.seed, dist.pg, trainable=False)
+        ref_model = build_frozen_model(cfg, dist, source, cfg.model, cfg.train.seed)
     tokenizer = load_tokenizer(source)
-    settings = update_settings(cfg, dist, args, tokenizer, model, ref_model)
+    teacher = build_teacher(cfg, dist, tokenizer)
+    settings = update_settings(cfg, dist, args, tokenizer, model, ref_model, teacher)
     return PolicySide(
         cfg=cfg,
         dist=dist,
@@ -98,10 +101,41 @@ def build_policy_side(cfg: RunConfig, dist: DistInfo, source: ModelSource) -> Po
         scheduler=scheduler,
         settings=settings,
         ref_model=ref_model,
+        teacher=teacher,
     )
 
 
-def update_settings(cfg: RunConfig, d: DistInfo, args: MegatronModelArgs, tokenizer, model, ref_model):
+def build_frozen_model(cfg: RunConfig, dist: DistInfo, source: ModelSource, model_cfg, seed: int):
+    """A frozen scorer model (the reference policy, a distillation teacher) at the policy's TP / PP layout: no
+    gradients, no optimizer, eval mode."""
+    args = model_args_for(source, model_cfg, cfg.parallel, cfg.train)
+    return build_model(args, source, seed, dist.pg, trainable=False)
+
+
+def build_teacher(cfg: RunConfig, dist: DistInfo, student_tokenizer):
+    """The distillation teacher (None without ``algorithm.distill``); ValueError, naming both, when its tokenizer's
+    vocabulary differs from the student's (the teacher must score the student's token ids)."""
+    teacher_cfg = teacher_model_config(cfg)
+    if teacher_cfg is None:
+        return None
+    source = resolve_model_source(teacher_cfg)
+    check_same_vocabulary(student_tokenizer, load_tokenizer(source), cfg.model.name, cfg.algorithm.distill.teacher)
+    seed = cfg.algorithm.distill.teacher_seed
+    return build_frozen_model(cfg, dist, source, teacher_cfg, cfg.train.seed if seed is None else seed)
+
+
+def check_same_vocabulary(student_tokenizer, teacher_tokenizer, student: str, teacher: str) -> None:
+    """ValueError (one line naming both models) unless the two tokenizers map the same strings to the same ids."""
+    sv, tv = student_tokenizer.get_vocab(), teacher_tokenizer.get_vocab()
+    if sv != tv:
+        diff = sorted(set(sv.items()) ^ set(tv.items()), key=lambda kv: kv[1])[:3]
+        raise ValueError(
+            f"algorithm.distill.teacher={teacher!r}: its tokenizer ({len(tv)} tokens) differs from the student "
+            f"model {student!r}'s ({len(sv)} tokens), e.g. {diff}; the teacher must share the student's tokenizer"
+        )
+
+
+def update_settings(cfg: RunConfig, d: DistInfo, args: MegatronModelArgs, tokenizer, model, ref_model, teacher=None):
     """The update's and the log-prob passes' settings from the run config and the layout."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     routing = None if cfg.train.routing_replay == "none" else RoutingReplay(model, d.pg.tp, cfg.train.routing_replay)
@@ -126,7 +160,7 @@ def update_settings(cfg: RunConfig, d: DistInfo, args: MegatronModelArgs, tokeni
         ppo_epochs=cfg.train.ppo_epochs,
         correction=MismatchCorrectionConfig(tis_cap=tis_cap(cfg.rollout)),
         skip_nonfinite=cfg.train.skip_nonfinite,
-        pack_rows=pack_rows_on(cfg, model, ref_model),
+        pack_rows=pack_rows_on(cfg, model, ref_model, teacher),
         routing=routing,
     )
 
@@ -142,11 +176,12 @@ def tis_cap(rollout) -> float | None:
     return None
 
 
-def pack_rows_on(cfg: RunConfig, model, ref_model) -> bool:
-    """``train.pack_sequences`` where every rank's models take a block-diagonal attention mask (ranks agree)."""
+def pack_rows_on(cfg: RunConfig, model, *frozen) -> bool:
+    """``train.pack_sequences`` where every rank's models (the policy, its frozen scorers) take a block-diagonal
+    attention mask (ranks agree)."""
     if not cfg.train.pack_sequences or cfg.train.micro_batch_tokens is None:
         return False
-    ok = all(takes_block_attention_mask(m) for m in (model, ref_model) if m is not None)
+    ok = all(takes_block_attention_mask(m) for m in (model, *frozen) if m is not None)
     return all_reduce_max(0.0 if ok else 1.0) == 0.0
 
 

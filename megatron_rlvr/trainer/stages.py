@@ -154,6 +154,12 @@ def train_batch(policy: PolicySide, rolled: RolloutBatch) -> tuple[TrainBatch, d
     if policy.ref_model is not None and cfg.algorithm.ref_kl.estimator != "exact":
         ref, _, bad_ref = compute_logprobs(ctx, policy.ref_model, seqs, ids)
         bad = max(bad, bad_ref)
+    teacher = None
+    if policy.teacher is not None and cfg.algorithm.distill.estimator == "sampled":
+        # the teacher scores the student's own tokens once per step (the full estimator scores every vocabulary
+        # entry instead, from the teacher's logits inside each micro-batch of the update)
+        teacher, _, bad_teacher = compute_logprobs(ctx, policy.teacher, seqs, ids)
+        bad = max(bad, bad_teacher)
     if routes and ctx.routing.mode == "r3" and cfg.diagnostics.replay_mismatch:
         # the same behaviour log-probs with the trainer's own routes: what R3 changes in the train/inference mismatch
         plain, _, _ = compute_logprobs(ctx, policy.model, seqs, ids)
@@ -165,6 +171,7 @@ def train_batch(policy: PolicySide, rolled: RolloutBatch) -> tuple[TrainBatch, d
         sequences=seqs,
         old_logprobs=old,
         ref_logprobs=ref,
+        teacher_logprobs=teacher,
         old_from_first_forward=fused,
         policy_version=rolled.policy_version,
         routes=routes,
@@ -174,7 +181,9 @@ def train_batch(policy: PolicySide, rolled: RolloutBatch) -> tuple[TrainBatch, d
 
 def update(policy: PolicySide, batch: TrainBatch) -> UpdateResult:
     """The policy update of the step (megatron_rlvr.trainer.update)."""
-    return policy_update(policy.settings, policy.model, policy.optimizer, batch, ref_logits_fn(policy))
+    return policy_update(
+        policy.settings, policy.model, policy.optimizer, batch, ref_logits_fn(policy), teacher_logits_fn(policy)
+    )
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -235,15 +244,28 @@ def vision_of(policy: PolicySide):
     return lambda g: group_vision(g, policy.image_processor, spec.image_token_id, spec.spatial_merge_size)
 
 
-def ref_logits_fn(policy: PolicySide):
-    """For the exact reference KL: the reference model's logits shard of a micro-batch (PP = 1)."""
-    if policy.ref_model is None or policy.cfg.algorithm.ref_kl.estimator != "exact":
-        return None
+def frozen_logits_fn(policy: PolicySide, model):
+    """A frozen scorer model's (reference, distillation teacher) logits shard of a micro-batch, forward only, on
+    the policy's device (PP = 1: the whole frozen model runs where the policy's logits are)."""
 
     def fn(mb):
         with torch.no_grad():
             dev = policy.dist.device
             mask = None if mb.attention_mask is None else mb.attention_mask.to(dev)  # packed rows
-            return policy.ref_model(mb.tokens.to(dev), mb.position_ids.to(dev), mask, **mb.vision_kwargs(dev))
+            return model(mb.tokens.to(dev), mb.position_ids.to(dev), mask, **mb.vision_kwargs(dev))
 
     return fn
+
+
+def ref_logits_fn(policy: PolicySide):
+    """For the exact reference KL: the reference model's logits shard of a micro-batch (PP = 1)."""
+    if policy.ref_model is None or policy.cfg.algorithm.ref_kl.estimator != "exact":
+        return None
+    return frozen_logits_fn(policy, policy.ref_model)
+
+
+def teacher_logits_fn(policy: PolicySide):
+    """For the full-vocabulary distillation KL: the teacher's logits shard of a micro-batch (PP = 1)."""
+    if policy.teacher is None or policy.cfg.algorithm.distill.estimator != "full":
+        return None
+    return frozen_logits_fn(policy, policy.teacher)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_rlvr.algorithms import AlgorithmConfig, LossNormalizers, PolicyLossInputs, compute_policy_loss
+from megatron_rlvr.algorithms.distill import distill_advantages
 from megatron_rlvr.megatron.context_parallel import sequence_sum
 from megatron_rlvr.megatron.cpu_shims import native_torch
 from megatron_rlvr.ops import vocab_parallel_token_stats
@@ -157,10 +158,14 @@ def policy_loss_fn(
     *,
     old_from_forward: bool = False,
     correction: MismatchCorrectionConfig | None = None,
+    teacher_logits_fn=None,
 ):
     """The training loss of one micro-batch: (sum-reduced loss, MicroBatchLoss).
 
-    ``ref_logits_fn(mb)`` gives the reference model's logits shard when ``algo.ref_kl.estimator == 'exact'``.
+    ``ref_logits_fn(mb)`` gives the reference model's logits shard when ``algo.ref_kl.estimator == 'exact'``;
+    ``teacher_logits_fn(mb)`` the distillation teacher's when ``algo.distill.estimator == 'full'`` (the exact
+    reverse KL against it then comes from the ops, with its gradient; with ``sampled`` the teacher's log-probs come
+    with the micro-batch, ``mb.teacher_logp``).
 
     ``old_from_forward``: the behaviour policy IS the policy being updated (recomputed old log-probs, first
     mini-batch of the first epoch: no optimizer step yet), so the old log-probs are this forward's own log-probs,
@@ -170,6 +175,8 @@ def policy_loss_fn(
     """
     exact_kl = algo.ref_kl.coef > 0 and algo.ref_kl.estimator == "exact"
     seq_sum = sequence_sum(spec.cp_group)  # context parallelism: per-sequence sums over the CP group
+    distill = algo.distill
+    full_distill = distill.enabled and distill.estimator == "full"
 
     def fn(mb: MicroBatch, logits_bsv):
         want = ["logprob", "entropy"]
@@ -179,13 +186,29 @@ def policy_loss_fn(
         if exact_kl:
             want.append("kl")
             other = ref_logits_fn(mb)
-        with native_torch():  # the statistics and the loss make no CUDA calls (the reference forward above may)
-            return _policy_loss(mb, logits_bsv, want, other)
+        teacher = teacher_logits_fn(mb) if full_distill else None
+        with native_torch():  # the statistics and the loss make no CUDA calls (the frozen forwards above may)
+            return _policy_loss(mb, logits_bsv, want, other, teacher)
 
-    def _policy_loss(mb: MicroBatch, logits_bsv, want, other):
+    def _teacher_stats(mb: MicroBatch, logits_bsv, teacher_bsv):
+        """(teacher log-probs of the labels [n, s], exact reverse KL [n, s] or None, nonfinite)."""
+        if teacher_bsv is None:
+            if mb.teacher_logp is None:
+                raise ValueError("algorithm.distill.estimator=sampled: the micro-batch carries no teacher log-probs")
+            return mb.teacher_logp.to(logits_bsv.device), None, False
+        kl, bad_kl = token_stats(logits_bsv, mb.labels, spec, ("kl",), teacher_bsv)
+        with torch.no_grad():
+            t_lp, bad_t = token_stats(teacher_bsv, mb.labels, spec, ("logprob",))
+        return unpack_values(t_lp["logprob"], mb), unpack_values(kl["kl"], mb), bad_kl or bad_t
+
+    def _policy_loss(mb: MicroBatch, logits_bsv, want, other, teacher):
         dev = logits_bsv.device
         st, bad_logits = token_stats(logits_bsv, mb.labels, spec, want, other)
         st = {k: unpack_values(v, mb) for k, v in st.items()}  # packed rows -> one sequence per row
+        teacher_logp = distill_kl = None
+        if distill.enabled:
+            teacher_logp, distill_kl, bad_teacher = _teacher_stats(mb, logits_bsv, teacher)
+            bad_logits = bad_logits or bad_teacher
         mask = mb.mask.to(dev)
         logp = st["logprob"]
         rollout_BT = mb.rollout_logp.to(dev)
@@ -197,7 +220,12 @@ def policy_loss_fn(
         else:
             old_BT = mb.old_logp.to(dev)
             is_BT = None if mb.is_weight is None else mb.is_weight.to(dev)
-        if is_BT is not None:
+        if distill.enabled:  # the reward's weight, and the teacher's per-token term in advantage mode
+            seq_adv_BT = mb.adv.to(dev)[:, None].expand(mask.shape)
+            adv_B, adv_BT = None, distill_advantages(distill, seq_adv_BT, old_BT, teacher_logp, mask)
+            if is_BT is not None:
+                adv_BT = adv_BT * is_BT
+        elif is_BT is not None:
             adv_B, adv_BT = None, mb.adv.to(dev)[:, None] * is_BT
         else:
             adv_B, adv_BT = mb.adv.to(dev), None
@@ -213,6 +241,8 @@ def policy_loss_fn(
             margin_BT=st.get("margin"),
             mastered_B=mb.mastered.to(dev),
             seq_sum=seq_sum,
+            teacher_logp_BT=teacher_logp,
+            distill_kl_BT=distill_kl,
         )
         loss, metrics = compute_policy_loss(algo, inputs, norms)
         bad = bad_logits or _nonfinite(logp, mask) or not bool(torch.isfinite(loss))

@@ -69,7 +69,7 @@ class UpdateResult:
     """1.0 when those log-probs were non-finite on this rank."""
 
 
-def _microbatches(ctx: UpdateSettings, seqs, ids: list[int], old=None, ref=None, correct: bool = False):
+def _microbatches(ctx: UpdateSettings, seqs, ids: list[int], old=None, ref=None, correct: bool = False, teacher=None):
     """Micro-batches of ``ids`` (indices into ``seqs``); a fully masked dummy micro-batch when ``ids`` is empty so
     every rank still enters the collective schedule."""
     cp = ctx.pg.cp.size()
@@ -92,6 +92,7 @@ def _microbatches(ctx: UpdateSettings, seqs, ids: list[int], old=None, ref=None,
                 ids=chosen,
                 correction=ctx.correction if correct else None,
                 rows=rows,
+                teacher_logp=None if teacher is None else [teacher.get(i) for i in chosen],
             )
         )
         members.append(chosen)
@@ -190,8 +191,13 @@ def recompute_ids(ctx: UpdateSettings, num_seqs: int, old_from_forward: bool) ->
     return [i for i in ids if i not in first]
 
 
-def policy_update(ctx: UpdateSettings, ddp_model, optimizer, batch: TrainBatch, ref_logits_fn=None) -> UpdateResult:
+def policy_update(
+    ctx: UpdateSettings, ddp_model, optimizer, batch: TrainBatch, ref_logits_fn=None, teacher_logits_fn=None
+) -> UpdateResult:
     """All mini-batch updates of one step; returns merged (over ranks) loss metrics and update counters.
+
+    ``ref_logits_fn`` / ``teacher_logits_fn`` (mb -> logits shard): the frozen reference / distillation teacher's
+    logits of a micro-batch, for the exact reference KL / the full-vocabulary distillation KL.
 
     ``batch.old_from_first_forward``: ``batch.old_logprobs`` lacks the first mini-batch's sequences. Before the
     first optimizer step the policy IS the behaviour policy, so the first mini-batch of the first epoch takes its
@@ -221,9 +227,17 @@ def policy_update(ctx: UpdateSettings, ddp_model, optimizer, batch: TrainBatch, 
             norms = LossNormalizers.from_counts(normalizer_counts([seqs[i] for i in mb_seqs]))
             ids = my_sequence_ids(ctx, len(seqs), m)
             fused = batch.old_from_first_forward and epoch == 0 and m == 0
-            mbs, members = _microbatches(ctx, seqs, ids, None if fused else old, ref, correct=not fused)
+            mbs, members = _microbatches(
+                ctx, seqs, ids, None if fused else old, ref, correct=not fused, teacher=batch.teacher_logprobs
+            )
             loss_fn = policy_loss_fn(
-                ctx.algo, norms, ctx.spec, ref_logits_fn, old_from_forward=fused, correction=ctx.correction
+                ctx.algo,
+                norms,
+                ctx.spec,
+                ref_logits_fn,
+                old_from_forward=fused,
+                correction=ctx.correction,
+                teacher_logits_fn=teacher_logits_fn,
             )
             zero_grads(ddp_model, optimizer)
             phase = "behaviour" if fused else "update"  # the fused forward IS the behaviour forward

@@ -31,7 +31,8 @@ TRAINER_KEYS = (
 
 
 def _loss_keys() -> set[str]:
-    """The metric keys of compute_policy_loss with every term on (drift, ref KL, entropy, MCPO hinge, margin credit)."""
+    """The metric keys of compute_policy_loss with every term on (drift, ref KL, entropy, MCPO hinge, margin credit,
+    distillation)."""
     cfg = AlgorithmConfig.from_dict(
         {
             "drift": {"coef": 0.1},
@@ -39,6 +40,7 @@ def _loss_keys() -> set[str]:
             "entropy": {"coef": 0.01},
             "hinge_kl": {"enabled": True},
             "margin_credit": {"enabled": True},
+            "distill": {"teacher": "tiny"},
         }
     )
     g = torch.Generator().manual_seed(0)
@@ -53,6 +55,7 @@ def _loss_keys() -> set[str]:
         entropy_BT=torch.rand(2, 3, generator=g),
         margin_BT=torch.rand(2, 3, generator=g),
         mastered_B=torch.tensor([True, False]),
+        teacher_logp_BT=old - 0.2,
     )
     _, metrics = compute_policy_loss(cfg, inp, LossNormalizers.from_batch(mask, inp.mastered_B))
     return set(metrics)

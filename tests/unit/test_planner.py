@@ -19,6 +19,7 @@ from megatron_rlvr.planner import (
     TrainConfig,
     activation_bytes_per_layer,
     estimate_memory,
+    format_plan,
     get_model_spec,
     load_plan_config,
     model_spec_from_hf_config,
@@ -460,3 +461,39 @@ def test_context_parallel_divides_activations_and_logits_and_shards_the_optimize
     moe = get_model_spec("qwen3-30b-a3b")
     errors, _ = validate_layout(moe, ParallelConfig(tp=2, cp=2), 32)
     assert any("parallel.cp=2: context parallelism is for dense text models" in e for e in errors)
+
+
+def test_distillation_teacher_is_planned_on_the_training_gpus():
+    """A Qwen2.5-7B student distilled from a Qwen2.5-14B teacher (built-in spec name): the teacher's frozen bf16
+    weights at the student's TP / PP (14B counted by hand as above) and, with the full-vocabulary estimator, its
+    logits shard [T, V/tp] bf16 are added to the training peak (and the teacher's weights to what a colocated GPU
+    keeps while rolling out); the sampled estimator adds only the weights. The table names the teacher and its
+    compute share."""
+    base = load_plan_config(REPO / "configs" / "mcpo_7b.yaml", warn=lambda _: None)
+    over = ["algorithm.distill.teacher=qwen2.5-14b"]
+    sampled = load_plan_config(REPO / "configs" / "mcpo_7b.yaml", over, warn=lambda _: None)
+    full = load_plan_config(
+        REPO / "configs" / "mcpo_7b.yaml", [*over, "algorithm.distill.estimator=full"], warn=lambda _: None
+    )
+    p0, ps, pf = estimate_memory(base), estimate_memory(sampled), estimate_memory(full)
+    tp, pp = base.parallel.tp, base.parallel.pp
+    assert pp == 1
+    q, k, v, o, mlp, norms = qwen14b_layer_by_hand()
+    v_pad = -(-V // (128 * tp)) * (128 * tp)
+    teacher_params = L * ((q + k + v + o + mlp) // tp + norms) + H + 2 * (v_pad * H // tp)
+    assert ps.components["teacher"] == 2 * teacher_params
+    assert ps.train_peak - p0.train_peak == pytest.approx(2 * teacher_params)
+    if not base.cluster.offload_during_rollout:
+        assert ps.components["train_state_in_rollout"] - p0.components["train_state_in_rollout"] == pytest.approx(
+            2 * teacher_params
+        )
+    logits = base.micro_batch_tokens * (v_pad // tp) * 2
+    assert pf.components["teacher_logits"] == logits and ps.components["teacher_logits"] == 0
+    assert pf.train_peak - ps.train_peak == pytest.approx(logits)
+    table = format_plan(pf)
+    assert "distillation teacher Qwen2.5-14B bf16 (frozen)" in table and "teacher logits" in table
+    share = 2 * get_model_spec("qwen2.5-14b").param_count() / (6 * get_model_spec("qwen2.5-7b").param_count())
+    assert (
+        f"distill teacher Qwen2.5-14B: 14.77 B params, frozen at the policy's layout; its forward costs ~{share:.2f}x"
+        in table
+    )

@@ -540,3 +540,20 @@ def test_tensorboard_gets_every_finite_metric_of_every_step(tmp_path):
     got = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
     f32 = lambda v: torch.tensor(v, dtype=torch.float32).item()  # noqa: E731
     assert got == {"loss/total": [(1, 0.25), (2, f32(-1e-9))], "reward/mean": [(1, f32(1 / 3))]}
+
+
+def test_teacher_logprobs_are_scattered_to_the_response_positions():
+    """build_microbatch's ``teacher_logp``: each sequence's response-aligned values at positions [P - 1, L - 1) of
+    its row (one sequence per row, in both the unpacked and the packed layout), 0 elsewhere and on dummy rows (by
+    hand); without it the field is None."""
+    seqs = [Sequence(tokens=[1, 2, 3, 4], prompt_len=2), Sequence(tokens=[5, 6, 7], prompt_len=1)]
+    teacher = [torch.tensor([-0.5, -1.5]), torch.tensor([-0.25, -0.75])]
+    want = torch.tensor([[0.0, -0.5, -1.5, 0.0, 0.0], [-0.25, -0.75, 0.0, 0.0, 0.0], [0.0] * 5])
+    flat = build_microbatch(seqs, 3, 5, pad_id=0, teacher_logp=teacher)
+    assert torch.equal(flat.teacher_logp, want)
+    assert torch.equal(flat.teacher_logp != 0, flat.mask)
+    packed = build_microbatch(seqs, 1, 8, pad_id=0, teacher_logp=teacher, rows=[[0, 1]])
+    want8 = torch.zeros(2, 8)
+    want8[0, 1:3], want8[1, 0:2] = teacher[0], teacher[1]
+    assert torch.equal(packed.teacher_logp, want8)
+    assert build_microbatch(seqs, 2, 5, pad_id=0).teacher_logp is None
