@@ -197,8 +197,9 @@ VOLATILE = ("time/", "perf/", "wall_time", "reward/time_s", "sync/time_s", "sync
 
 
 def _volatile(key):
-    """Timings and rates: they differ between any two runs."""
-    return key.startswith(VOLATILE) or key.endswith(("_s", "gbps"))
+    """Timings and rates differ between any two runs; ``sync/verified`` marks each process's first weight sync
+    (rollout.verify_sync=first), which a resumed run has too."""
+    return key.startswith(VOLATILE) or key.endswith(("_s", "gbps")) or key == "sync/verified"
 
 
 def test_sigterm_at_k1_saves_in_flight_batches_and_the_resumed_run_repeats_every_metric(tmp_path):
