@@ -7,9 +7,10 @@
 
 The receiving side of each channel is a thread that is always posted on its group, so a sender never blocks on the
 other role's main loop (a blocking send into a busy peer would deadlock the two loops): the trainer's
-:class:`BatchReceiver` queues batches, each rollout rank's :class:`WeightReceiver` keeps the newest complete version
-(an older one not yet applied is replaced: the engines only ever need the newest). Host memory on a rollout rank: at
-most one version being received plus one waiting to be applied.
+:class:`BatchReceiver` queues batches, each rollout rank's :class:`WeightReceiver` keeps the complete versions not yet
+applied (the schedule applies exactly version s - 1 - k for step s; taking a version drops the older ones). Host
+memory on a rollout rank: at most k = rollout.max_staleness versions waiting (while step s rolls out with version
+s - 1 - k, the trainer can publish up to version s - 1) plus the one being received.
 
 A peer that dies closes its sockets: the receiving thread's collective raises, and the main loop re-raises it as
 :class:`PeerLost` naming the other role, so the job ends (the launcher stops the other ranks) instead of waiting.

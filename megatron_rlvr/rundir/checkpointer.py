@@ -3,15 +3,19 @@ the final HF export (megatron_rlvr.models.export).
 
 A checkpoint holds model, optimizer, LR scheduler and RNG states plus the trainer state: the step and the prompt
 sampler's position. Everything else a step depends on is a function of (seed, step): rollout sampling seeds derive
-from them, so a resumed run repeats the uninterrupted run's steps exactly.
+from them, so a resumed run repeats the uninterrupted run's steps exactly. The disaggregated schedule also saves the
+rollout batches in flight (generated from weights older than the checkpoint's, not yet trained) in
+``in_flight.pkl``: the resumed run trains those instead of regenerating them from the newer weights.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import pickle
 import shutil
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_rlvr.config import CheckpointConfig
@@ -28,6 +32,10 @@ from megatron_rlvr.models.lora import checkpoint_meta as lora_checkpoint_meta
 
 class ResumeError(ValueError):
     """A resume that cannot proceed as asked (changed options, corrupt checkpoint without fallback)."""
+
+
+IN_FLIGHT_FILE = "in_flight.pkl"
+"""The disaggregated schedule's rollout batches in flight at a checkpoint (pickled list; rank 0 writes it)."""
 
 
 class CheckpointSaveError(ValueError):
@@ -141,6 +149,11 @@ class Checkpointer:
     """schedule.steps: the last step is saved by the end of the run, not by the cadence."""
     resumed_from: int = 0
     """The step this run resumed from (0: a fresh run)."""
+    in_flight: Callable[[int], list | None] | None = None
+    """Called on every rank at a save of step N: the messages in flight to save with it (rank 0; None elsewhere or
+    when there are none). Set by the disaggregated schedule."""
+    resumed_in_flight: list = field(default_factory=list)
+    """Rank 0: the messages in flight saved with the checkpoint resumed from (empty: none, or another rank)."""
 
     @property
     def save_dir(self) -> str:
@@ -158,6 +171,10 @@ class Checkpointer:
         config = checkpointing.CheckpointConfig(
             save_dir=self.save_dir, keep_last=self.cfg.keep_last, distrib_optim_sharding_type=self.cfg.sharding_type
         )
+        in_flight = self.in_flight(step) if self.in_flight is not None else None
+        state = {"step": step, "data": loader.state_dict(), "algorithm": self.algorithm}
+        if in_flight:  # rank 0 writes the trainer state: a resume then knows the file must be there
+            state["in_flight"] = len(in_flight)
         try:
             out = checkpointing.save_checkpoint(
                 config,
@@ -165,11 +182,13 @@ class Checkpointer:
                 model=policy.model,
                 optimizer=policy.optimizer,
                 scheduler=policy.scheduler,
-                trainer_state={"step": step, "data": loader.state_dict(), "algorithm": self.algorithm},
+                trainer_state=state,
                 model_args=policy.args,
                 pg_collection=self.pg,
             )
             if self.rank == 0:
+                if in_flight:
+                    write_in_flight(out, in_flight)
                 checkpointing.write_manifest(out)
         except (KeyboardInterrupt, SystemExit):
             raise
@@ -269,6 +288,7 @@ class Checkpointer:
                     scheduler=policy.scheduler,
                     pg_collection=self.pg,
                 )
+                in_flight = read_in_flight(choice, state) if self.rank == 0 else []
                 err = None
             except (KeyboardInterrupt, SystemExit):
                 raise
@@ -278,6 +298,7 @@ class Checkpointer:
             if not errors:
                 if "data" in state:
                     loader.load_state_dict(state["data"])
+                self.resumed_in_flight = in_flight
                 if skipped:
                     warn(f"megatron-rlvr: WARNING: resumed from {choice} instead of the newer {', '.join(skipped)}")
                 return int(state.get("step", 0))
@@ -295,6 +316,31 @@ class Checkpointer:
                 "checkpoint.resume=never to start the run over"
             )
         return 0
+
+
+def write_in_flight(ckpt_dir: str, messages: list) -> None:
+    """Pickle ``messages`` into ``ckpt_dir``/in_flight.pkl (written aside, synced, then renamed)."""
+    tmp = os.path.join(ckpt_dir, "." + IN_FLIGHT_FILE + ".tmp")
+    with open(tmp, "wb") as f:
+        pickle.dump(messages, f, protocol=pickle.HIGHEST_PROTOCOL)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(ckpt_dir, IN_FLIGHT_FILE))
+
+
+def read_in_flight(ckpt_dir: str, trainer_state: dict) -> list:
+    """The messages in flight saved with ``ckpt_dir`` (the count its trainer state records; none: empty). The file
+    is this run's own, written by :func:`write_in_flight`; a missing or short one raises (the load fails, and the
+    resume falls back like for any damaged checkpoint file)."""
+    n = int(trainer_state.get("in_flight", 0))
+    if not n:
+        return []
+    with open(os.path.join(ckpt_dir, IN_FLIGHT_FILE), "rb") as f:
+        messages = pickle.load(f)
+    got = len(messages) if isinstance(messages, list) else type(messages).__name__
+    if got != n:
+        raise ValueError(f"{ckpt_dir}/{IN_FLIGHT_FILE} holds {got} batches, its trainer state says {n}")
+    return messages
 
 
 def export_hf_folder(run_dir: str, policy: PolicyState, source, tokenizer, pg, write_tokenizer: bool) -> str:
