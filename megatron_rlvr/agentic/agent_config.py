@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 from megatron_rlvr.agentic.tool_format import TOOL_FORMATS
 from megatron_rlvr.sandbox.limits import SandboxLimits
 
-BUILTIN_ENVIRONMENTS = ("", "tools")
-"""``agent.environment`` built-ins: "" (single-turn rollouts) and the tool-calling environment."""
+BUILTIN_ENVIRONMENTS = ("", "tools", "arithmetic_tools")
+"""``agent.environment`` built-ins: "" (single-turn rollouts), the tool-calling environment, and that environment
+with shaping terms for terse arithmetic (megatron_rlvr.agentic.arithmetic_env)."""
 
 
 def _positive_int(name: str, v) -> None:
@@ -22,8 +23,9 @@ class AgentConfig:
 
     environment: str = ""
     """"" (default): one completion per sample, no turns. ``tools``: the built-in tool-calling environment
-    (``agent.tools``). ``pkg.module:factory``: a user environment, ``factory(AgentSetup) -> Environment``
-    (megatron_rlvr.agentic.environment)."""
+    (``agent.tools``). ``arithmetic_tools``: ``tools`` plus small shaping terms for terse procedural arithmetic
+    (the tiny tool preset, megatron_rlvr.agentic.arithmetic_env). ``pkg.module:factory``: a user environment,
+    ``factory(AgentSetup) -> Environment`` (megatron_rlvr.agentic.environment)."""
     tools: list[str] = field(default_factory=list)
     """Tools of the ``tools`` environment: ``python`` (sandboxed code), ``calculator`` (exact arithmetic) or a user
     tool ``pkg.module:function`` (keyword arguments in, a string out; run in the sandbox)."""
@@ -54,8 +56,10 @@ class AgentConfig:
             self.tools = [self.tools]
         if not all(isinstance(t, str) and t for t in self.tools):
             raise ValueError(f"agent.tools must be a list of tool names, got {self.tools!r}")
-        if self.environment == "tools" and not self.tools:
-            raise ValueError("agent.environment=tools needs at least one tool in agent.tools (python, calculator, ...)")
+        if self.environment in ("tools", "arithmetic_tools") and not self.tools:
+            raise ValueError(
+                f"agent.environment={self.environment} needs at least one tool in agent.tools (python, calculator, ...)"
+            )
         if self.tool_format not in TOOL_FORMATS:
             raise ValueError(f"agent.tool_format must be one of {TOOL_FORMATS}, got {self.tool_format!r}")
         _positive_int("agent.max_turns", self.max_turns)

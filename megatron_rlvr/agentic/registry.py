@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 
 from megatron_rlvr.agentic.agent_config import AgentConfig
+from megatron_rlvr.agentic.arithmetic_env import ArithmeticToolEnvironment
 from megatron_rlvr.agentic.environment import AgentSetup, Environment
 from megatron_rlvr.agentic.tool_env import ToolEnvironment
 from megatron_rlvr.agentic.tool_format import ToolFormat
@@ -14,7 +15,7 @@ from megatron_rlvr.sandbox.tools import ToolBox
 
 def build_environment(agent: AgentConfig, tokenizer) -> Environment:
     """The run's environment (``agent.environment`` must be set)."""
-    if agent.environment == "tools":
+    if agent.environment in ("tools", "arithmetic_tools"):
         return _tool_environment(agent, tokenizer)
     factory = load_factory(agent.environment)
     env = factory(AgentSetup(tokenizer=tokenizer, config=agent))
@@ -27,11 +28,13 @@ def build_environment(agent: AgentConfig, tokenizer) -> Environment:
 
 
 def _tool_environment(agent: AgentConfig, tokenizer) -> ToolEnvironment:
+    """``tools``, or ``arithmetic_tools`` (its shaping terms for terse arithmetic, agentic/arithmetic_env.py)."""
     try:
         tools = ToolBox(agent.tools, agent.sandbox)
     except ValueError as e:
         raise ValueError(f"agent.tools: {e}") from None
-    return ToolEnvironment(tools, ToolFormat(agent.tool_format, tokenizer), agent.max_calls_per_turn)
+    cls = ArithmeticToolEnvironment if agent.environment == "arithmetic_tools" else ToolEnvironment
+    return cls(tools, ToolFormat(agent.tool_format, tokenizer), agent.max_calls_per_turn)
 
 
 def load_factory(spec: str):

@@ -20,6 +20,19 @@ PANELS: list[tuple[str, list[tuple[str, str]]]] = [
         [("mcpo/mastered_abs_d", "mean |logp - logp_old|"), ("mcpo/hinge_active_frac", "hinge active")],
     ),
     ("response length", [("response/length_mean", "mean"), ("response/truncated_frac", "truncated frac")]),
+    # multi-turn rollouts (agent.environment set); single-turn runs log none of these keys
+    (
+        "agent: turns, tool calls and observation share (per trajectory)",
+        [
+            ("agent/turns_mean", "turns"),
+            ("agent/tool_calls_per_trajectory", "tool calls"),
+            ("agent/observation_token_frac", "observation token frac"),
+        ],
+    ),
+    (
+        "agent: failed tool calls (per step)",
+        [("agent/tool_errors", "errors"), ("agent/malformed_calls", "malformed"), ("agent/tool_timeouts", "timeouts")],
+    ),
     ("clip fractions", [("loss/clip_frac_low", "low"), ("loss/clip_frac_high", "high")]),
     (
         "forgetting probe (mastered at step s, re-sampled after its update)",

@@ -121,6 +121,35 @@ def test_plot_has_the_async_panels_only_for_a_disaggregated_run(tmp_path):
     assert "weight version" in dict(panels_of([read_run(str(async_dir)), read_run(str(colocated_dir))]))
 
 
+def test_plot_has_agent_panels_only_for_multi_turn_runs(tmp_path):
+    """A run that logged the agent metrics (multi-turn rollouts) gets the two agent panels with exactly the keys it
+    logged, drawn into curves.png; a single-turn run gets neither."""
+    from megatron_rlvr.rundir.plot import panels_of, plot_runs, read_run
+
+    agent = {
+        "agent/turns_mean": 2.0,
+        "agent/tool_calls_per_trajectory": 1.0,
+        "agent/observation_token_frac": 0.3,
+        "agent/tool_errors": 3.0,
+        "agent/malformed_calls": 1.0,
+    }
+    multi, single = tmp_path / "multi", tmp_path / "single"
+    for d, extra in ((multi, agent), (single, {})):
+        d.mkdir()
+        _write_rows(d / "metrics.jsonl", [{"step": s, "reward/mean": 0.1 * s, **extra} for s in range(1, 6)])
+    panels = dict(panels_of([read_run(str(multi))]))
+    assert [k for k, _ in panels["agent: turns, tool calls and observation share (per trajectory)"]] == [
+        "agent/turns_mean",
+        "agent/tool_calls_per_trajectory",
+        "agent/observation_token_frac",
+    ]
+    failed = panels["agent: failed tool calls (per step)"]
+    assert [k for k, _ in failed] == ["agent/tool_errors", "agent/malformed_calls"]
+    assert not [t for t, _ in panels_of([read_run(str(single))]) if t.startswith("agent")]
+    png = plot_runs([str(multi)])
+    assert os.path.getsize(png) > 10_000
+
+
 def test_plot_title_sits_above_the_panel_titles(tmp_path, monkeypatch):
     """The figure title of curves.png overlapped the first row of panel titles (``tight_layout`` leaves the
     suptitle out: on a tall figure of many panels it sat on the first row); its drawn box must lie above every panel
