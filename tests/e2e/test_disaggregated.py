@@ -80,7 +80,7 @@ def test_layouts_that_do_not_divide_are_refused_with_the_reason():
     cfg = load_run_config("configs/tiny.yaml", ["parallel.tp=1", *DISAGG])
     check_layout(cfg, 2)
     cases = [
-        (["parallel.tp=2", *DISAGG], 2, r"tp x parallel.pp = 2 does not divide the 1 training ranks"),
+        (["parallel.tp=2", *DISAGG], 2, r"tp x parallel.cp x parallel.pp = 2 does not divide the 1 training ranks"),
         (["parallel.tp=1", "parallel.rollout_ranks=2"], 2, r"leaves no training rank"),
         (["parallel.tp=1", "parallel.rollout_ranks=3", "rollout.engine=vllm", "parallel.rollout_tp=2"], 4, None),
         (["rollout.max_staleness=1"], 2, r"max_staleness=1 needs the disaggregated layout"),
