@@ -35,6 +35,16 @@ TESTS_DIR = Path(__file__).resolve().parent
 TIERS = ("unit", "integration", "e2e")
 
 
+@pytest.fixture
+def one_torch_thread():
+    """Torch on one intra-op thread for the test (modules with tiny matmuls use it through ``pytestmark``): on 2
+    shared cores extra threads only add contention (10x slower under load)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 @pytest.fixture(scope="session")
 def dist_pool():
     """One persistent pool of 4 gloo ranks for every multi-process test: spawn + megatron import costs ~15 s, so the

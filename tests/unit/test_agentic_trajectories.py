@@ -24,12 +24,7 @@ MERGES = [("1", "2"), ("3", "2"), ("5", "2"), ("7", "2"), ("9", "2")]
 with "2" re-encode differently."""
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def bpe_tokenizer():

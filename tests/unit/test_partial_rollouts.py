@@ -19,12 +19,7 @@ from megatron_rlvr.rollout.partial import PartialRolloutEngine
 CHUNK, MAX_TOKENS, T = 2, 8, 0.8
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _model(seed):

@@ -16,13 +16,7 @@ V = 96
 EOS = 1
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny matmuls on 2 shared cores: extra intra-op threads only add contention (10x slower under load).
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 class ToyTokenizer:
