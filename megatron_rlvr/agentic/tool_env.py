@@ -84,8 +84,6 @@ class ToolEnvironment(Environment):
                     name, "malformed"
                 )
             args = {required[0]: args}
-        if name not in self.tools.names:
-            return f"error: unknown tool {name!r} ({self._known()})", ToolCallRecord(name, "unknown_tool")
         result = self.tools.call(name, args)
         text = result.text if result.ok or result.text.startswith("error") else f"error: {result.text}"
         return text, ToolCallRecord(name, result.status, float(result.seconds))
