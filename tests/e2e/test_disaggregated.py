@@ -144,12 +144,14 @@ def test_steps_without_an_update_still_advance_the_version(tmp_path, monkeypatch
     assert sorted(recs) == [1, 2, 3] and all(r["train/skipped"] == 1.0 for r in recs.values())
 
 
-@pytest.mark.parametrize("k", [1, 2])
-def test_k_trains_only_samples_within_k_updates_and_learns(tmp_path, k):
+@pytest.mark.parametrize("k, seed", [(1, 1234), (2, 1234), (2, 4242)])
+def test_k_trains_only_samples_within_k_updates_and_learns(tmp_path, k, seed):
     """k = 1 (one-step-off) and k = 2 (bounded async): no trained sample is more than k updates old, most steps
     train samples exactly k updates old (the rollout ranks run as far ahead as admission lets them), and the tiny
-    preset still learns."""
-    recs = _run(tmp_path / f"k{k}", *DISAGG, f"rollout.max_staleness={k}", "schedule.steps=60", timeout=900)
+    preset still learns, k = 2 at two seeds (4242 is where an earlier k = 2 run peaked and fell back, with truncated
+    answers and token ratios far above the clip; docs/results.md has the k = 0/2/4 sweep)."""
+    args = (*DISAGG, f"rollout.max_staleness={k}", f"train.seed={seed}", "schedule.steps=60")
+    recs = _run(tmp_path / f"k{k}", *args, timeout=900)
     assert sorted(recs) == list(range(1, 61))
     assert all(r["async/staleness_max"] <= k and r["async/dropped_samples"] == 0 for r in recs.values())
     for s, r in recs.items():  # the oldest trained sample's version is within k of the policy being trained
