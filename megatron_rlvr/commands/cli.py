@@ -159,6 +159,11 @@ def _disk_full(e: BaseException) -> OSError | None:
         seen.add(id(e))
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
             return e
+        # safetensors' SafetensorError ("I/O error: No space left on device (os error 28)") carries no errno
+        text = str(e)
+        for code in (errno.ENOSPC, errno.EDQUOT):
+            if os.strerror(code) in text:
+                return OSError(code, os.strerror(code))
         e = e.__cause__ or e.__context__
     return None
 
@@ -188,7 +193,7 @@ def _report(command: str, e: BaseException) -> None:
     full = _disk_full(e)
     if full is not None:
         first = msg.splitlines()[0][:300]
-        if full is not e:
+        if full is not e and full.strerror not in first:
             first += f" ({full})"
         print(
             f"megatron-rlvr {command}: error: {first}; free space (or choose an output folder on another disk) and "

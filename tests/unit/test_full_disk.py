@@ -113,3 +113,54 @@ def test_a_full_disk_during_a_save_shows_one_line_and_keeps_the_writers_lines_in
 
     logging.getLogger(writer).error(line)  # outside a save: logged as before
     assert [r.getMessage() for r in caplog.records][-1] == line
+
+
+def test_the_hf_export_stops_writing_at_a_full_disk_but_reads_its_stream_to_the_end(tmp_path, monkeypatch):
+    """A merged HF export on a full disk: the shard write that fails is reported as one line and its partial file
+    removed, no later shard is written, and the (collective) tensor stream is still read to its end, so the rank's
+    TP peers are not left waiting in a gather. Before, the safetensors error escaped mid-stream and left an empty
+    output folder behind (``convert to-hf`` on a full tmpfs)."""
+    import safetensors.torch
+
+    from megatron_rlvr.models import export
+
+    real_save = safetensors.torch.save_file
+    writes = []
+
+    def full_after_one_shard(tensors, path, metadata=None):
+        writes.append(path)
+        if len(writes) == 1:
+            return real_save(tensors, path, metadata=metadata)
+        return _full_disk_after_64_bytes(tensors, path, metadata)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_after_one_shard)
+    read = []
+
+    def stream():
+        for i in range(6):
+            read.append(i)
+            yield f"t{i}", torch.full((4,), float(i))
+
+    files, err = export._write_temp_shards(stream(), str(tmp_path), 0, torch.float32, 32, writer=True)
+    assert read == list(range(6)) and len(writes) == 2, (read, writes)
+    assert err == "OSError: [Errno 28] No space left on device", err
+    assert [names for _, names, _ in files] == [["t0", "t1"]]
+    assert sorted(os.listdir(tmp_path)) == [os.path.basename(files[0][0])]
+
+
+def test_a_safetensors_full_disk_error_is_a_user_error(monkeypatch, capsys):
+    """safetensors reports a full disk as ``SafetensorError: Error while serializing: I/O error: No space left on
+    device (os error 28)``, an exception without errno: ``convert`` took the unexpected-error path (exit 1 and a
+    traceback file). Now it is one line saying what to do, exit 2."""
+    from megatron_rlvr.commands import cli, convert_cli
+
+    SafetensorError = type("SafetensorError", (Exception,), {})
+
+    def full(argv):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(convert_cli, "convert_main", full)
+    assert cli.main(["convert", "to-hf", "--ckpt", "x", "--out", "y"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "No space left on device (os error 28); free space" in err[0], err
+    assert "traceback" not in err[0] and err[0].count("No space left") == 1, err
