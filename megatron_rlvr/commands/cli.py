@@ -159,6 +159,11 @@ def _disk_full(e: BaseException) -> OSError | None:
         seen.add(id(e))
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
             return e
+        # safetensors' SafetensorError ("I/O error: No space left on device (os error 28)") carries no errno
+        text = str(e)
+        for code in (errno.ENOSPC, errno.EDQUOT):
+            if os.strerror(code) in text:
+                return OSError(code, os.strerror(code))
         e = e.__cause__ or e.__context__
     return None
 
@@ -175,6 +180,7 @@ def _report(command: str, e: BaseException) -> None:
     msg = str(e).strip() or type(e).__name__
     # on an error only: the CLI's start imports no command's stack (the checkpointer's is torch's)
     from megatron_rlvr.rewards.manager import RewardFailure
+    from megatron_rlvr.rundir import heartbeat
     from megatron_rlvr.rundir.checkpointer import CheckpointSaveError, ResumeError
     from megatron_rlvr.rundir.lock import RunDirLocked
 
@@ -188,7 +194,7 @@ def _report(command: str, e: BaseException) -> None:
     full = _disk_full(e)
     if full is not None:
         first = msg.splitlines()[0][:300]
-        if full is not e:
+        if full is not e and full.strerror not in first:
             first += f" ({full})"
         print(
             f"megatron-rlvr {command}: error: {first}; free space (or choose an output folder on another disk) and "
@@ -198,12 +204,16 @@ def _report(command: str, e: BaseException) -> None:
         )
         return
     parallel = sys.modules.get("megatron_rlvr.megatron.parallel")  # loaded: a collective may have timed out
-    if parallel is not None:
-        msg = parallel.collective_timeout_message(e) or msg
+    bridge = sys.modules.get("megatron_rlvr.rollout.bridge")
+    note = ""  # a wait that timed out: which rank stopped beating, at which step
+    if bridge is not None and isinstance(e, bridge.PeerLost):  # names the channel: kept, not the generic timeout
+        note = heartbeat.current_note()
+    elif parallel is not None and parallel.collective_timeout_message(e):
+        msg, note = parallel.collective_timeout_message(e), heartbeat.current_note()
     fd, path = tempfile.mkstemp(prefix=f"megatron-rlvr-{command}-", suffix=".traceback.txt")
     with os.fdopen(fd, "w") as f:
         traceback.print_exception(e, file=f)
-    first = msg.splitlines()[0][:300]
+    first = msg.splitlines()[0][:300] + note
     print(
         f"megatron-rlvr {command}: error: {type(e).__name__}: {first} (traceback in {path}; --debug or RLVR_DEBUG=1 "
         "prints it)",

@@ -27,7 +27,9 @@ initialised with).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import random
 import re
@@ -359,6 +361,40 @@ def _barrier():
     torch.distributed.barrier()
 
 
+WRITER_LOGGERS = "megatron.core.dist_checkpointing"
+"""megatron-core's checkpoint writers log under this name."""
+
+
+@contextlib.contextmanager
+def writer_errors_held():
+    """Hold back the error lines megatron's checkpoint writer logs before it raises (``Local process 0 encountered
+    an error: [Errno 28] No space left on device``, once per rank, printed above the checkpointer's own one-line
+    message): they go into the notes of the exception that follows, so a traceback file keeps them. Other records
+    pass as before."""
+    held: list[str] = []
+
+    def hold(record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        held.append(f"{record.name}: {record.getMessage()}")
+        return False
+
+    names = [WRITER_LOGGERS + ".strategies.filesystem_async"]  # the writer's logger, even before its import
+    names += [n for n in logging.root.manager.loggerDict if n.startswith(WRITER_LOGGERS)]
+    loggers = [logging.getLogger(n) for n in dict.fromkeys(names)]
+    for log in loggers:
+        log.addFilter(hold)
+    try:
+        yield held
+    except BaseException as e:
+        for line in held:
+            e.add_note(line)
+        raise
+    finally:
+        for log in loggers:
+            log.removeFilter(hold)
+
+
 def _broadcast_error(err: str | None) -> None:
     box = [err]
     torch.distributed.broadcast_object_list(box, src=0)
@@ -444,9 +480,10 @@ def save_checkpoint(
         per_parameter=per_parameter,
     )
     strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=cfg.write_processes)
-    dist_checkpointing.save(
-        state, tmp, sharded_strategy=strategy, content_metadata={"distrib_optim_sharding_type": sharding_type}
-    )
+    with writer_errors_held():
+        dist_checkpointing.save(
+            state, tmp, sharded_strategy=strategy, content_metadata={"distrib_optim_sharding_type": sharding_type}
+        )
     _barrier()  # every rank's shards are on disk
 
     err = None

@@ -8,6 +8,7 @@ streams them into its shard files, so no rank holds more than one shard file's w
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -149,6 +150,7 @@ def export_hf(
     cp = getattr(pg_collection, "cp", None)  # context-parallel ranks hold the same weights: one of them writes
     writer = pg_collection.tp.rank() == 0 and pg_collection.dp.rank() == 0 and (cp is None or cp.rank() == 0)
 
+    created = rank == 0 and not os.path.isdir(out_dir)
     err = _prepare_out_dir(out_dir, overwrite) if rank == 0 else None
     err = _broadcast_object(err)
     if err:
@@ -156,22 +158,41 @@ def export_hf(
 
     # 1. every stage streams its tensors into temporary shard files
     tensors = iter_hf_tensors(model, args, pg_collection=pg_collection)
-    files = _write_temp_shards(tensors, out_dir, pp_rank, dtype, max_shard_bytes, writer)
+    files, err = _write_temp_shards(tensors, out_dir, pp_rank, dtype, max_shard_bytes, writer)
 
     # 2. rank 0 names the shards globally and writes the index, config and tokenizer
     plans = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(plans, (pp_rank, files) if writer else None)
-    err = None
+    torch.distributed.all_gather_object(plans, (pp_rank, files, err) if writer else None)
     if rank == 0:
-        all_files = [f for plan in sorted((p for p in plans if p), key=lambda p: p[0]) for f in plan[1]]
-        try:
-            _finalise(all_files, out_dir, args, dtype, source_dir)
-        except Exception as e:  # tell every rank, so none waits forever for rank 0
-            err = f"{type(e).__name__}: {e}"
+        plans = sorted((p for p in plans if p), key=lambda p: p[0])
+        err = next((f"stage {p[0]}: {p[2]}" if len(plans) > 1 else p[2] for p in plans if p[2]), None)
+        if err is None:
+            try:
+                _finalise([f for plan in plans for f in plan[1]], out_dir, args, dtype, source_dir)
+            except Exception as e:  # tell every rank, so none waits forever for rank 0
+                err = _one_line(e)
+        if err is not None:
+            _discard_partial_export(out_dir, created)
     err = _broadcast_object(err)
     if err:
-        raise RuntimeError(f"HF export to {out_dir} failed on rank 0: {err}")
+        left = "the folder was removed" if created else "its temporary shards were removed"
+        raise RuntimeError(f"HF export to {out_dir} failed: {err} ({left})")
     return out_dir
+
+
+def _one_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"[:500]
+
+
+def _discard_partial_export(out_dir: str, created: bool) -> None:
+    """Rank 0, after a failed export (a full disk): the folder it created goes, or else the temporary shards of
+    every stage, so no half-written model is left to be mistaken for one."""
+    if created:
+        shutil.rmtree(out_dir, ignore_errors=True)
+        return
+    for path in glob.glob(os.path.join(out_dir, ".tmp-pp*.safetensors")):
+        with contextlib.suppress(OSError):
+            os.remove(path)
 
 
 def _prepare_out_dir(out_dir: str, overwrite: bool) -> str | None:
@@ -189,24 +210,35 @@ def _prepare_out_dir(out_dir: str, overwrite: bool) -> str | None:
     return None
 
 
-def _write_temp_shards(tensors, out_dir: str, pp_rank: int, dtype, max_shard_bytes: int, writer: bool) -> list:
+def _write_temp_shards(
+    tensors, out_dir: str, pp_rank: int, dtype, max_shard_bytes: int, writer: bool
+) -> tuple[list, str | None]:
     """Iterate the (collective) tensor stream to its end; a writer rank (TP rank 0, DP rank 0, CP rank 0 of its stage)
-    saves the tensors into temporary shard files of at most ``max_shard_bytes``: [(temp path, names, bytes)]."""
+    saves the tensors into temporary shard files of at most ``max_shard_bytes``: ([(temp path, names, bytes)], the
+    one-line error of a write that failed, e.g. on a full disk). After a failed write the stream is still iterated
+    (its TP peers gather with this rank) but nothing more is written."""
     files: list[tuple[str, list[str], int]] = []
     pending: dict[str, torch.Tensor] = {}
     pending_bytes = 0
+    err = None
 
     def flush():
-        nonlocal pending, pending_bytes
-        if not pending:
+        nonlocal pending, pending_bytes, err
+        if not pending or err is not None:
             return
         path = os.path.join(out_dir, f".tmp-pp{pp_rank:03d}-{len(files):05d}.safetensors")
-        save_shard(pending, path)
+        try:
+            save_shard(pending, path)
+        except Exception as e:  # safetensors' error is no OSError
+            err = _one_line(e)
+            with contextlib.suppress(OSError):
+                os.remove(path)
+            return
         files.append((path, list(pending), pending_bytes))
         pending, pending_bytes = {}, 0
 
     for name, tensor in tensors:
-        if not writer:
+        if not writer or err is not None:
             continue
         keep = torch.float32 if name.endswith(FP32_HF_TENSORS) else dtype  # transformers' fp32 router bias
         t = tensor.to(device="cpu", dtype=keep).contiguous().clone()
@@ -217,7 +249,7 @@ def _write_temp_shards(tensors, out_dir: str, pp_rank: int, dtype, max_shard_byt
         pending_bytes += nbytes
     if writer:
         flush()
-    return files
+    return files, err
 
 
 def save_shard(tensors: dict[str, torch.Tensor], path: str) -> None:

@@ -536,40 +536,58 @@ def peft_config_dict(model, base_model: str | None) -> dict:
 
 def export_peft(model, out_dir: str, *, base_model: str | None = None, pg_collection=None, dtype=None) -> str:
     """Write the adapters as a PEFT folder (``adapter_config.json`` + ``adapter_model.safetensors``). Collective over
-    the world; rank 0 writes. ``base_model``: the HF folder (or hub id) the adapters apply to."""
+    the world; rank 0 writes (``write_peft_folder``). ``base_model``: the HF folder (or hub id) the adapters apply
+    to."""
+    tensors = gather_peft_tensors(model, pg_collection=pg_collection)
+    err = None
+    if torch.distributed.get_rank() == 0:
+        tensors = {k: v.to(dtype or v.dtype).contiguous() for k, v in sorted(tensors.items())}
+        err = write_peft_folder(tensors, peft_config_dict(model, base_model), out_dir)
+    box = [err]
+    torch.distributed.broadcast_object_list(box, src=0)  # every rank raises, none waits in a barrier
+    if box[0]:
+        raise ValueError(box[0])
+    return out_dir
+
+
+def write_peft_folder(tensors: dict[str, torch.Tensor], config: dict, out_dir: str) -> str | None:
+    """Write a PEFT folder at ``out_dir`` all or nothing: the files go to a temporary sibling folder first, which
+    then becomes ``out_dir`` (one rename) or whose files replace the previous export's one by one. A write that fails
+    (a full disk: safetensors' error is not an OSError) leaves ``out_dir`` as it was, absent or holding the previous
+    complete export, never an empty or half-written folder. Returns None, or the one-line error."""
     import json
     import os
     import shutil
 
     from safetensors.torch import save_file
 
-    tensors = gather_peft_tensors(model, pg_collection=pg_collection)
-    err = None
-    if torch.distributed.get_rank() == 0:
-        created = not os.path.isdir(out_dir)
-        files = [os.path.join(out_dir, n) for n in (PEFT_WEIGHTS, PEFT_CONFIG)]
-        try:
-            os.makedirs(out_dir, exist_ok=True)
-            tensors = {k: v.to(dtype or v.dtype).contiguous() for k, v in sorted(tensors.items())}
-            save_file(tensors, files[0], metadata={"format": "pt"})
-            with open(files[1], "w") as f:
-                json.dump(peft_config_dict(model, base_model), f, indent=2)
-        except Exception as e:  # e.g. a full disk (safetensors' error is not an OSError): no half-written folder
-            for path in files:
-                if os.path.isfile(path):
-                    os.remove(path)
-            if created:
-                shutil.rmtree(out_dir, ignore_errors=True)
-            detail = (str(e).strip().splitlines() or [""])[0]
-            err = (
-                f"cannot write the LoRA adapters to {out_dir}: {type(e).__name__}: {detail}"
-                f"{' (the folder was removed)' if created else ''}; free space or choose another folder"
-            )
-    box = [err]
-    torch.distributed.broadcast_object_list(box, src=0)  # every rank raises, none waits in a barrier
-    if box[0]:
-        raise ValueError(box[0])
-    return out_dir
+    out_dir = os.path.abspath(out_dir)
+    parent = os.path.dirname(out_dir)
+    new_parent = parent
+    while not os.path.isdir(os.path.dirname(new_parent)) and os.path.dirname(new_parent) != new_parent:
+        new_parent = os.path.dirname(new_parent)  # the topmost folder this export creates, if any
+    made_parent = not os.path.isdir(parent)
+    tmp = os.path.join(parent, f".tmp-{os.path.basename(out_dir)}-{os.getpid()}")
+    try:
+        os.makedirs(tmp, exist_ok=True)
+        save_file(tensors, os.path.join(tmp, PEFT_WEIGHTS), metadata={"format": "pt"})
+        with open(os.path.join(tmp, PEFT_CONFIG), "w") as f:
+            json.dump(config, f, indent=2)
+        if not os.path.isdir(out_dir):
+            os.rename(tmp, out_dir)
+        else:  # a previous export (or a folder of the user's): only our two files change
+            for name in (PEFT_WEIGHTS, PEFT_CONFIG):
+                os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
+            os.rmdir(tmp)
+    except Exception as e:
+        shutil.rmtree(new_parent if made_parent else tmp, ignore_errors=True)
+        detail = (str(e).strip().splitlines() or [""])[0]
+        kept = "the previous export there is unchanged" if os.path.isdir(out_dir) else "nothing was left there"
+        return (
+            f"cannot write the LoRA adapters to {out_dir}: {type(e).__name__}: {detail} ({kept}); free space or "
+            "choose another folder"
+        )
+    return None
 
 
 def read_peft_folder(folder: str) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -18,6 +18,7 @@ A peer that dies closes its sockets: the receiving thread's collective raises, a
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import queue
 import threading
@@ -108,14 +109,30 @@ def publish_weights(
         }
         if with_digests:
             header["digests"] = [weight_check.digest(f) for f in flat]
-        broadcast_object(pg, header, device=device)
         buf = torch.cat(flat).to(device) if flat else torch.empty(0, dtype=torch.uint8, device=device)
-        _bcast(pg, buf, 0)
+        with _weight_channel():
+            broadcast_object(pg, header, device=device)
+            _bcast(pg, buf, 0)
         nbytes += buf.numel()
         ntensors += len(bucket)
         del flat, buf, bucket
-    broadcast_object(pg, {"version": version, "end": True}, device=device)
+    with _weight_channel():
+        broadcast_object(pg, {"version": version, "end": True}, device=device)
     return nbytes, ntensors
+
+
+@contextlib.contextmanager
+def _weight_channel():
+    """A send on the weights group that fails (a rollout rank died, or stopped: the send times out) names the channel
+    and the role behind it, as the receiving sides do, instead of a bare gloo error read as any collective's."""
+    try:
+        yield
+    except RuntimeError as e:
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise PeerLost(
+            f"the weight channel to the rollout ranks failed ({type(e).__name__}: {first}); a rollout rank has died, "
+            "stopped or lost its connection"
+        ) from e
 
 
 def publish_stop(pg, code: int, device: str = "cpu") -> None:

@@ -10,6 +10,7 @@ rollout batches in flight (generated from weights older than the checkpoint's, n
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import pickle
@@ -79,6 +80,25 @@ def save_failure_reason(e: BaseException, save_dir: str) -> str:
     if free is not None and free < _LOW_SPACE_BYTES:
         return f"No space left on device [ENOSPC] (only {free >> 20} MiB free; {detail})"
     return detail
+
+
+def _traceback_file(e: BaseException) -> str | None:
+    """The failure's traceback (with the writer's held-back log lines, its notes) in a temporary file, as the CLI
+    keeps an unexpected error's: the line the user sees stays one line. None when that cannot be written either."""
+    import tempfile
+    import traceback
+
+    path = None
+    try:
+        fd, path = tempfile.mkstemp(prefix="megatron-rlvr-checkpoint-", suffix=".traceback.txt")
+        with os.fdopen(fd, "w") as f:
+            traceback.print_exception(e, file=f)
+        return path
+    except OSError:  # that disk is full too
+        if path:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+        return None
 
 
 def load_failure_reason(e: BaseException) -> str:
@@ -204,9 +224,11 @@ class Checkpointer:
             shutil.rmtree(os.path.join(self.save_dir, ".tmp-" + os.path.basename(path)), ignore_errors=True)
         newest = checkpointing.latest_checkpoint(self.save_dir)
         kept = f"the newest checkpoint, {newest}, is intact" if newest else "no earlier checkpoint exists"
+        where = _traceback_file(e) if self.rank == 0 else None
         return CheckpointSaveError(
             f"the checkpoint of step {step} could not be written to {path}: {reason}; {kept}. Free space (or set "
             f"checkpoint.save_every / keep_last) and run the same command again to resume"
+            + (f" (traceback in {where})" if where else "")
         )
 
     def maybe_save(self, step: int, policy: PolicyState, loader: PromptLoader) -> str | None:

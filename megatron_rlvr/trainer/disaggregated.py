@@ -33,6 +33,7 @@ with an error naming the lost role, and the launcher (local ranks, torchrun, sru
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 import torch
@@ -43,6 +44,7 @@ from megatron_rlvr.megatron.roles import TRAIN, Roles, init_roles
 from megatron_rlvr.models.source import resolve_on_node
 from megatron_rlvr.rollout import bridge
 from megatron_rlvr.rollout.partial import PartialRolloutEngine
+from megatron_rlvr.rundir import heartbeat
 from megatron_rlvr.rundir.lock import RunLock
 from megatron_rlvr.rundir.signals import StopSignals
 from megatron_rlvr.trainer.batch import RolloutBatch
@@ -229,6 +231,8 @@ def rollout_role(cfg: RunConfig, roles: Roles) -> int:
     side.policy_version = -1
     receiver = None
     clean = False  # stopped by the training ranks (not an error): every rank reaches Roles.close
+    run_dir = cfg.logging.run_dir or os.environ.get("RLVR_RUN_DIR")
+    beat = heartbeat.start(run_dir, "rollout", cfg.launch.collective_timeout_s) if run_dir else None
     try:
         start = bridge.broadcast_object(roles.weights, None)
         side.loader.load_state_dict(start["loader"])  # the data position after the last batch generated
@@ -238,6 +242,8 @@ def rollout_role(cfg: RunConfig, roles: Roles) -> int:
             side.engine = partial_engine(side, receiver, roles, in_flight)
         k = cfg.rollout.max_staleness
         for step in range(start["first_step"], cfg.schedule.steps + 1):
+            if beat is not None:
+                beat.step = step
             t0 = time.perf_counter()
             # exactly this version, not the newest arrived: the schedule does not depend on the roles' timing (a
             # resumed run holds no version older than the checkpoint's)
@@ -261,6 +267,7 @@ def rollout_role(cfg: RunConfig, roles: Roles) -> int:
         clean = True
         return max(e.code, 0)
     finally:
+        heartbeat.stop()
         signals.uninstall()
         side.close()
         if clean:

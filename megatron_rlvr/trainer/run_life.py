@@ -12,6 +12,7 @@ from megatron_rlvr.config import RunConfig
 from megatron_rlvr.data import PromptLoader
 from megatron_rlvr.eval.benchmarks import PeriodicEval
 from megatron_rlvr.megatron.parallel import DistInfo, broadcast_object, init_distributed, local_world_size
+from megatron_rlvr.rundir import heartbeat
 from megatron_rlvr.rundir.checkpointer import Checkpointer, PolicyState
 from megatron_rlvr.rundir.lock import RunLock
 from megatron_rlvr.rundir.metrics_log import RunLogger
@@ -55,6 +56,7 @@ class RunLife:
         return self.start_step
 
     def close(self) -> None:
+        heartbeat.stop()
         if self.lock is not None:
             self.lock.release()
         self.logger.close()
@@ -102,4 +104,7 @@ def build_run_life(
             lock.release()
         raise
     checkpointer = Checkpointer(run_dir, cfg.checkpoint, d.pg, d.rank, cfg.algorithm.name, last_step=cfg.schedule.steps)
-    return RunLife(cfg, run_dir, d.is_logger, logger, signals, checkpointer, evaluator, lock)
+    life = RunLife(cfg, run_dir, d.is_logger, logger, signals, checkpointer, evaluator, lock)
+    # read when a collective times out, to name the rank that stopped and its last step
+    heartbeat.start(run_dir, "training", cfg.launch.collective_timeout_s, step=lambda: life.step)
+    return life

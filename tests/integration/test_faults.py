@@ -545,7 +545,10 @@ def test_a_full_disk_during_a_save_is_one_line_naming_enospc_and_the_path(tmp_pa
     assert not os.path.exists(tmp) and len(msg.splitlines()) == 1
     cli._report("train", e.value)
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "ENOSPC" in err[0] and "traceback" not in err[0]
+    assert len(err) == 1 and "ENOSPC" in err[0] and "Traceback (most recent call last)" not in err[0]
+    kept = re.search(r"\(traceback in (\S+)\)$", err[0])  # the details go to a file, as for an internal error
+    assert kept and "CheckpointException" in open(kept.group(1)).read(), err
+    os.remove(kept.group(1))
     # torch's zip writer loses the errno of a short write: a nearly full file system is named as the cause
     failure[0] = RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 704 vs 598")
     monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p: SimpleNamespace(free=1 << 20))

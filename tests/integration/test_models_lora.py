@@ -683,8 +683,9 @@ def _rank_export_on_a_full_disk(out: str) -> str | None:
             f.write(b"\0" * 64)
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    real = lora.gather_peft_tensors, safetensors.torch.save_file
+    real = lora.gather_peft_tensors, lora.peft_config_dict, safetensors.torch.save_file
     lora.gather_peft_tensors = lambda model, pg_collection=None: {"a.lora_A.weight": torch.ones(2, 2)}
+    lora.peft_config_dict = lambda model, base_model: {"r": 2}
     safetensors.torch.save_file = full_disk
     try:
         lora.export_peft(None, out)
@@ -692,15 +693,15 @@ def _rank_export_on_a_full_disk(out: str) -> str | None:
     except ValueError as e:
         return str(e)
     finally:  # the pool's ranks live on into the next tests
-        lora.gather_peft_tensors, safetensors.torch.save_file = real
+        lora.gather_peft_tensors, lora.peft_config_dict, safetensors.torch.save_file = real
 
 
 def test_an_adapter_export_on_a_full_disk_leaves_no_empty_folder(dist_pool, tmp_path):
     """A LoRA adapter export that cannot be written (rank 0 writes; here ENOSPC after a partial file) left an empty
     or half-written output folder and the other ranks waiting in a barrier; now every rank raises one line naming
-    the folder and the cause, and the folder it created is gone."""
+    the folder and the cause, and nothing is left there (``test_full_disk.py`` checks a previous export is kept)."""
     out = str(tmp_path / "adapter")
     errs = dist_pool.run(_rank_export_on_a_full_disk, args=(out,), timeout=120)
     assert all(e is not None and e == errs[0] for e in errs), errs
     assert f"cannot write the LoRA adapters to {out}" in errs[0] and "No space left on device" in errs[0]
-    assert "\n" not in errs[0] and not (tmp_path / "adapter").exists()
+    assert "\n" not in errs[0] and not list(tmp_path.iterdir())

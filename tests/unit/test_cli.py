@@ -50,6 +50,22 @@ def _write_rows(path, rows):
             f.write("\n")
 
 
+def test_the_vllm_engine_without_vllm_is_refused_by_the_dry_run(tmp_path, capsys, monkeypatch):
+    """``rollout.engine=vllm`` on a machine without vLLM: one line naming the option and what to install or use
+    instead, exit 2, from ``--dry-run`` and before any rank starts (a bare ``ImportError`` in every rank, after
+    launch, was the report of a run that passed its dry run); the same option with vLLM present passes."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    assert _train(tmp_path, "rollout.engine=vllm") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "rollout.engine=vllm but vLLM is not installed" in err[0], err
+    assert "rollout.engine=hf" in err[0] and not (tmp_path / "run").exists()
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: real("json") if name == "vllm" else real(name))
+    assert _train(tmp_path, "rollout.engine=vllm") == 0
+
+
 def test_malformed_data_row_is_named_or_skipped(tmp_path, capsys):
     data = tmp_path / "train.jsonl"
     _write_rows(data, [{"problem": "1+1=", "answer": "2"}, {"problem": "2+2=", "answer": "4"}, "{not json", {"x": 1}])
