@@ -146,10 +146,11 @@ def validate_layout(model: ModelSpec, par: ParallelConfig, world_size: int, gpus
         errors.append(f"parallel.pp={par.pp} does not divide the {model.layers} layers")
     if par.cp > 1 and (model.vision is not None or model.is_moe or model.mla is not None):
         errors.append(f"parallel.cp={par.cp}: context parallelism is for dense text models (use parallel.cp=1)")
-    if par.cp > 1 and par.cp_comm_type == "a2a" and (model.heads // par.tp) % par.cp:
+    heads_tp, kv_tp = model.heads // par.tp, model.kv_heads // par.tp
+    if par.cp > 1 and par.cp_comm_type == "a2a" and (heads_tp % par.cp or kv_tp % par.cp):
         errors.append(
-            f"parallel.cp_comm_type=a2a: parallel.cp={par.cp} must divide the {model.heads // par.tp} attention heads "
-            f"per TP rank (tp={par.tp})"
+            f"parallel.cp_comm_type=a2a: parallel.cp={par.cp} must divide the {heads_tp} attention and {kv_tp} "
+            "key/value heads per TP rank (use p2p or all_gather)"
         )
     mp = par.tp * par.cp * par.pp
     what = f"training ranks {world_size} (world - rollout_ranks)" if R else f"world size {world_size}"

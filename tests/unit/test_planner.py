@@ -535,9 +535,12 @@ def test_context_parallel_exchange_volume_by_hand():
     # 8 + 16 + 8 = 32 MiB per layer; 48 layers: 1.5 GiB per micro-batch
     assert "forward 8.0 + backward 16.0 + recompute 8.0 = 32.0 MiB; x 48 layers = 1.50 GiB per micro-batch" in text
     assert "context parallelism" not in format_plan(estimate_memory(vol(4, 1, "p2p")[3]))
-    # all-to-all splits heads: cp must divide the heads of a TP rank (40 / 8 = 5 here)
+    # all-to-all splits heads: cp must divide the query and the key/value heads of a TP rank (40 / 8 = 5, 8 / 8 = 1)
     errors, _ = validate_layout(m, ParallelConfig(tp=8, cp=2, cp_comm_type="a2a"), 32)
-    assert errors == ["parallel.cp_comm_type=a2a: parallel.cp=2 must divide the 5 attention heads per TP rank (tp=8)"]
+    assert errors == [
+        "parallel.cp_comm_type=a2a: parallel.cp=2 must divide the 5 attention and 1 key/value heads per TP rank (use "
+        "p2p or all_gather)"
+    ]
 
 
 def test_search_uses_context_parallelism_only_when_no_layout_fits_without():
