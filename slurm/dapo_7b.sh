@@ -13,11 +13,11 @@
 # Layout (configs/dapo_7b.yaml): training TP=2, PP=1 (DP=8), rollout TP=1 (16 vLLM engines), full recompute.
 # `megatron-rlvr plan configs/dapo_7b.yaml --search` on 2 x 8 x 80 GiB, micro-batch 24576 tokens, max sequence
 # 2048 + 20480 (GiB per GPU; usable 73.6):
-#    tp  pp  rtp   dp   train  rollout    peak  kv seqs  verdict
-#     1   1    1   16    75.3     89.9    89.9     19.8  no: training phase needs 75.3 GiB
-#     2   1    1    8    41.8     68.6    68.6     19.8  fits   <- chosen
-#     2   1    2    8    41.8     68.6    68.6     51.4  fits
-#     4   1    1    4    25.1     58.0    58.0     19.8  fits
+#    tp  cp  pp  rtp   dp   train  rollout    peak  kv seqs  verdict
+#     1   1   1    1   16    75.3     89.9    89.9     19.8  no: training phase needs 75.3 GiB
+#     2   1   1    1    8    41.8     68.6    68.6     19.8  fits   <- chosen
+#     2   1   1    2    8    41.8     68.6    68.6     51.4  fits
+#     4   1   1    1    4    25.1     58.0    58.0     19.8  fits
 # Why: TP=2 is the smallest TP that fits (TP=1 cannot hold weights + fp32 grads next to the vLLM engine); a 7B
 # engine at rollout TP=1 (14.2 GiB of weights) still caches 446k tokens (~20 max-length sequences), so 16
 # independent engines beat 8 TP=2 engines.

@@ -17,14 +17,14 @@
 # Layout (configs/mcpo_14b.yaml): training TP=4, PP=1 (DP=8), rollout TP=2 (16 vLLM engines), full recompute.
 # `megatron-rlvr plan configs/mcpo_14b.yaml --search` on 4 x 8 x 80 GiB, micro-batch 24576 tokens, max sequence
 # 2048 + 20480, vLLM gpu_memory_utilization 0.5 (GiB per GPU; usable 73.6 = 80 x 0.92):
-#    tp  pp  rtp   dp   train  rollout    peak  kv seqs  verdict
-#     1   1    2   32   121.6    129.7   129.7     11.8  no: training phase needs 121.6 GiB
-#     2   1    2   16    64.9     88.4    88.4     11.8  no: rollout phase needs 88.4 GiB (training state 46.4 + vLLM 40)
-#     4   1    1    8    36.5     67.8    67.8      2.5  fits
-#     4   1    2    8    36.5     67.8    67.8     11.8  fits   <- chosen
-#     4   1    4    8    36.5     67.8    67.8     30.2  fits
-#     2   2    2    8    41.4     67.8    67.8     11.8  fits
-#     8   1    2    4    22.4     57.5    57.5     11.8  fits
+#    tp  cp  pp  rtp   dp   train  rollout    peak  kv seqs  verdict
+#     1   1   1    2   32   121.6    129.7   129.7     11.8  no: training phase needs 121.6 GiB
+#     2   1   1    2   16    64.9     88.4    88.4     11.8  no: rollout phase needs 88.4 GiB (training state 46.4 + vLLM 40)
+#     4   1   1    1    8    36.5     67.8    67.8      2.5  fits
+#     4   1   1    2    8    36.5     67.8    67.8     11.8  fits   <- chosen
+#     4   1   1    4    8    36.5     67.8    67.8     30.2  fits
+#     2   1   2    2    8    41.4     67.8    67.8     11.8  fits
+#     8   1   1    2    4    22.4     57.5    57.5     11.8  fits
 # Why: TP=4 is the smallest TP that keeps the training state (weights 6.9 + fp32 grads 13.8 + optimizer shard
 # 5.2 GiB) resident while vLLM holds its 40 GiB; TP=2 needs 88 GiB in the rollout phase. TP=4 stays inside one
 # node's NVLink domain and keeps DP=8, which also shards the optimizer 8 ways; PP=2 x TP=2 fits too but adds a

@@ -17,14 +17,14 @@
 # engines) on 8 GPUs. `megatron-rlvr plan configs/mcpo_14b_disagg.yaml --search` on 3 x 8 x 80 GiB, 8 rollout ranks,
 # micro-batch 24576 tokens, max sequence 2048 + 20480, vLLM gpu_memory_utilization 0.85 (GiB per GPU: a training
 # rank, a rollout rank; usable 73.6 = 80 x 0.92):
-#    tp  pp  rtp   dp engines   train  rollout    peak  kv seqs  verdict
-#     1   1    1   16       8   125.7     70.0   125.7      9.3  no: a training rank needs 125.7 GiB
-#     1   2    1    8       8    78.8     70.0    78.8      9.3  no: a training rank needs 78.8 GiB on stage 1
-#     2   1    1    8       8    69.0     70.0    70.0      9.3  fits   <- chosen
-#     2   1    2    8       4    69.0     70.0    70.0     25.3  fits
-#     4   1    1    4       8    40.7     70.0    70.0      9.3  fits
-#     2   2    1    4       8    40.3     70.0    70.0      9.3  fits
-#     8   1    1    2       8    26.5     70.0    70.0      9.3  fits
+#    tp  cp  pp  rtp   dp engines   train  rollout    peak  kv seqs  verdict
+#     1   1   1    1   16       8   125.7     70.0   125.7      9.3  no: a training rank needs 125.7 GiB
+#     1   1   2    1    8       8    78.8     70.0    78.8      9.3  no: a training rank needs 78.8 GiB on stage 1
+#     2   1   1    1    8       8    69.0     70.0    70.0      9.3  fits   <- chosen
+#     2   1   1    2    8       4    69.0     70.0    70.0     25.3  fits
+#     4   1   1    1    4       8    40.7     70.0    70.0      9.3  fits
+#     2   1   2    1    4       8    40.3     70.0    70.0      9.3  fits
+#     8   1   1    1    2       8    26.5     70.0    70.0      9.3  fits
 # Why: a training rank holds no engine here (no 40 GiB vLLM share, no sleep residual), so TP=2 fits where the
 # colocated layout needs TP=4 (slurm/mcpo_14b.sh): weights 13.8 + fp32 grads 27.5 + optimizer shard 10.3 (DP=8) +
 # activations 7.3 (full recompute) + logits 7.0 + framework 2 = 69.0 GiB. Smaller TP means less TP all-reduce per

@@ -17,10 +17,10 @@
 # Layout (configs/tools_qwen2_5_7b.yaml): training TP=4, PP=1 (DP=2), rollout TP=1 (8 vLLM engines), full recompute.
 # `megatron-rlvr plan configs/tools_qwen2_5_7b.yaml --search` on 1 x 8 x 80 GiB, micro-batch 16384 tokens, max
 # sequence 2048 + 8192 (GiB per GPU; usable 73.6):
-#    tp  pp  rtp   dp   train  rollout    peak  kv seqs  verdict
-#     4   1    1    2    28.6     63.3    63.3     43.5  fits   <- chosen
-#     1   1    1    8    73.3     95.2    95.2     43.5  no: rollout phase needs 95.2 GiB
-#     2   1    1    4    43.5     73.9    73.9     43.5  no: rollout phase needs 73.9 GiB
+#    tp  cp  pp  rtp   dp   train  rollout    peak  kv seqs  verdict
+#     4   1   1    1    2    28.6     63.3    63.3     43.5  fits   <- chosen
+#     1   1   1    1    8    73.3     95.2    95.2     43.5  no: rollout phase needs 95.2 GiB
+#     2   1   1    1    4    43.5     73.9    73.9     43.5  no: rollout phase needs 73.9 GiB
 # Why: at TP=2 the training state kept on the GPU during rollouts (31.9 GiB) and the engine's 40 GiB leave no
 # room; TP=4 holds both, and 8 independent rollout TP=1 engines each cache ~44 sequences of 10240 tokens.
 #SBATCH --job-name=tools-7b

@@ -786,6 +786,20 @@ BUILTIN_SPECS: dict[str, ModelSpec] = {
         vocab=151936,
         qk_norm=True,
     ),
+    # Qwen/Qwen3-32B: hidden_size 5120, intermediate_size 25600, num_hidden_layers 64, num_attention_heads 64,
+    # num_key_value_heads 8, head_dim 128, vocab_size 151936, attention_bias false, tie_word_embeddings false,
+    # max_position_embeddings 40960 (longer contexts with YaRN rope scaling, Qwen's model card).
+    "qwen3-32b": _spec(
+        name="Qwen3-32B",
+        hidden=5120,
+        ffn=25600,
+        layers=64,
+        heads=64,
+        kv_heads=8,
+        head_dim=128,
+        vocab=151936,
+        qk_norm=True,
+    ),
     # Qwen/Qwen3-30B-A3B config.json: hidden_size 2048, intermediate_size 6144 (unused: no dense layer),
     # num_hidden_layers 48, num_attention_heads 32, num_key_value_heads 4, head_dim 128, num_experts 128,
     # num_experts_per_tok 8, moe_intermediate_size 768, decoder_sparse_step 1, mlp_only_layers [], norm_topk_prob

@@ -54,6 +54,11 @@ Memory model (per GPU, bytes; GiB = 2**30). Every term is a formula of the confi
     training terms above with DP = (world - R) / (tp x pp) and no engine; a rollout rank holds only its engine
     (vLLM never sleeps there) plus the framework overhead. ``train_peak`` / ``rollout_peak`` are then the two
     roles' GPUs; the engine count is R / rollout TP.
+  * context parallelism (``parallel.cp``, dense text models): a GPU holds 1 / cp of every micro-batch's tokens, so
+    activations and logits are for T / cp tokens; the distributed optimizer shards over DP x CP. The report adds the
+    keys and values each GPU sends per layer per micro-batch (``memory.cp_comm_bytes_per_layer``, by
+    ``parallel.cp_comm_type``). ``--search`` tries cp in (1, 2, 4, 8) and chooses cp > 1 only when no cp=1 layout
+    fits (``report.search_layouts``).
 """
 
 from megatron_rlvr.config.sections import ClusterConfig, ParallelConfig, RolloutConfig, TrainConfig
@@ -71,6 +76,7 @@ from megatron_rlvr.planner.memory import (
     MemoryPlan,
     PlanConfig,
     activation_bytes_per_layer,
+    cp_comm_bytes_per_layer,
     estimate_memory,
     moe_activation_bytes_per_layer,
     stage_expert_params,
@@ -92,6 +98,7 @@ __all__ = [
     "RolloutConfig",
     "TrainConfig",
     "activation_bytes_per_layer",
+    "cp_comm_bytes_per_layer",
     "estimate_memory",
     "format_plan",
     "format_search",

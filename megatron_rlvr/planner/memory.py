@@ -146,6 +146,12 @@ def validate_layout(model: ModelSpec, par: ParallelConfig, world_size: int, gpus
         errors.append(f"parallel.pp={par.pp} does not divide the {model.layers} layers")
     if par.cp > 1 and (model.vision is not None or model.is_moe or model.mla is not None):
         errors.append(f"parallel.cp={par.cp}: context parallelism is for dense text models (use parallel.cp=1)")
+    heads_tp, kv_tp = model.heads // par.tp, model.kv_heads // par.tp
+    if par.cp > 1 and par.cp_comm_type == "a2a" and (heads_tp % par.cp or kv_tp % par.cp):
+        errors.append(
+            f"parallel.cp_comm_type=a2a: parallel.cp={par.cp} must divide the {heads_tp} attention and {kv_tp} "
+            "key/value heads per TP rank (use p2p or all_gather)"
+        )
     mp = par.tp * par.cp * par.pp
     what = f"training ranks {world_size} (world - rollout_ranks)" if R else f"world size {world_size}"
     grid = f"tp x cp x pp = {par.tp} x {par.cp} x {par.pp}" if par.cp > 1 else f"tp x pp = {par.tp} x {par.pp}"
@@ -584,6 +590,54 @@ def _activation_terms(cfg: PlanConfig, stage: int, n_moe: int) -> dict[str, floa
     c["logits_chunk"] = min(tr.logits_chunk, T) * vocab_shard * 4 * LOGITS_CHUNK_FACTOR if last else 0
     c["teacher_logits"] = T * vocab_shard * b if last and cfg.teacher_logits else 0  # forward only: no grad
     return c
+
+
+@dataclass
+class CPCommVolume:
+    """Bytes one GPU sends in the context-parallel attention exchange, for ONE transformer layer and ONE micro-batch
+    (``cp_comm_bytes_per_layer``)."""
+
+    forward: int
+    """The forward pass's exchange."""
+    backward: int
+    """The backward pass's own exchange (gradients of keys and values, or of the all-to-all's inputs)."""
+    recompute: int
+    """The forward exchange again in backward when the layer is recomputed (``train.recompute=full``), else 0."""
+
+    @property
+    def total(self) -> int:
+        return self.forward + self.backward + self.recompute
+
+
+def cp_comm_bytes_per_layer(cfg: PlanConfig) -> CPCommVolume:
+    """Bytes ONE GPU sends per layer per micro-batch for context parallelism's attention, by ``parallel.cp_comm_type``.
+
+    With T the micro-batch's tokens, t = ceil(T / cp) the tokens a GPU holds, b the dtype's bytes and
+    k = max(1, kv_heads / tp) x head_dim the key (= value) width on one TP rank (a KV head is replicated when
+    tp > kv_heads), q = heads / tp x head_dim the query width:
+        all_gather  forward: gather the K and V of the other cp - 1 ranks            (cp - 1) t 2k b
+                    backward: reduce-scatter dK and dV back to their owners          (cp - 1) t 2k b
+        p2p (ring)  forward: cp - 1 steps, each passing one rank's K and V on        (cp - 1) t 2k b
+                    backward: K, V and their gradients dK, dV go around the ring   2 (cp - 1) t 2k b
+        a2a         forward: all-to-all of Q, K, V (sequence -> heads) and of the attention output (heads ->
+                    sequence); a GPU keeps 1 / cp of what it holds            (cp - 1) / cp t (2q + 2k) b
+                    backward: the same all-to-alls on the gradients           (cp - 1) / cp t (2q + 2k) b
+    Full recompute runs the forward (and its exchange) once more in backward. cp = 1 exchanges nothing. Megatron's
+    zig-zag split gives every rank the same t, so every GPU of the CP group sends the same volume."""
+    m, par = cfg.model, cfg.parallel
+    cp, b = par.cp, cfg.dtype_bytes
+    if cp == 1:
+        return CPCommVolume(0, 0, 0)
+    t = -(-cfg.micro_batch_tokens // cp)
+    k = max(1, m.kv_heads // par.tp) * m.head_dim
+    q = m.heads // par.tp * m.head_dim
+    if par.cp_comm_type == "a2a":
+        fwd = (cp - 1) * t * (2 * q + 2 * k) * b // cp
+        bwd = fwd
+    else:
+        fwd = (cp - 1) * t * 2 * k * b
+        bwd = fwd if par.cp_comm_type == "all_gather" else 2 * fwd
+    return CPCommVolume(fwd, bwd, fwd if cfg.train.recompute == "full" else 0)
 
 
 def _misfit_reasons(plan: MemoryPlan, engine: _EngineBudget) -> list[str]:

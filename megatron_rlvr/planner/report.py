@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import sys
 from collections.abc import Sequence
 
 from megatron_rlvr.families.table import MEGATRON_VOCAB_DIVISIBLE_BY
 from megatron_rlvr.planner.inputs import load_plan_config, run_dir_config
-from megatron_rlvr.planner.memory import GIB, LOGITS_CHUNK_FACTOR, MemoryPlan, PlanConfig, estimate_memory
+from megatron_rlvr.planner.memory import (
+    GIB,
+    LOGITS_CHUNK_FACTOR,
+    MemoryPlan,
+    PlanConfig,
+    cp_comm_bytes_per_layer,
+    estimate_memory,
+)
 
 # ----------------------------------------------------------------------------------------------------------------
 # Output
@@ -45,6 +53,7 @@ def format_plan(plan: MemoryPlan) -> str:
         f"  {'= training peak' + (' per training rank' if plan.disaggregated else ''):<56}{_g(plan.train_peak)}"
     )
     lines += _rollout_lines(plan)
+    lines += _cp_comm_lines(plan)
     lines.append("")
     lines += _verdict_lines(plan)
     return "\n".join(lines)
@@ -150,6 +159,32 @@ def _training_rows(plan: MemoryPlan) -> list[tuple[str, float]]:
     return rows
 
 
+_CP_EXCHANGE = {
+    "p2p": "ring p2p: K, V passed on cp - 1 times; backward K, V and dK, dV",
+    "all_gather": "K, V all-gathered; backward dK, dV reduce-scattered",
+    "a2a": "all-to-all of Q, K, V and the output; backward the same on gradients",
+}
+
+
+def _cp_comm_lines(plan: MemoryPlan) -> list[str]:
+    """With cp > 1: what one GPU sends per layer per micro-batch for the context-parallel attention
+    (``cp_comm_bytes_per_layer``), and per micro-batch over its pipeline stage's layers."""
+    cfg = plan.config
+    par = cfg.parallel
+    if par.cp == 1:
+        return []
+    v = cp_comm_bytes_per_layer(cfg)
+    mib = 1024**2
+    n_local = cfg.model.layers // par.pp
+    rec = f" + recompute {v.recompute / mib:.1f}" if v.recompute else ""
+    return [
+        f"-- context parallelism CP={par.cp}, cp_comm_type={par.cp_comm_type} ({_CP_EXCHANGE[par.cp_comm_type]}) "
+        + "-" * 4,
+        f"  sent per GPU per layer per micro-batch: forward {v.forward / mib:.1f} + backward {v.backward / mib:.1f}"
+        f"{rec} = {v.total / mib:.1f} MiB; x {n_local} layers = {n_local * v.total / GIB:.2f} GiB per micro-batch",
+    ]
+
+
 def _rollout_lines(plan: MemoryPlan) -> list[str]:
     """The rollout section: its heading, each term of the rollout peak, and the peak."""
     cfg = plan.config
@@ -226,33 +261,36 @@ def smallest_fitting_nodes(cfg: PlanConfig, max_nodes: int = 128) -> MemoryPlan 
     return None
 
 
+SEARCH_CP = (1, 2, 4, 8)
+"""Context-parallel sizes ``search_layouts`` tries for dense text models (the others are planned at cp=1)."""
+
+
 def search_layouts(cfg: PlanConfig) -> list[MemoryPlan]:
-    """Every valid (tp, pp, rollout_tp) with tp, rollout_tp <= GPUs per node, sorted: fitting first, then the
-    smaller model-parallel size tp x pp (less communication, more DP), then less PP (smaller pipeline bubble),
-    then smaller rollout TP (more independent engines)."""
+    """Every valid (tp, cp, pp, rollout_tp) with tp, rollout_tp <= GPUs per node and cp in ``SEARCH_CP`` (dense text
+    models; others keep cp=1), sorted: fitting first, then no context parallelism before any (CP exchanges keys and
+    values in every layer, so it is chosen only when no cp=1 layout fits: a sequence too long for the memory
+    otherwise), then the smaller model-parallel size tp x cp x pp (less communication, more DP), then less CP, then
+    less PP (smaller pipeline bubble), then smaller rollout TP (more independent engines)."""
     gpn = cfg.cluster.gpus_per_node
     sizes = [t for t in (1, 2, 4, 8, 16) if t <= gpn]
     m = cfg.model
+    dense_text = not m.is_moe and m.vision is None and m.mla is None
+    cps = SEARCH_CP if dense_text else (1,)
     # MoE: every expert-parallel size that divides the experts (expert TP as configured); dense: ep as configured
     eps = [e for e in (1, 2, 4, 8, 16, 32, 64) if m.experts % e == 0] if m.is_moe else [cfg.parallel.ep]
     plans = []
-    for tp in sizes:
-        for pp in (1, 2, 4, 8):
-            for rtp in sizes:
-                for ep in eps:
-                    try:
-                        par = dataclasses.replace(
-                            cfg.parallel, tp=tp, pp=pp, rollout_tp=rtp, ep=ep, sequence_parallel=None
-                        )
-                    except ValueError:
-                        continue
-                    plan = estimate_memory(dataclasses.replace(cfg, parallel=par))
-                    if not plan.errors:
-                        plans.append(plan)
+    for tp, cp, pp, rtp, ep in itertools.product(sizes, cps, (1, 2, 4, 8), sizes, eps):
+        try:
+            par = dataclasses.replace(cfg.parallel, tp=tp, cp=cp, pp=pp, rollout_tp=rtp, ep=ep, sequence_parallel=None)
+        except ValueError:
+            continue
+        plan = estimate_memory(dataclasses.replace(cfg, parallel=par))
+        if not plan.errors:
+            plans.append(plan)
 
     def rank(p: MemoryPlan):
         par = p.config.parallel
-        return (not p.fits, par.tp * par.pp, par.pp, par.rollout_tp, -par.ep, p.peak)
+        return (not p.fits, par.cp > 1, par.tp * par.cp * par.pp, par.cp, par.pp, par.rollout_tp, -par.ep, p.peak)
 
     plans.sort(key=rank)
     return plans
@@ -261,12 +299,18 @@ def search_layouts(cfg: PlanConfig) -> list[MemoryPlan]:
 def format_search(plans: list[MemoryPlan]) -> str:
     """The search table, best first; the first fitting row is marked as the layout the planner would choose. When
     disaggregated, ``train`` / ``rollout`` are a training rank's and a rollout rank's GPU (the rollout ranks' count
-    is the config's: memory does not decide the balance of generation and training time)."""
+    is the config's: memory does not decide the balance of generation and training time). The ``cp`` column is
+    shown when the search tried context parallelism (a dense text model)."""
     moe = bool(plans) and plans[0].config.model.is_moe
+    m0 = plans[0].config.model if plans else None
+    cp_col = m0 is not None and not m0.is_moe and m0.vision is None and m0.mla is None
     disagg = bool(plans) and plans[0].disaggregated
     ep_head = f" {'ep':>3}" if moe else ""
     eng_head = f" {'engines':>7}" if disagg else ""
-    head = f"{'tp':>3} {'pp':>3} {'rtp':>4} {'dp':>4}{ep_head}{eng_head} {'train':>7} {'rollout':>8} {'peak':>7}"
+    cp_head = f" {'cp':>3}" if cp_col else ""
+    head = (
+        f"{'tp':>3}{cp_head} {'pp':>3} {'rtp':>4} {'dp':>4}{ep_head}{eng_head} {'train':>7} {'rollout':>8} {'peak':>7}"
+    )
     head += f" {'kv seqs':>8}  verdict"
     lines = [head + "   (GiB per GPU" + (": a training rank, a rollout rank, the larger)" if disagg else ")")]
     chosen = next((p for p in plans if p.fits), None)
@@ -276,16 +320,20 @@ def format_search(plans: list[MemoryPlan]) -> str:
         why = "fits" if p.fits else "no: " + p.reasons[0].split(";")[0]
         ep = f" {par.ep:>3}" if moe else ""
         eng = f" {p.engines:>7}" if disagg else ""
+        cp = f" {par.cp:>3}" if cp_col else ""
         lines.append(
-            f"{par.tp:>3} {par.pp:>3} {par.rollout_tp:>4} {p.dp:>4}{ep}{eng} {p.train_peak / GIB:7.1f} "
+            f"{par.tp:>3}{cp} {par.pp:>3} {par.rollout_tp:>4} {p.dp:>4}{ep}{eng} {p.train_peak / GIB:7.1f} "
             f"{p.rollout_peak / GIB:8.1f} {p.peak / GIB:7.1f} {seqs:8.1f}  {why}{'   <- chosen' if p is chosen else ''}"
         )
     if chosen is not None:
         par = chosen.config.parallel
         lines.append(
-            f"chosen: tp={par.tp} pp={par.pp} rollout_tp={par.rollout_tp}"
+            f"chosen: tp={par.tp}{f' cp={par.cp}' if par.cp > 1 else ''} pp={par.pp} rollout_tp={par.rollout_tp}"
             + (f" ep={par.ep}" if moe else "")
-            + " (fits with the smallest tp x pp, then the least pp, then the smallest rollout TP: the most engines)"
+            + " (fits"
+            + (" with no context parallelism unless no cp=1 layout fits, then" if cp_col else "")
+            + (" with the smallest tp x cp x pp, then the least cp" if cp_col else " with the smallest tp x pp")
+            + ", then the least pp, then the smallest rollout TP: the most engines)"
         )
     return "\n".join(lines)
 
@@ -311,7 +359,11 @@ def _parser() -> argparse.ArgumentParser:
         "--nodes", type=int, default=None, help="node count (default: cluster.nodes, else the smallest that fits)"
     )
     ap.add_argument("--usable-fraction", type=float, default=None, help="share of GPU memory a plan may fill (0.92)")
-    ap.add_argument("--search", action="store_true", help="list every valid (tp, pp, rollout_tp) for this allocation")
+    ap.add_argument(
+        "--search",
+        action="store_true",
+        help="list every valid (tp, cp, pp, rollout_tp) for this allocation (cp: dense text models)",
+    )
     return ap
 
 

@@ -135,6 +135,21 @@ def test_k0_gives_the_colocated_samples_loss_and_grad_norm(tmp_path):
         assert b["async/rollout_version"] == s - 1
 
 
+def test_context_parallel_lora_training_ranks_match_the_colocated_run(tmp_path):
+    """2 training ranks at CP = 2 with LoRA adapters + 1 rollout rank (k = 0) against the colocated CP = 1 LoRA run on
+    one rank: the same samples, loss and grad norm (the CP split changes only the summation order), and the engine,
+    fed the merged adapters from the CP ranks, scores the sampled tokens as the trainer does."""
+    lora = ["model.lora.rank=8", "model.lora.alpha=16", "schedule.steps=2"]
+    colocated = _run(tmp_path / "colocated", "launch.nproc=1", *lora)
+    cp = _run(tmp_path / "cp2", *DISAGG, "parallel.cp=2", "launch.nproc=3", "rollout.max_staleness=0", *lora)
+    assert sorted(colocated) == sorted(cp) == [1, 2]
+    for s in colocated:
+        a, b = colocated[s], cp[s]
+        for key in ("reward/mean", "response/length_mean", "loss/total", "optim/grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (s, key, a[key], b[key])
+        assert b["train/updates"] >= 1 and b["mismatch/abs_prob_diff_max"] < 1e-5, b
+
+
 def test_steps_without_an_update_still_advance_the_version(tmp_path, monkeypatch):
     """Dynamic sampling with an all-wrong reward keeps no group: every step is skipped, and admission (which waits
     for each step's version) must not wait forever."""

@@ -12,6 +12,7 @@ CP group: every algorithm with a per-sequence sum then differs by O(1e-2) or mor
 import glob
 import os
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -320,20 +321,21 @@ def test_cp2_pp2_matches_cp1_pp2(dist_pool):
     print({"cp2 x pp2": _compare(ref, got, logits=False)})
 
 
-def test_resume_at_another_context_parallel_size(dist_pool, tmp_path):
+@pytest.mark.parametrize("saved_cp, resumed_cp", [(2, 1), (1, 2)])
+def test_resume_at_another_context_parallel_size(dist_pool, tmp_path, saved_cp, resumed_cp):
     """A checkpoint written at CP = 2 x DP = 2 (distributed optimizer sharded over dp x cp = 4) resumes at CP = 1 x
-    DP = 4: the weights are restored exactly and the next step (Adam moments and step count from the checkpoint)
-    lands where the uninterrupted CP = 2 run's did, to fp32 rounding. The HF export at CP = 2 holds every tensor
-    once, equal to the model's."""
-    ref = dist_pool.run(_cp_resume_rank, cp=2, args=(str(tmp_path), True), timeout=600)
-    got = dist_pool.run(_cp_resume_rank, args=(str(tmp_path), False), timeout=600)
+    DP = 4, and one written at CP = 1 x DP = 4 resumes at CP = 2 x DP = 2: the weights are restored exactly and the
+    next step (Adam moments and step count from the checkpoint) lands where the uninterrupted run's did, to fp32
+    rounding. The HF export holds every tensor once (at CP = 2: written by one CP rank), equal to the model's."""
+    ref = dist_pool.run(_cp_resume_rank, cp=saved_cp, args=(str(tmp_path), True), timeout=600)
+    got = dist_pool.run(_cp_resume_rank, cp=resumed_cp, args=(str(tmp_path), False), timeout=600)
     (saved, ref_next, exported), (loaded, got_next, _) = ref[0], got[0]
     assert sorted(exported) == sorted(saved) and all(torch.equal(exported[k], saved[k]) for k in saved)
     assert sorted(saved) == sorted(loaded)
     assert all(torch.equal(saved[k], loaded[k]) for k in saved)
     moved = max(float((ref_next[k] - saved[k]).abs().max()) for k in saved)
     err = max(float((got_next[k] - ref_next[k]).abs().max()) for k in saved)
-    print({"resume cp2 -> cp1": {"step moved": moved, "next step abs err": err}})
+    print({f"resume cp{saved_cp} -> cp{resumed_cp}": {"step moved": moved, "next step abs err": err}})
     # Adam's first steps are ~lr sign(g) where |g| is tiny, so fp32 rounding of such gradients shows up at ~1e-5 of
     # a 1e-2 step; a lost optimizer state (a fresh Adam step) or lost scheduler step would be O(lr)
     assert moved > 1e-3 and err < 1e-2 * moved, (moved, err)

@@ -16,6 +16,7 @@ from megatron_rlvr.planner import (
     ModelSpec,
     ParallelConfig,
     PlanConfig,
+    RolloutConfig,
     TrainConfig,
     activation_bytes_per_layer,
     estimate_memory,
@@ -243,6 +244,8 @@ def test_configs_in_repo_fit_and_match_slurm_scripts():
         ("qwen3_30b_a3b", "qwen3_30b_a3b", 4, 2, 4),
         ("mcpo_14b_disagg", "mcpo_14b_disagg", 3, 2, 1),
         ("cpgd_qwen2_5_vl_7b", "cpgd_vl_7b", 2, 4, 1),
+        ("long_qwen3_8b_32k", "long_qwen3_8b_32k", 2, 8, 1),
+        ("long_qwen3_32b_64k", "long_qwen3_32b_64k", 8, 8, 4),
     ):
         cfg = load_plan_config(REPO / "configs" / f"{name}.yaml")
         assert (cfg.cluster.nodes, cfg.parallel.tp, cfg.parallel.rollout_tp) == (nodes, tp, rtp)
@@ -497,3 +500,84 @@ def test_distillation_teacher_is_planned_on_the_training_gpus():
         f"distill teacher Qwen2.5-14B: 14.77 B params, frozen at the policy's layout; its forward costs ~{share:.2f}x"
         in table
     )
+
+
+def test_context_parallel_exchange_volume_by_hand():
+    """cp_comm_bytes_per_layer against hand-computed bytes, Qwen2.5-14B (8 KV heads of 128, 40 heads), a
+    16384-token micro-batch in bf16. TP=4, CP=2: a GPU holds t = 8192 tokens and k = 8 / 4 x 128 = 256 key
+    columns; the ring sends (cp - 1) t 2k b = 8192 x 512 x 2 = 8 MiB forward, twice that backward (K, V and dK,
+    dV), the forward again under full recompute; all-gather sends 8 MiB each way; all-to-all (q = 10 x 128 = 1280)
+    sends (cp - 1) / cp t (2q + 2k) b = 8192 x 3072 = 24 MiB each way. TP=8, CP=4: one KV head per GPU (k = 128),
+    t = 4096: 3 x 4096 x 256 x 2 = 6 MiB. The plan report states the volume per layer and per micro-batch."""
+    from megatron_rlvr.planner.memory import cp_comm_bytes_per_layer
+
+    m = get_model_spec("qwen2.5-14b")
+    mib = 1024**2
+
+    def vol(tp, cp, kind, recompute="full"):
+        cfg = PlanConfig(
+            model=m,
+            parallel=ParallelConfig(tp=tp, cp=cp, cp_comm_type=kind, rollout_tp=2),
+            train=TrainConfig(micro_batch_tokens=16384, recompute=recompute),
+            cluster=ClusterConfig(nodes=4, gpus_per_node=8, gpu_mem_gb=80),
+        )
+        v = cp_comm_bytes_per_layer(cfg)
+        return v.forward, v.backward, v.recompute, cfg
+
+    assert vol(4, 2, "p2p")[:3] == (8 * mib, 16 * mib, 8 * mib)
+    assert vol(4, 2, "p2p", recompute="none")[:3] == (8 * mib, 16 * mib, 0)
+    assert vol(4, 2, "all_gather")[:3] == (8 * mib, 8 * mib, 8 * mib)
+    assert vol(4, 2, "a2a", recompute="none")[:3] == (24 * mib, 24 * mib, 0)
+    assert vol(8, 4, "p2p", recompute="none")[:3] == (6 * mib, 12 * mib, 0)
+    assert vol(4, 1, "p2p")[:3] == (0, 0, 0)
+    text = format_plan(estimate_memory(vol(4, 2, "p2p")[3]))
+    assert "context parallelism CP=2, cp_comm_type=p2p" in text
+    # 8 + 16 + 8 = 32 MiB per layer; 48 layers: 1.5 GiB per micro-batch
+    assert "forward 8.0 + backward 16.0 + recompute 8.0 = 32.0 MiB; x 48 layers = 1.50 GiB per micro-batch" in text
+    assert "context parallelism" not in format_plan(estimate_memory(vol(4, 1, "p2p")[3]))
+    # all-to-all splits heads: cp must divide the query and the key/value heads of a TP rank (40 / 8 = 5, 8 / 8 = 1)
+    errors, _ = validate_layout(m, ParallelConfig(tp=8, cp=2, cp_comm_type="a2a"), 32)
+    assert errors == [
+        "parallel.cp_comm_type=a2a: parallel.cp=2 must divide the 5 attention and 1 key/value heads per TP rank (use "
+        "p2p or all_gather)"
+    ]
+
+
+def test_search_uses_context_parallelism_only_when_no_layout_fits_without():
+    """plan --search tries cp in (1, 2, 4, 8) for dense text models and takes cp > 1 only when no cp=1 layout fits.
+    Qwen3-8B, 34816-token sequences, no recompute, 80 GiB GPUs: two packed sequences on 8 GPUs fit at TP=8 and also
+    at TP=4 x CP=2 (a smaller tp x pp): the chosen layout is TP=8, cp=1. Four packed sequences on 16 GPUs fit no
+    cp=1 layout (checked over every row), so the chosen one has cp > 1 and the smallest tp x cp x pp of the fitting
+    rows. An MoE model is searched at cp=1 only and its table has no cp column."""
+    from megatron_rlvr.planner import format_search, search_layouts
+
+    def long_plans(nodes, sequences):
+        return search_layouts(
+            PlanConfig(
+                model=get_model_spec("qwen3-8b"),
+                parallel=ParallelConfig(tp=8, rollout_tp=1),
+                rollout=RolloutConfig(max_prompt_len=2048, max_response_len=32768, gpu_memory_utilization=0.5),
+                train=TrainConfig(micro_batch_tokens=sequences * 34816, recompute="none"),
+                cluster=ClusterConfig(nodes=nodes, gpus_per_node=8, gpu_mem_gb=80),
+            )
+        )
+
+    def layout(p):
+        return p.config.parallel.tp, p.config.parallel.cp, p.config.parallel.pp
+
+    plans = long_plans(1, 2)
+    assert {p.config.parallel.cp for p in plans} == {1, 2, 4, 8}
+    fitting = [layout(p) for p in plans if p.fits]
+    assert fitting[0] == (8, 1, 1) and (4, 2, 1) in fitting
+    assert format_search(plans).splitlines()[0].split()[:3] == ["tp", "cp", "pp"]
+
+    plans = long_plans(2, 4)
+    assert not any(p.fits for p in plans if p.config.parallel.cp == 1)
+    fitting = [layout(p) for p in plans if p.fits]
+    tp, cp, pp = fitting[0]
+    assert cp > 1 and tp * cp * pp == min(a * b * c for a, b, c in fitting)
+    assert f"chosen: tp={tp} cp={cp} pp={pp}" in format_search(plans)
+
+    moe = load_plan_config(REPO / "configs" / "qwen3_30b_a3b.yaml", warn=lambda _: None)
+    plans = search_layouts(moe)
+    assert {p.config.parallel.cp for p in plans} == {1} and " cp " not in format_search(plans).splitlines()[0]

@@ -321,6 +321,39 @@ def test_tools_7b_renders_and_its_header_is_the_planners_table():
     assert refused and all(any(row.startswith(r.split(" no:")[0]) for row in rows) for r in refused), refused
 
 
+@pytest.mark.parametrize("name, nodes, cp", [("long_qwen3_8b_32k", 2, 2), ("long_qwen3_32b_64k", 8, 4)])
+def test_long_trace_scripts_render_and_their_headers_are_the_planners_table(name, nodes, cp):
+    """slurm/long_*.sh (32k / 64k responses): N nodes x 8 tasks running their config; the layout table in the header
+    is the planner's (the chosen row and the refused ones), the chosen layout is the config's and uses context
+    parallelism, and no layout without it fits (the reason the config needs cp > 1)."""
+    from megatron_rlvr.planner import format_search, load_plan_config, search_layouts
+
+    script = REPO / "slurm" / f"{name}.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    d = sbatch_directives(script)
+    assert (d["nodes"], d["ntasks-per-node"], d["gpus-per-node"]) == (str(nodes), "8", "8") and d[
+        "signal"
+    ] == "USR1@180"
+    alloc = {"SLURM_JOB_ID": "9", "SLURM_JOB_NODELIST": f"n[1-{nodes}]", "SLURM_JOB_NUM_NODES": str(nodes),
+             "SLURM_NTASKS": str(8 * nodes), "SLURM_NTASKS_PER_NODE": "8"}  # fmt: skip
+    assert dry_run(str(script), alloc)["SRUN"].split()[-3:] == ["megatron-rlvr", "train", f"configs/{name}.yaml"]
+    cfg = load_plan_config(REPO / "configs" / f"{name}.yaml", warn=lambda _: None)
+    plans = search_layouts(cfg)
+    chosen = next(p for p in plans if p.fits).config.parallel
+    par = cfg.parallel
+    assert (chosen.tp, chosen.cp, chosen.pp, chosen.rollout_tp) == (par.tp, par.cp, par.pp, par.rollout_tp)
+    assert par.cp == cp and not any(p.fits for p in plans if p.config.parallel.cp == 1)
+    rows = [" ".join(line.split()) for line in format_search(plans).splitlines()]
+    header = [" ".join(line.lstrip("# ").split()) for line in script.read_text().splitlines() if line.startswith("#  ")]
+    start = header.index(rows[0].split(" (GiB")[0])  # the column names, then the rows
+    table = [r for r in header[start + 1 :] if r[0].isdigit()]
+    assert len(table) >= 4
+    assert [r for r in table if r.endswith("<- chosen")] == [next(r for r in rows if r.endswith("<- chosen"))]
+    refused = [r for r in table if " no: " in r]
+    assert refused and all(any(row.startswith(r.split(" no:")[0] + " no:") for row in rows) for r in refused), refused
+    assert all(r in rows for r in table if r.endswith(" fits")), table
+
+
 def test_free_port_is_below_the_ephemeral_range_and_binds():
     """A local launch's rendezvous port comes from LOCAL_PORTS (below the kernel's ephemeral range, which hands
     ports to other processes' outgoing connections) and can be listened on; a taken port is never returned."""
