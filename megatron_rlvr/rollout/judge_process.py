@@ -21,10 +21,10 @@ batched request and waits, polling ``should_stop`` (the judge's wall-clock limit
 process group when it has not within a few seconds. The child watches its parent: if the parent dies without
 closing it (SIGKILL), the child exits within a second.
 
-Child side (``python -m megatron_rlvr.rollout.judge_process FD MODEL``): receives the spec (a dict: ``engine``
-"hf" | "vllm", ``model`` folder, ``dtype``, ``device``, ``max_batch_rows``, ``gpu_memory_utilization``, ``seed``,
-``max_model_len``), builds the engine with the folder's weights, answers ``("ready", pid)`` (or ``("error",
-traceback)``), then serves ``("generate", prompt_ids, sampling params dict)`` -> ``("ok", replies)`` /
+Child side (``python -m megatron_rlvr.rollout.judge_process FD MODEL PARENT_PID``): receives the spec (a dict:
+``engine`` "hf" | "vllm", ``model`` folder, ``dtype``, ``device``, ``max_batch_rows``, ``gpu_memory_utilization``,
+``seed``, ``max_model_len``), builds the engine with the folder's weights, answers ``("ready", pid)`` (or
+``("error", traceback)``), then serves ``("generate", prompt_ids, sampling params dict)`` -> ``("ok", replies)`` /
 ``("error", message)`` until ``("close",)`` or the end of the socket.
 """
 
@@ -105,7 +105,14 @@ class JudgeProcess:
         parent_sock, child_sock = socket.socketpair()
         fd = child_sock.fileno()
         device = str(self.spec.get("device", "cpu"))
-        cmd = [sys.executable, "-m", "megatron_rlvr.rollout.judge_process", str(fd), str(self.spec["model"])]
+        cmd = [
+            sys.executable,
+            "-m",
+            "megatron_rlvr.rollout.judge_process",
+            str(fd),
+            str(self.spec["model"]),
+            str(os.getpid()),
+        ]
         try:
             # its own session: the whole group (vLLM's helpers included) is killed together, and a Ctrl-C meant
             # for the run reaches the judge only through close()
@@ -212,7 +219,9 @@ class JudgeProcess:
 
 
 def _watch_parent(parent: int) -> None:
-    """Exit when the parent is gone (re-parented: it died without closing us)."""
+    """Exit when the parent is gone (we were re-parented: it died without closing us). The end of the socket tells
+    an idle child as much, but not one that is loading or generating, nor one whose parent's end of the socket
+    outlives the parent (a forked process holding a copy)."""
     while True:
         time.sleep(1.0)
         if os.getppid() != parent:
@@ -262,9 +271,9 @@ def _build_engine(spec: dict):
     raise ValueError(f"unknown judge engine {spec['engine']!r}")
 
 
-def _serve(fd: int) -> int:
+def _serve(fd: int, parent: int) -> int:
     conn = Connection(fd)
-    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     try:
         spec = conn.recv()
         engine, tokenizer = _build_engine(spec)
@@ -302,4 +311,4 @@ def _serve(fd: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_serve(int(sys.argv[1])))
+    sys.exit(_serve(int(sys.argv[1]), int(sys.argv[3])))

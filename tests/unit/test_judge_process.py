@@ -124,26 +124,37 @@ def test_a_judge_that_cannot_load_is_given_up_after_max_restarts(judges, tmp_pat
 
 
 def test_the_child_exits_when_its_parent_is_killed(judges, tmp_path):
-    """A parent that starts a judge process and is then SIGKILLed (no close, no atexit): the child notices within a
-    few seconds and exits, so a killed rank leaves no judge behind."""
+    """A parent that starts a judge process and is then SIGKILLed (no close, no atexit) while a forked helper of it
+    still holds its end of the socket (so the child sees no end of file): the child notices the parent's death by
+    itself within a few seconds and exits, so a killed rank leaves no judge behind."""
     script = textwrap.dedent(
         f"""
-        import sys, time
+        import os, time
         from megatron_rlvr.rollout.judge_process import JudgeProcess
         p = JudgeProcess(dict(engine="hf", model={judges["last7"]!r}, device="cpu", max_batch_rows=4))
-        print(p.pid, flush=True)
+        helper = os.fork()
+        if helper == 0:  # holds a copy of the parent's end of the socket
+            time.sleep(600)
+            os._exit(0)
+        print(p.pid, helper, flush=True)
         time.sleep(600)
         """
     )
     env = {**os.environ, "PYTHONPATH": REPO}
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+    child = helper = None
     try:
-        child = int(parent.stdout.readline())
+        child, helper = map(int, parent.stdout.readline().split())
         assert alive(child)
-    finally:
+        time.sleep(1.0)  # past the child's start-up of its watcher
         parent.kill()
         parent.wait()
-    deadline = time.monotonic() + 30
-    while alive(child) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not alive(child)
+        deadline = time.monotonic() + 30
+        while alive(child) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not alive(child)
+    finally:
+        parent.kill()
+        for pid in (child, helper):
+            if pid is not None and alive(pid):
+                os.kill(pid, signal.SIGKILL)
