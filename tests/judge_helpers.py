@@ -84,3 +84,25 @@ def save_random_judge(path, kind: str = "generative", seed: int = 0) -> str:
     model.save_pretrained(os.fspath(path))
     save_tiny_tokenizer(path)
     return os.fspath(path)
+
+
+_TOKENIZERS: dict = {}
+
+
+def last_token_is_7(response: str, ground_truth: str, **metadata) -> float:
+    """A rule reward (user-function signature) that says what the last-token judge with digit "7" says of a
+    response: 1.0 when the response's last token under the judge's own tokenizer (the folder named by
+    $JUDGE_HELPERS_TOKENIZER) is "7", else 0.0 (the judge sees the question first, which ends in "=", so an empty
+    response scores 0 for both). The tokenizer, not ``str.endswith``: the tiny tokenizer loaded back from a folder
+    drops spaces, so the judge reads "27 " as ending in 7. Each response is appended to the file named by
+    $JUDGE_HELPERS_LOG when set (one repr per line), so a test can count what was scored."""
+    from transformers import AutoTokenizer
+
+    folder = os.environ["JUDGE_HELPERS_TOKENIZER"]
+    tok = _TOKENIZERS.get(folder) or _TOKENIZERS.setdefault(folder, AutoTokenizer.from_pretrained(folder))
+    log = os.environ.get("JUDGE_HELPERS_LOG")
+    if log:
+        with open(log, "a") as f:
+            f.write(repr(response) + "\n")
+    ids = tok(response)["input_ids"]
+    return 1.0 if ids and ids[-1] == tok.convert_tokens_to_ids("7") else 0.0

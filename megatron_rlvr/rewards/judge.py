@@ -108,6 +108,9 @@ class GenerativeJudge:
         self._closer = closer
         self.last_replies: list[str | None] = []
         """The replies of the last batch (None where an item got none), for inspection."""
+        self.process = None
+        """The judge process serving ``generate`` when the engine runs in one (``rollout.judge_process``), for
+        inspection; None for an in-process engine."""
 
     def close(self) -> None:
         """Free the engine behind ``generate`` (when one was given to close); idempotent."""

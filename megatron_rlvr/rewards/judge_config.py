@@ -22,12 +22,14 @@ JUDGE_KINDS = ("generative", "scalar")
 PARSE_MODES = ("verdict", "score", "number")
 """How a generative judge's reply becomes a reward in [0, 1] (``rewards.judge.parse_verdict``)."""
 
-JUDGE_ENGINES = ("hf",)
-"""Engines that serve a generative judge. vLLM is not one yet: a second vLLM engine in the process of the policy's
-vLLM engine would share vLLM's process-global parallel state with it."""
+JUDGE_ENGINES = ("hf", "vllm")
+"""Engines that serve a generative judge: "hf" (transformers, in the rank's process unless ``isolate``) and "vllm"
+(always in a child process of its own: vLLM's state is process-global, so it cannot share the process of the
+policy's vLLM engine; rollout/judge_process.py)."""
 
 MODEL_REWARD_FNS = ("judge",)
-"""Reward names scored by a model in the rank's own process (not by the reward workers)."""
+"""Reward names scored by a model on the rollout side (in the rank's process or its judge process), not by the
+reward workers."""
 
 DEFAULT_TEMPLATE = (
     "You are grading a response to a question.\n\n"
@@ -83,12 +85,35 @@ class JudgeConfig:
 
     timeout_s: float = 300.0
     """Wall-clock limit of one step's judging in seconds (one batched call). Past it the engine is interrupted
-    (the transformers engine between decode steps) and every item of the batch scores 0 in reward/n_timeout."""
+    (in-process transformers engine: between decode steps; a judge process: killed and restarted for the next
+    step) and every item of the batch scores 0 in reward/n_timeout."""
 
     engine: str = "hf"
     """Generative judges: "hf", the transformers engine on the rank's device (CUDA when there is one), beside the
-    policy's engine. Its weights stay on the device for the whole run (it is not put to sleep while the policy
-    trains); its KV cache lives only during the judging call."""
+    policy's engine, or "vllm", a vLLM engine in a child process of the rank (always isolated, see ``isolate``).
+    Either way its weights stay on the device for the whole run (it is not put to sleep while the policy trains);
+    the transformers engine's KV cache lives only during the judging call, vLLM's for the whole run."""
+
+    isolate: bool = False
+    """Generative judges: run the judge's engine in a child process of the rollout rank, driven over a socket
+    (rollout/judge_process.py): batched requests, killed and restarted past ``timeout_s``, restarted when it dies,
+    killed at the run's end. Always on for ``engine=vllm``; for "hf" it keeps a crashing or hanging judge out of
+    the rank's process."""
+
+    gpu_memory_utilization: float = 0.2
+    """``engine=vllm`` on CUDA: the fraction of the GPU's memory the judge's vLLM engine takes for its weights and
+    KV cache (the policy's engine and the trainer share the rest: keep the sum of the shares below 1). Unused on
+    CPU, where vLLM sizes the KV cache from the judge's lengths."""
+
+    start_timeout_s: float = 600.0
+    """A judge process that is not ready this many seconds after it was started counts as failed (and is
+    restarted, see ``max_restarts``)."""
+
+    max_restarts: int = 3
+    """A judge process that fails this many times in a row (dies, cannot load its model, is not ready within
+    ``start_timeout_s``) is given up: the judge is unreachable for the rest of the run and every later item scores 0
+    in reward/n_error (the run goes on until ``reward.max_error_frac`` stops it). Kills at the wall-clock limit do
+    not count: they are timeouts, not failures."""
 
     dtype: str = "bfloat16"
     """Weights' dtype on CUDA ("bfloat16" or "float32"); on CPU the judge runs in float32."""
@@ -96,6 +121,11 @@ class JudgeConfig:
     max_batch_rows: int = 64
     """Most rows decoded (generative, transformers engine) or scored (scalar) at once; a step's items are all
     handed over in one call and split into chunks of this size inside it."""
+
+    @property
+    def in_process(self) -> bool:
+        """The generative judge's engine runs in the rank's own process (not in a judge process)."""
+        return self.engine == "hf" and not self.isolate
 
     def check_files(self) -> None:
         """The checkpoint folder exists (checked where the run starts, not where a config is only planned)."""
@@ -109,13 +139,20 @@ class JudgeConfig:
             raise ValueError(f"reward.judge.kind must be one of {JUDGE_KINDS}, got {self.kind!r}")
         if self.parse not in PARSE_MODES:
             raise ValueError(f"reward.judge.parse must be one of {PARSE_MODES}, got {self.parse!r}")
-        if self.engine == "vllm":
-            raise ValueError(
-                "reward.judge.engine=vllm is not supported: the judge runs on the transformers engine ('hf') beside "
-                "the policy's engine (two vLLM engines cannot share one process)"
-            )
         if self.engine not in JUDGE_ENGINES:
             raise ValueError(f"reward.judge.engine must be one of {JUDGE_ENGINES}, got {self.engine!r}")
+        if not isinstance(self.isolate, bool):
+            raise ValueError(f"reward.judge.isolate must be true or false, got {self.isolate!r}")
+        if self.kind == "scalar" and (self.engine != "hf" or self.isolate):
+            raise ValueError(
+                "reward.judge.engine and reward.judge.isolate apply to generative judges; a scalar reward model runs "
+                "in the rank's process (leave them at engine=hf, isolate=false)"
+            )
+        g = self.gpu_memory_utilization
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0.0 < g < 1.0:
+            raise ValueError(f"reward.judge.gpu_memory_utilization must be a number in (0, 1), got {g!r}")
+        if not isinstance(self.start_timeout_s, (int, float)) or not self.start_timeout_s > 0:
+            raise ValueError(f"reward.judge.start_timeout_s must be a number > 0, got {self.start_timeout_s!r}")
         if self.dtype not in ("bfloat16", "float32"):
             raise ValueError(f"reward.judge.dtype must be 'bfloat16' or 'float32', got {self.dtype!r}")
         if not isinstance(self.template, str) or "{response}" not in self.template:
@@ -127,7 +164,7 @@ class JudgeConfig:
                 f"reward.judge.template: bad placeholder {e} (known: {{question}}, {{response}}, {{reference}}, "
                 "{reference_block}; write {{ and }} for literal braces)"
             ) from None
-        for name in ("max_tokens", "max_len", "max_batch_rows"):
+        for name in ("max_tokens", "max_len", "max_batch_rows", "max_restarts"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"reward.judge.{name} must be an int >= 1, got {value!r}")

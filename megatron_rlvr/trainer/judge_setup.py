@@ -1,9 +1,12 @@
 """Build the reward judge of ``reward.judge`` on the rollout side of an engine leader: a generative judge served by
-the transformers rollout engine, or a scalar reward model, on the rank's device beside the policy's engine."""
+the transformers rollout engine in the rank's process, or by the transformers or vLLM engine in a judge process of
+its own (rollout/judge_process.py), or a scalar reward model, on the rank's device beside the policy's engine."""
 
 from __future__ import annotations
 
 import itertools
+import json
+import os
 
 import torch
 
@@ -12,8 +15,9 @@ from megatron_rlvr.rewards.judge_config import JudgeConfig
 from megatron_rlvr.rewards.reward_config import RewardConfig
 from megatron_rlvr.rollout.engine import GenerationStopped, RolloutEngine, SamplingParams
 from megatron_rlvr.rollout.hf_engine import HFEngineConfig, HFRolloutEngine
+from megatron_rlvr.rollout.judge_process import JudgeProcess
 
-__all__ = ["build_judge", "engine_judge"]
+__all__ = ["build_judge", "engine_judge", "process_judge"]
 
 
 def engine_judge(cfg: JudgeConfig, engine: RolloutEngine, tokenizer, seed: int = 0) -> GenerativeJudge:
@@ -24,9 +28,7 @@ def engine_judge(cfg: JudgeConfig, engine: RolloutEngine, tokenizer, seed: int =
 
     def generate(prompt_ids: list[list[int]], should_stop) -> list[str] | None:
         # a new seed per call: a sampling judge must not draw the same noise for a prompt index every step
-        params = SamplingParams(
-            n=1, temperature=float(cfg.temperature), max_tokens=cfg.max_tokens, seed=seed + next(calls)
-        )
+        params = SamplingParams(**_sampling(cfg, seed + next(calls)))
         kw = {"should_stop": should_stop} if engine.interruptible else {}
         try:
             outputs = engine.generate(prompt_ids, params, **kw)
@@ -41,6 +43,44 @@ def engine_judge(cfg: JudgeConfig, engine: RolloutEngine, tokenizer, seed: int =
     return GenerativeJudge(cfg, tokenizer, generate, closer=engine.close)
 
 
+def _sampling(cfg: JudgeConfig, seed: int) -> dict:
+    return dict(n=1, temperature=float(cfg.temperature), max_tokens=cfg.max_tokens, seed=seed)
+
+
+def process_judge(cfg: JudgeConfig, device: torch.device, seed: int = 0) -> GenerativeJudge:
+    """A generative judge whose engine (``cfg.engine``) runs in a child process (``JudgeProcess``): one batched
+    request per step; past the judge's wall-clock limit the child is killed and restarted, and the batch is scored
+    as timed out by ``GenerativeJudge``; a dead or unstartable child makes the batch's items errors."""
+    from transformers import AutoTokenizer
+
+    with open(os.path.join(os.path.expanduser(cfg.model), "config.json")) as f:
+        hf = json.load(f)
+    longest = cfg.max_len + cfg.max_tokens
+    positions = hf.get("max_position_embeddings") or hf.get("text_config", {}).get("max_position_embeddings")
+    on_cpu = device.type == "cpu"
+    spec = dict(
+        engine=cfg.engine,
+        model=os.path.expanduser(cfg.model),
+        dtype="float32" if on_cpu else cfg.dtype,
+        device=str(device),
+        max_batch_rows=cfg.max_batch_rows,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        seed=seed,
+        max_model_len=min(longest, int(positions)) if positions else longest,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    proc = JudgeProcess(spec, start_timeout_s=cfg.start_timeout_s, max_restarts=cfg.max_restarts)
+    calls = itertools.count()
+
+    def generate(prompt_ids: list[list[int]], should_stop) -> list[str] | None:
+        # a new seed per call, as engine_judge
+        return proc.generate(prompt_ids, _sampling(cfg, seed + next(calls)), should_stop)
+
+    judge = GenerativeJudge(cfg, tokenizer, generate, closer=proc.close)
+    judge.process = proc
+    return judge
+
+
 def build_judge(cfg: RewardConfig, device: torch.device, seed: int = 0):
     """The judge of ``cfg.judge`` on ``device`` (None when the reward does not use one)."""
     if not cfg.uses_judge:
@@ -49,6 +89,8 @@ def build_judge(cfg: RewardConfig, device: torch.device, seed: int = 0):
     on_cpu = device.type == "cpu"
     if j.kind == "scalar":
         return ScalarRewardModel.from_pretrained(j, device=str(device))
+    if not j.in_process:
+        return process_judge(j, device, seed)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = torch.float32 if on_cpu or j.dtype == "float32" else torch.bfloat16

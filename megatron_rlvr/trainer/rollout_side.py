@@ -102,6 +102,7 @@ def build_rollout_side(
     info = engine_info(rank, ranks, cfg.parallel.rollout_tp)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     engine = build_engine(cfg, source, tokenizer, device)
+    judge = reward_manager = None
     try:
         lora = cfg.model.lora
         adapter_sync = AdapterSync(engine) if lora is not None and lora.sync == "adapter" else None
@@ -110,6 +111,11 @@ def build_rollout_side(
         loader, n_malformed = build_loader(cfg)
         multi_turn = build_multi_turn(cfg, tokenizer)
     except BaseException:
+        # a judge process, or the reward workers, must not outlive a failed start
+        if reward_manager is not None:
+            reward_manager.close()
+        elif judge is not None:
+            judge.close()
         engine.close()
         raise
     image_processor = load_image_processor(source)
