@@ -221,14 +221,24 @@ class RolloutConfig:
     """Verified weight syncs: after a sync the engine's weights are read back and compared with what the trainer
     sent (per-tensor CRC-32, both sides of the stream and of the bridge); a difference stops the run naming the
     first differing tensor. ``every`` sync, the ``first`` of each run (catches a wrong layout or mapping at start),
-    or ``never`` (not ``off``: YAML reads that as false). Engines that repack what they load (vLLM) are checked
-    through the bridge only."""
+    or ``never`` (not ``off``: YAML reads that as false). Engines that repack what they load (vLLM) cannot read
+    their weights back: there the log-prob probe of ``verify_logprobs_tol`` stands in (and the bridge's digests in
+    the disaggregated layout)."""
+
+    verify_logprobs_tol: float = 0.1
+    """The log-prob probe of a verified sync that the engine cannot read back (vLLM): the step after it compares the
+    engine's log-probs of its sampled tokens with the trainer's recomputed ones (``mismatch/log_ratio_abs_mean``,
+    the mean of |log p_train - log p_engine|) and stops the run when they differ by more than this. ~1e-7 in fp32,
+    ~1e-3 to 1e-2 in bf16 on GPUs; a wrong layout or mapping of a whole tensor gives O(1). Needs
+    ``old_logprobs=recompute`` (the probe reads the recomputed log-probs) and the colocated schedule."""
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"rollout.engine must be one of {ENGINES}, got {self.engine!r}")
         if self.verify_sync not in VERIFY_SYNC:
             raise ValueError(f"rollout.verify_sync must be one of {VERIFY_SYNC}, got {self.verify_sync!r}")
+        if not (self.verify_logprobs_tol > 0 and math.isfinite(self.verify_logprobs_tol)):
+            raise ValueError(f"rollout.verify_logprobs_tol must be a finite number > 0, got {self.verify_logprobs_tol}")
         t = self.partial_rollout_tokens
         if isinstance(t, bool) or not isinstance(t, int) or t < 0:
             raise ValueError(f"rollout.partial_rollout_tokens must be an int >= 0 (0 = off), got {t!r}")

@@ -29,7 +29,7 @@ from megatron_rlvr.trainer.rollout_side import RolloutSide, build_rollout_side
 from megatron_rlvr.trainer.run_life import RunLife, build_run_life, start_rank
 from megatron_rlvr.trainer.run_loop import announce, end_step, finish, run_eval, warn_all_too_long
 from megatron_rlvr.trainer.stages import learn, publish, rollout
-from megatron_rlvr.trainer.weights import EngineSink
+from megatron_rlvr.trainer.weights import EngineSink, check_logprob_probe
 
 
 @dataclass
@@ -45,11 +45,14 @@ class Colocated:
 def rl_step(t: Colocated, step: int) -> dict[str, float]:
     """One synchronous colocated RL step; returns the step's metrics (identical on every rank)."""
     t0 = time.perf_counter()
+    probe, t.sink.probe_due = t.sink.probe_due, False  # this step samples with the weights of that sync
     rolled = rollout(t.rollout, step)
     control = forgetting_control(t.rollout, rolled, step)  # diagnostics: the probe's prompts, pre-update policy
     t.sink.sleep()  # GPU: the engine frees its memory while the policy trains
     result = learn(t.policy, rolled)
     m = dict(result.metrics)
+    if probe:
+        m.update(check_logprob_probe(m, t.policy.cfg.rollout.verify_logprobs_tol, t.rollout.policy_version))
     m.update(publish(t.policy, t.sink, step, changed=result.updated))
     t.rollout.policy_version = step  # the engine now holds the policy after this step (and its update, if any)
     if result.tokens:

@@ -106,6 +106,24 @@ def verify_engine(engine: RolloutEngine, sent: dict[str, int]) -> dict[str, floa
     return {"sync/verified": 1.0, "sync/verify_s": time.perf_counter() - t0}
 
 
+def check_logprob_probe(metrics: dict[str, float], tol: float, version: int) -> dict[str, float]:
+    """The second line of a verified sync where the engine cannot read its weights back (vLLM repacks them): the
+    train/inference mismatch of the step that sampled with the synced weights, on its sampled tokens. Mean
+    |log p_train - log p_engine| above ``tol`` (``rollout.verify_logprobs_tol``) is a WeightSyncError naming the
+    version, the figure and the token count; ``sync/probe_log_ratio``: the figure checked. No recomputed
+    log-probs (``rollout.old_logprobs=rollout``, or no sampled token): nothing to compare, ``sync/probed`` 0."""
+    err, n = metrics.get("mismatch/log_ratio_abs_mean"), metrics.get("mismatch/tokens", 0)
+    if err is None or not n:
+        return {"sync/probed": 0.0}
+    if not err <= tol:  # NaN fails too
+        raise weight_check.WeightSyncError(
+            f"log-prob probe after the weight sync of version {version}: engine and trainer log-probs of "
+            f"{int(n)} sampled tokens differ by {err:.3g} (mean |log-ratio|; rollout.verify_logprobs_tol={tol:g}): "
+            "the engine's weights are not the trainer's (a wrong mapping or layout its loader accepted)"
+        )
+    return {"sync/probed": 1.0, "sync/probe_log_ratio": float(err)}
+
+
 class WeightSink(abc.ABC):
     """Where a publish sends the policy's weights."""
 
@@ -126,6 +144,9 @@ class EngineSink(WeightSink):
         self.verify = verify
         """``rollout.verify_sync``: which syncs are read back and compared."""
         self.syncs = 0
+        self.probe_due = False
+        """A verified sync went to an engine that cannot read its weights back: the next step's log-prob probe
+        (:func:`check_logprob_probe`) checks it instead."""
 
     def sleep(self) -> None:
         """While the trainer runs: the engine frees its memory (where its sleep does)."""
@@ -141,6 +162,7 @@ class EngineSink(WeightSink):
         if changed or dropped:
             check = weight_check.due(self.verify, self.syncs)
             m = sync_weights(e, policy.model, policy.args, policy.dist.pg, self.adapter_sync, verify=check)
+            self.probe_due = self.probe_due or (check and not e.supports_weight_digests)
             self.syncs += 1
         if e.supports_sleep and e.is_sleeping:
             e.wake_up()

@@ -151,3 +151,74 @@ def test_tiny_moe_learns_with_the_vllm_engine_at_ep2(tmp_path):
     for step, rec in recs.items():
         assert rec["mismatch/abs_prob_diff_max"] < 1e-4, (step, rec["mismatch/abs_prob_diff_max"])
         assert rec.get("sync/tensors", 0) > 0, step
+
+
+PROBE_SCRIPT = """
+import sys
+
+from megatron_rlvr.commands.cli import main
+from megatron_rlvr.rollout import vllm_engine
+
+SCALE = float(sys.argv[1])
+real = vllm_engine.VLLMRolloutEngine.update_weights
+
+
+def _scaled(pair):
+    name, t = pair
+    return (name, t * SCALE) if name == "lm_head.weight" else (name, t)
+
+
+def _wrong(weights):  # the stream as the loader receives it (pairs or buckets of pairs), lm_head scaled
+    for item in weights:
+        yield [_scaled(p) for p in item] if isinstance(item, list) else _scaled(item)
+
+
+def update_weights(self, weights, strict=True):  # a mapping the loader accepts, but wrong
+    return real(self, _wrong(weights), strict)
+
+
+if __name__ == "__main__":  # vLLM's workers may import this module again
+    vllm_engine.VLLMRolloutEngine.update_weights = update_weights
+    sys.exit(main(["train", *sys.argv[2:]]))
+"""
+
+
+@pytest.mark.parametrize("scale", [3.0, 1.0], ids=["wrong_lm_head", "control"])
+def test_a_vllm_engine_with_wrong_weights_fails_the_log_prob_probe(tmp_path, scale):
+    """vLLM cannot read its weights back, so the first (verified) sync is checked by the log-prob probe of the step
+    that samples with it: an engine whose lm_head the sync left 3x too large (a loader that accepted a wrong layout)
+    stops the run in one line naming the probe, its figure and the tolerance, before any update; the control (scale
+    1: the same patched path, right weights) runs its steps with the probe passed on the first (~1e-7)."""
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE_SCRIPT)
+    run = tmp_path / "run"
+    args = [
+        "configs/tiny.yaml",
+        "rollout.engine=vllm",
+        "parallel.tp=1",
+        "launch.nproc=1",
+        "schedule.steps=2",
+        "checkpoint.save_every=0",
+        "checkpoint.export_hf=false",
+        "logging.plot_at_end=false",
+        f"logging.run_dir={run}",
+    ]
+    proc = subprocess.run(
+        [sys.executable, str(script), str(scale), *args],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    out = proc.stdout + proc.stderr
+    if scale == 1.0:
+        assert proc.returncode == 0, out[-3000:]
+        recs = _records(run)
+        assert recs[1]["sync/probed"] == 1.0 and recs[1]["sync/probe_log_ratio"] < 1e-4, recs[1]
+        assert "sync/probed" not in recs[2]  # verify_sync=first: one probe per process
+        return
+    assert proc.returncode != 0, out[-3000:]
+    line = re.search(r"log-prob probe after the weight sync of version 0: .*verify_logprobs_tol=0\.1\)", out)
+    assert line, out[-3000:]
+    assert not os.path.exists(os.path.join(run, "metrics.jsonl")) or not _records(run)  # no step was logged

@@ -144,3 +144,21 @@ def test_an_intact_verified_publish_hands_its_digests_to_the_rollout_rank():
     got = {n: t for b in buckets for n, t in b}
     assert all(torch.equal(got[n], t) for n, t in tensors)
     assert receiver.taken_digests == {n: digest(t) for n, t in tensors}
+
+
+def test_the_log_prob_probe_stops_above_its_tolerance_and_needs_recomputed_log_probs():
+    """``check_logprob_probe`` (the second line where the engine cannot read its weights back): below the tolerance
+    it passes and logs the figure; above it (or NaN) it is a WeightSyncError naming the version, the figure, the
+    token count and the option; without recomputed log-probs (no ``mismatch/*``) nothing is probed."""
+    from megatron_rlvr.trainer.weights import check_logprob_probe
+
+    ok = check_logprob_probe({"mismatch/log_ratio_abs_mean": 2e-7, "mismatch/tokens": 40.0}, 0.1, 3)
+    assert ok == {"sync/probed": 1.0, "sync/probe_log_ratio": 2e-7}
+    for bad in (0.75, float("nan")):
+        with pytest.raises(WeightSyncError, match=r"version 3: .* 40 sampled tokens differ by .*rollout.verify_logprobs_tol=0.1"):
+            check_logprob_probe({"mismatch/log_ratio_abs_mean": bad, "mismatch/tokens": 40.0}, 0.1, 3)
+    assert check_logprob_probe({"loss/policy": 0.1}, 0.1, 3) == {"sync/probed": 0.0}
+    with pytest.raises(ValueError, match="rollout.verify_logprobs_tol must be a finite number > 0"):
+        from megatron_rlvr.config.sections import RolloutConfig
+
+        RolloutConfig(verify_logprobs_tol=0.0)
