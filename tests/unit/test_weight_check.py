@@ -155,7 +155,8 @@ def test_the_log_prob_probe_stops_above_its_tolerance_and_needs_recomputed_log_p
     ok = check_logprob_probe({"mismatch/log_ratio_abs_mean": 2e-7, "mismatch/tokens": 40.0}, 0.1, 3)
     assert ok == {"sync/probed": 1.0, "sync/probe_log_ratio": 2e-7}
     for bad in (0.75, float("nan")):
-        with pytest.raises(WeightSyncError, match=r"version 3: .* 40 sampled tokens differ by .*rollout.verify_logprobs_tol=0.1"):
+        want = r"version 3: .* 40 sampled tokens differ by .*rollout.verify_logprobs_tol=0.1"
+        with pytest.raises(WeightSyncError, match=want):
             check_logprob_probe({"mismatch/log_ratio_abs_mean": bad, "mismatch/tokens": 40.0}, 0.1, 3)
     assert check_logprob_probe({"loss/policy": 0.1}, 0.1, 3) == {"sync/probed": 0.0}
     with pytest.raises(ValueError, match="rollout.verify_logprobs_tol must be a finite number > 0"):
