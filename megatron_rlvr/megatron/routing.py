@@ -9,7 +9,10 @@ the weights (one optimizer step, or float noise) can flip a token's top-k set, a
 experts: its log-prob jumps although the policy barely moved. Replaying the behaviour forward's routes keeps the
 expert choice fixed during the update, so the ratio measures the change of the weights only. The top-k SELECTION is
 replayed; the probabilities of the replayed experts still come from the softmax over the trainer's own router logits
-(megatron's ``RouterReplay`` gathers the scores at the replayed indices), so the router keeps learning.
+(megatron's ``RouterReplay`` gathers the scores at the replayed indices), so the router keeps learning. R3 may also
+replay the engine's gate weights (``train.routing_replay_weights``): a forward hook on each router puts them into its
+probabilities in value only (straight-through), so the experts' outputs are weighted as the engine weighted them
+(in bf16 the engine's router runs in bf16, the trainer's in fp32) while the router's gradient stays its own.
 
 Megatron-core 0.16's ``RouterReplay`` (transformer/moe/router_replay.py) does the replay inside the router's top-k;
 here every ``TopKRouter`` of the policy gets its own instance (a subclass that also counts how often the replayed
