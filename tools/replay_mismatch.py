@@ -18,7 +18,10 @@ forward (order, bf16 ties, position alignment). Prints one table per dtype.
     PYTHONPATH=$PWD .venv/bin/python tools/replay_mismatch.py --dtype bfloat16 float32 [--weights HF_FOLDER]
 
 ``--weights``: an exported HF folder of the tiny MoE model (``checkpoint.export_hf``) instead of the random init
-(seed ``--seed``); ``--threads``: torch threads per process (1 steadies the figures on a loaded machine).
+(seed ``--seed``); ``--task``: prompts of the tiny copy task ("<digits>=") instead of random tokens; ``--prompts``
+x ``--n`` samples of ``--max-tokens`` tokens each (EOS ignored); ``--threads``: torch threads per process (1
+steadies the figures on a loaded machine). The numbers of docs/moe.md ("What routing replay removes in bf16") come
+from it.
 """
 
 from __future__ import annotations
