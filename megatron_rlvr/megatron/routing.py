@@ -9,7 +9,10 @@ the weights (one optimizer step, or float noise) can flip a token's top-k set, a
 experts: its log-prob jumps although the policy barely moved. Replaying the behaviour forward's routes keeps the
 expert choice fixed during the update, so the ratio measures the change of the weights only. The top-k SELECTION is
 replayed; the probabilities of the replayed experts still come from the softmax over the trainer's own router logits
-(megatron's ``RouterReplay`` gathers the scores at the replayed indices), so the router keeps learning.
+(megatron's ``RouterReplay`` gathers the scores at the replayed indices), so the router keeps learning. R3 may also
+replay the engine's gate weights (``train.routing_replay_weights``): a forward hook on each router puts them into its
+probabilities in value only (straight-through), so the experts' outputs are weighted as the engine weighted them
+(in bf16 the engine's router runs in bf16, the trainer's in fp32) while the router's gradient stays its own.
 
 Megatron-core 0.16's ``RouterReplay`` (transformer/moe/router_replay.py) does the replay inside the router's top-k;
 here every ``TopKRouter`` of the policy gets its own instance (a subclass that also counts how often the replayed
@@ -56,6 +59,7 @@ def _replay_class():
             super().__init__()
             RouterReplay.global_router_replay_instances.remove(self)  # ours, found through the routers
             self.valid: torch.Tensor | None = None
+            self.target_weights: torch.Tensor | None = None  # [N, k] gate weights to replay with the indices
             self.counted = True
             self.phase = "update"
             # per phase: tokens compared, tokens differing, experts differing (in units of k)
@@ -76,6 +80,26 @@ def _replay_class():
             return super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
 
     return CountingReplay, RouterReplayAction
+
+
+def _replay_weights_hook(replay):
+    """A forward hook on a TopKRouter: while ``replay.target_weights`` is set, the router's probabilities [N, E] at
+    the replayed experts take those values (NaN: keep the router's own), with the gradient of its own
+    probabilities (``probs + (target - probs).detach()``), so the experts' outputs are weighted exactly as the
+    engine weighted them while the router still learns."""
+
+    def hook(module, inputs, output):
+        if replay.target_weights is None:
+            return None
+        probs, routing_map = output
+        idx = replay.target_topk_idx.to(probs.device).long()
+        w = replay.target_weights.to(probs.device)
+        own = probs.gather(1, idx)
+        w = torch.where(torch.isnan(w), own.detach().float(), w).to(probs.dtype)
+        target = probs.detach().scatter(1, idx, w)
+        return probs + (target - probs).detach(), routing_map
+
+    return hook
 
 
 class RoutingReplay:
@@ -102,6 +126,7 @@ class RoutingReplay:
         self.replays = [cls() for _ in self.routers]
         for router, replay in zip(self.routers, self.replays):
             router.router_replay = replay
+            router.register_forward_hook(_replay_weights_hook(replay))
         self.tp_group = tp_group
         self.sequence_parallel = bool(getattr(inner.config, "sequence_parallel", False))
         self.topk = self.routers[0].topk
@@ -118,16 +143,19 @@ class RoutingReplay:
             self._clear()
 
     @contextlib.contextmanager
-    def replaying(self, routes: dict[int, torch.Tensor], seqs, phase: str = "update"):
+    def replaying(self, routes: dict[int, torch.Tensor], seqs, phase: str = "update", weights=None):
         """Forwards inside route every token of a sequence of ``seqs`` to its experts in ``routes`` (-1: unknown,
-        experts 0..k-1, not counted); their disagreement is counted under ``phase`` (one of PHASES)."""
+        experts 0..k-1, not counted); their disagreement is counted under ``phase`` (one of PHASES). ``weights``
+        (R3 with the engine's gate weights, by sequence like ``routes``, [layers, length, k] float32): the replayed
+        experts' outputs are multiplied by these instead of the softmax over the trainer's own router logits; the
+        router's gradient is still that of its own probabilities (straight-through: value replaced, gradient kept)."""
         if phase not in PHASES:
             raise ValueError(f"routing replay phase must be one of {PHASES}, got {phase!r}")
         self._set(self._actions.REPLAY_FORWARD)
         for r in self.replays:
             r.phase = phase
         try:
-            yield _Session(self, routes, [q.length for q in seqs], record=False)
+            yield _Session(self, routes, [q.length for q in seqs], record=False, weights=weights)
         finally:
             self._clear()
 
@@ -146,6 +174,22 @@ class RoutingReplay:
             )
         out = torch.full((len(self.moe_index), seq.length, self.topk), -1, dtype=ROUTE_DTYPE)
         out[:, :-1] = routes[self.moe_index].to(ROUTE_DTYPE)
+        return out
+
+    def engine_weights(self, seq) -> torch.Tensor:
+        """R3 with the engine's gate weights: a sequence's engine gate weights [all MoE layers, length - 1, k] ->
+        [MoE layers on this stage, length, k] float32 (the last position, whose route is unknown, gets NaN: its own
+        probabilities are kept there)."""
+        weights = seq.engine_route_weights
+        expected = (self.num_moe_layers, seq.length - 1, self.topk)
+        if weights is None or tuple(weights.shape) != expected:
+            got = None if weights is None else tuple(weights.shape)
+            raise ValueError(
+                f"train.routing_replay_weights: engine gate weights of shape {got}, expected {expected} (the "
+                "engine must return them with its routes)"
+            )
+        out = torch.full((len(self.moe_index), seq.length, self.topk), float("nan"), dtype=torch.float32)
+        out[:, :-1] = weights[self.moe_index].float()
         return out
 
     def take_counts(self, phase: str | None = None) -> torch.Tensor:
@@ -193,6 +237,7 @@ class RoutingReplay:
             r.clear_indices()
             r.clear_router_replay_action()
             r.valid = None
+            r.target_weights = None
             r.counted = True
             r.phase = "update"
 
@@ -219,8 +264,8 @@ class RoutingReplay:
 class _Session:
     """What ``run_microbatches`` calls around every micro-batch's forward."""
 
-    def __init__(self, rr: RoutingReplay, routes: dict[int, torch.Tensor], lengths: list[int], record: bool):
-        self.rr, self.routes, self.lengths, self.record = rr, routes, lengths, record
+    def __init__(self, rr: RoutingReplay, routes: dict, lengths: list[int], record: bool, weights=None):
+        self.rr, self.routes, self.lengths, self.record, self.weights = rr, routes, lengths, record, weights
 
     def before_forward(self, mb) -> None:
         if self.record:
@@ -230,6 +275,7 @@ class _Session:
         n_layers, k = len(rr.replays), rr.topk
         target = torch.arange(k, dtype=torch.long).expand(n_layers, b * s, k).clone()  # padding: experts 0..k-1
         valid = torch.zeros(b * s, 1, dtype=torch.bool)
+        gates = None if self.weights is None else torch.full((n_layers, b * s, k), float("nan"))
         for sid, pos in self._positions(mb):
             stored = self.routes.get(sid)
             if stored is None:
@@ -243,12 +289,17 @@ class _Session:
             known = stored[0, :, 0] >= 0  # [len]: -1 marks a position whose route is unknown (R3: the last token)
             target[:, pos[known]] = stored[:, known]
             valid[pos[known]] = True
+            if gates is not None:
+                gates[:, pos[known]] = self.weights[sid][:, known].float()
         target = rr._local_slice(target, b, s)
         valid = rr._local_slice(valid, b, s)[:, 0]
+        if gates is not None:
+            gates = rr._local_slice(gates, b, s)
         device = next(iter(rr.routers[0].parameters())).device
         for layer, replay in enumerate(rr.replays):
             replay.clear_indices()
             replay.target_topk_idx = target[layer].to(device)
+            replay.target_weights = None if gates is None else gates[layer].to(device)
             replay.valid = valid
             replay.counted = False
 

@@ -112,6 +112,9 @@ class Completion:
     """Mixture-of-experts models, when the engine was asked to return routes: [MoE layers, P + R - 1, k] int16, the
     top-k experts the engine's router chose for every token it ran (the prompt's P and every generated token but the
     last, which is never fed back), in layer order; None otherwise (routing replay R3)."""
+    route_weights: torch.Tensor | None = None
+    """With ``routes``: the gate weights [MoE layers, P + R - 1, k] float32 the engine multiplied those experts'
+    outputs by (its router's output, in the order of ``routes``); None otherwise."""
     versions: list[int] | None = None
     """Per generated token: the weight version that produced it (partial rollouts, rollout.partial_rollout_tokens);
     None: all tokens come from the weights the engine held for the whole call."""

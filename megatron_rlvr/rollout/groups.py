@@ -55,6 +55,9 @@ class Group:
     routes: list = field(default_factory=list)
     """Per sample, the engine's MoE routes [MoE layers, P + R - 1, k] int16 (``Completion.routes``) when the engine
     returns them (routing replay R3); empty otherwise."""
+    route_weights: list = field(default_factory=list)
+    """Per sample, the engine's gate weights of those routes [MoE layers, P + R - 1, k] float32
+    (``Completion.route_weights``) when the engine returns them; empty otherwise (multi-turn trajectories too)."""
     loss_masks: list[list[int]] = field(default_factory=list)
     """Multi-turn rollouts only (else empty: every response token carries loss): per sample, per response token, 1
     where the policy sampled it and 0 at observation tokens (``rollout.multiturn``)."""
@@ -273,6 +276,8 @@ def _group(rnd: Round, i: int, out, expanded: bool, tokenizer) -> Group:
         g.finish_reasons.append(c.finish_reason)
         if c.routes is not None:
             g.routes.append(c.routes)
+        if c.route_weights is not None:
+            g.route_weights.append(c.route_weights)
         if c.versions is not None:
             g.token_versions.append(list(c.versions))
         g.versions.append(min(c.versions) if c.versions else rnd.version)

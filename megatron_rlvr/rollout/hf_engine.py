@@ -49,7 +49,7 @@ class HFEngineConfig:
     """Device of the model ('cpu', 'cuda', 'cuda:1')."""
     return_routes: bool = False
     """Mixture-of-experts models: record the top-k experts every router chose for every token the engine ran
-    (``Completion.routes``), for routing replay R3."""
+    (``Completion.routes``) and their gate weights (``Completion.route_weights``), for routing replay R3."""
 
     def __post_init__(self):
         if not isinstance(self.max_batch_rows, int) or self.max_batch_rows < 1:
@@ -126,7 +126,7 @@ class HFRolloutEngine(RolloutEngine):
             eos_token_ids = [eos_token_ids]
         self.eos_token_ids = tuple(int(e) for e in eos_token_ids)
         self._cache_kw = _cache_kwarg(self.model)
-        self._routes: list[torch.Tensor] = []
+        self._routes: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._n_routers = 0
         if self.config.return_routes:
             self._n_routers = self._hook_routers()
@@ -146,28 +146,32 @@ class HFRolloutEngine(RolloutEngine):
 
     def _hook_routers(self) -> int:
         """Forward hooks on the MoE routers (transformers' ``*TopKRouter``, which return (logits, scores, indices)):
-        each forward appends every router's chosen experts [tokens, k] to ``self._routes``, in layer order. The
-        engine's own choice is recorded, not a top-k recomputed from logits (ties could resolve differently)."""
+        each forward appends every router's chosen experts [tokens, k] and their gate weights [tokens, k] (the
+        weights the experts' outputs are multiplied by, in the router's output dtype) to ``self._routes``, in layer
+        order. The engine's own choice is recorded, not a top-k recomputed from logits (ties could resolve
+        differently)."""
         routers = [m for m in self.model.modules() if type(m).__name__.endswith("TopKRouter")]
         if not routers:
             raise ValueError("HFEngineConfig.return_routes: the model has no mixture-of-experts router")
 
         def hook(module, inputs, output):
-            self._routes.append(output[2].detach())
+            self._routes.append((output[2].detach(), output[1].detach()))
 
         for r in routers:
             r.register_forward_hook(hook)
         return len(routers)
 
-    def _take_routes(self, b: int, s: int) -> torch.Tensor | None:
-        """The routes of the last forward as [MoE layers, b, s, k] (None when not recording)."""
+    def _take_routes(self, b: int, s: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The routes of the last forward as [MoE layers, b, s, k] int16 and their gate weights [MoE layers, b, s, k]
+        float32 (None when not recording)."""
         if not self._n_routers:
             return None
         if len(self._routes) != self._n_routers:
             raise RuntimeError(f"expected {self._n_routers} router calls in a forward, saw {len(self._routes)}")
-        out = torch.stack([r.reshape(b, s, -1) for r in self._routes]).to("cpu", torch.int16)
+        idx = torch.stack([r.reshape(b, s, -1) for r, _ in self._routes]).to("cpu", torch.int16)
+        weights = torch.stack([w.reshape(b, s, -1) for _, w in self._routes]).to("cpu", torch.float32)
         self._routes.clear()
-        return out
+        return idx, weights
 
     # -- weights ---------------------------------------------------------------------------------------------------
     def named_parameters(self):
@@ -335,8 +339,9 @@ class HFRolloutEngine(RolloutEngine):
 
     @torch.no_grad()
     def _forward(self, input_ids, attention_mask, position_ids, cache, **vision):
-        """Last-position logits [B, V] fp32 and, when recording, the routes [MoE layers, B, S, k]. ``vision``: the
-        prompt forward's pixel_values and image_grid_thw (vision-language models)."""
+        """Last-position logits [B, V] fp32 and, when recording, the routes and gate weights [MoE layers, B, S, k]
+        (``_take_routes``). ``vision``: the prompt forward's pixel_values and image_grid_thw (vision-language
+        models)."""
         self._routes.clear()
         out = self.model(
             input_ids=input_ids,
@@ -391,7 +396,9 @@ class HFRolloutEngine(RolloutEngine):
         # the next token's position: one past the largest of the prompt (text after an image continues from there)
         next_pos = (positions.amax(dim=(0, 2)) + 1)[:, None] if positions.dim() == 3 else positions[:, -1:] + 1
         # R3: each row's routes, the prompt's real (unpadded) positions, then one position per token fed back
-        prompt_routes = [None if routes is None else routes[:, row_of[b], L - len(prompts[b]) :] for b in range(B)]
+        prompt_routes = [
+            None if routes is None else tuple(x[:, row_of[b], L - len(prompts[b]) :] for x in routes) for b in range(B)
+        ]
         if len(uniq) < B:  # DynamicCache.batch_select_indices (transformers >= 4.51) also repeats rows
             expand = torch.tensor(row_of, dtype=torch.long, device=dev)
             cache.batch_select_indices(expand)
@@ -462,11 +469,13 @@ class HFRolloutEngine(RolloutEngine):
             logits, routes = self._forward(chosen[:, None], mask, next_pos, cache)
             if routes is not None:
                 for pos, r in enumerate(alive):
-                    step_routes[r].append(routes[:, pos, 0])
+                    step_routes[r].append(tuple(x[:, pos, :1] for x in routes))
             next_pos = next_pos + 1
         if self._n_routers:  # [MoE layers, P + R - 1, k]: the last generated token was never fed back
             for r, comp in enumerate(done):
-                comp.routes = torch.cat([prompt_routes[r], *(x[:, None] for x in step_routes[r])], dim=1)
+                comp.routes, comp.route_weights = (
+                    torch.cat([prompt_routes[r][j], *(x[j] for x in step_routes[r])], dim=1) for j in (0, 1)
+                )
         return done
 
     def _decode(self, ids: list[int]) -> str:

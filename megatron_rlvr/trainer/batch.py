@@ -104,6 +104,9 @@ class TrainBatch:
     """Routing replay: the MoE routes [MoE layers on this stage, length, k] of this rank's sequences, by index. R2:
     the behaviour forward's (the first mini-batch's are absent when ``old_from_first_forward``); R3: the engine's,
     every sequence's (-1 where unknown); None: no replay."""
+    route_weights: Mapping[int, torch.Tensor] | None = None
+    """R3 with ``train.routing_replay_weights``: the engine's gate weights of those routes [MoE layers on this stage,
+    length, k] float32 (NaN where unknown), by index; None: the router's own probabilities weight the experts."""
 
     @property
     def trains(self) -> bool:
@@ -176,6 +179,7 @@ def _sequences(groups: list[Group], adv_rows, mastered_rows, algo: AlgorithmConf
                     train=len(resp) > 0 and not (algo.dapo.mask_truncated and truncated),
                     rollout_logprobs=list(g.logprobs[j]),
                     engine_routes=g.routes[j] if g.routes else None,
+                    engine_route_weights=g.route_weights[j] if g.route_weights else None,
                     vision=images,
                     loss_mask=list(g.loss_masks[j]) if g.loss_masks else None,
                 )

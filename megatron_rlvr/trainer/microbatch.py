@@ -69,6 +69,8 @@ class Sequence:
     """Engine log-probs of the response tokens (length R)."""
     engine_routes: torch.Tensor | None = None
     """The engine's MoE routes [MoE layers, length - 1, k] int16 (routing replay R3); None when not returned."""
+    engine_route_weights: torch.Tensor | None = None
+    """The engine's gate weights of those experts [MoE layers, length - 1, k] float32; None when not returned."""
     vision: VisionInputs | None = None
     """The prompt's images (vision-language policies); None: text only."""
     loss_mask: list[int] | None = None

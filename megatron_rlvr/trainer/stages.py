@@ -143,11 +143,14 @@ def train_batch(policy: PolicySide, rolled: RolloutBatch) -> tuple[TrainBatch, d
     routes = None  # routing replay: R2 records the behaviour forward's MoE routes, R3 replays the engine's
     if ctx.routing is not None:
         routes = {} if ctx.routing.mode == "r2" else {i: ctx.routing.engine_routes(seqs[i]) for i in ids}
+    weights = None  # R3 with the engine's gate weights too
+    if ctx.routing is not None and cfg.train.routing_replay_weights:
+        weights = {i: ctx.routing.engine_weights(seqs[i]) for i in ids}
     old, bad = {}, 0.0
     if cfg.rollout.old_logprobs == "recompute":
         todo = recompute_ids(ctx, len(seqs), fused)
         if todo:
-            old, _, bad = compute_logprobs(ctx, policy.model, seqs, todo, routes=routes)
+            old, _, bad = compute_logprobs(ctx, policy.model, seqs, todo, routes=routes, route_weights=weights)
     else:
         old = {i: torch.tensor(seqs[i].rollout_logprobs, dtype=torch.float32) for i in ids}
     ref = None
@@ -175,6 +178,7 @@ def train_batch(policy: PolicySide, rolled: RolloutBatch) -> tuple[TrainBatch, d
         old_from_first_forward=fused,
         policy_version=rolled.policy_version,
         routes=routes,
+        route_weights=weights,
     )
     return batch, m
 

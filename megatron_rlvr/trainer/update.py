@@ -131,16 +131,19 @@ def my_sequence_ids(ctx: UpdateSettings, num_seqs: int, mini_batch: int | None =
 
 
 @torch.no_grad()
-def compute_logprobs(ctx: UpdateSettings, model, seqs, ids: list[int], with_entropy: bool = False, routes=None):
+def compute_logprobs(
+    ctx: UpdateSettings, model, seqs, ids: list[int], with_entropy: bool = False, routes=None, route_weights=None
+):
     """Per-sequence response log-probs (and entropies) of ``model`` for ``ids``: ({id: [R]}, {id: [R]}, nonfinite).
 
     Only the last pipeline stage gets values (the others return empty dicts); that is where the loss needs them.
     ``routes`` (a dict, with ``ctx.routing``): R2, the forward records each sequence's MoE routes into it; R3, the
-    forward replays the engine's routes it holds (a behaviour forward).
+    forward replays the engine's routes it holds (a behaviour forward); ``route_weights`` (R3, by sequence like
+    ``routes``): the engine's gate weights of those routes are replayed too.
     """
     mbs, members = _microbatches(ctx, seqs, ids)
     record = ctx.routing is not None and ctx.routing.mode == "r2"
-    with _routing(ctx, routes, seqs, record=record, phase="behaviour") as routing:
+    with _routing(ctx, routes, seqs, record=record, phase="behaviour", weights=route_weights) as routing:
         infos = run_microbatches(
             model,
             mbs,
@@ -162,12 +165,15 @@ def compute_logprobs(ctx: UpdateSettings, model, seqs, ids: list[int], with_entr
     return logp, ent, nonfinite
 
 
-def _routing(ctx: UpdateSettings, routes, seqs, record: bool, phase: str = "update"):
+def _routing(ctx: UpdateSettings, routes, seqs, record: bool, phase: str = "update", weights=None):
     """A routing-replay session recording into / replaying from ``routes`` (a null context without replay);
-    ``phase``: whether a replaying forward is a behaviour forward or a later update forward (counted apart)."""
+    ``phase``: whether a replaying forward is a behaviour forward or a later update forward (counted apart);
+    ``weights``: R3's engine gate weights, replayed with the routes (None: the router's own probabilities)."""
     if ctx.routing is None or routes is None:
         return contextlib.nullcontext()
-    return ctx.routing.recording(routes, seqs) if record else ctx.routing.replaying(routes, seqs, phase)
+    if record:
+        return ctx.routing.recording(routes, seqs)
+    return ctx.routing.replaying(routes, seqs, phase, weights=weights)
 
 
 def normalizer_counts(seqs) -> torch.Tensor:
@@ -241,7 +247,7 @@ def policy_update(
             )
             zero_grads(ddp_model, optimizer)
             phase = "behaviour" if fused else "update"  # the fused forward IS the behaviour forward
-            with _routing(ctx, routes, seqs, record=fused and r2, phase=phase) as routing:
+            with _routing(ctx, routes, seqs, record=fused and r2, phase=phase, weights=batch.route_weights) as routing:
                 infos = run_microbatches(
                     ddp_model, mbs, loss_fn, pg=ctx.pg, forward_only=False, device=ctx.device, routing=routing
                 )

@@ -211,13 +211,15 @@ def _rank_r3():
     prompts = [torch.randint(3, 19, (n,), generator=g).tolist() for n in (3, 6, 4)]
     out = engine.generate(prompts, SamplingParams(n=2, max_tokens=5, seed=11 + pg.dp.rank()))
     seqs = [
-        Sequence(tokens=p + c.token_ids, prompt_len=len(p), rollout_logprobs=c.logprobs, engine_routes=c.routes)
+        Sequence(tokens=p + c.token_ids, prompt_len=len(p), rollout_logprobs=c.logprobs, engine_routes=c.routes,
+                 engine_route_weights=c.route_weights)
         for p, o in zip(prompts, out)
         for c in o.completions
-    ]
+    ]  # fmt: skip
     rr = RoutingReplay(model, pg.tp, "r3")
     k = rr.topk
     routes = {i: rr.engine_routes(q) for i, q in enumerate(seqs)}
+    weights = {i: rr.engine_weights(q) for i, q in enumerate(seqs)}
     ids = list(range(len(seqs)))
     ctx = UpdateSettings(
         algo=AlgorithmConfig(),
@@ -269,6 +271,8 @@ def _rank_r3():
     replayed = observed()
     update.run_microbatches = run_microbatches
     counts = rr.take_counts("behaviour")
+    lp_weights, _, _ = compute_logprobs(ctx, model, seqs, ids, routes=routes, route_weights=weights)
+    rr.take_counts()
 
     # a training forward (grad, the update's phase) over packed rows: the engine's routes again, the router learns
     rows = [[0, 3], [1, 4], [2, 5]]
@@ -282,6 +286,13 @@ def _rank_r3():
                          device="cpu", routing=session)  # fmt: skip
     trained = _observed_packed(maps, mb, lengths, pg.tp, k)
     update_counts = rr.take_counts("update")
+    grad_own = min(float(r.weight.grad.abs().sum()) for r in routers)
+    for r in routers:  # the same training forward with the engine's gate weights: the router still learns
+        r.weight.grad = None
+    with rr.replaying(routes, seqs, phase="update", weights=weights) as session:
+        run_microbatches(model, [mb], lambda _mb, o: (o.float().pow(2).mean(), {}), pg=pg, forward_only=False,
+                         device="cpu", routing=session)  # fmt: skip
+    rr.take_counts()
     for h in hooks:
         h.remove()
     first_k = torch.arange(k)
@@ -299,6 +310,7 @@ def _rank_r3():
         "err_same": logprob_err(lp_same),
         "err_plain": logprob_err(lp_plain),
         "err_replay": logprob_err(lp_replay),
+        "err_weights": logprob_err(lp_weights),
         "same_counts": same_counts.tolist(),
         "differ": differ,
         "tokens": sum(lengths) - len(seqs),
@@ -306,7 +318,8 @@ def _rank_r3():
         "update_counts": update_counts.tolist(),
         "replay_exact": exact(replayed),
         "train_exact": exact(trained),
-        "router_grad": min(float(r.weight.grad.abs().sum()) for r in routers),
+        "router_grad": grad_own,
+        "router_grad_weights": min(float(r.weight.grad.abs().sum()) for r in routers),
     }
 
 
@@ -316,14 +329,18 @@ def test_r3_replays_the_engine_routes_in_every_forward(dist_pool):
     elsewhere than the engine did; the behaviour forward (compute_logprobs) and a training forward of packed rows
     route every token exactly as the engine did (seen by hooks on the routers), and the counted disagreement is the
     perturbed router's own. With the weights the engine had, the engine's routes are the trainer's own choice and the
-    replayed log-probs match the engine's."""
+    replayed log-probs match the engine's. With the perturbed routers, replaying the engine's gate weights as well
+    gives the engine's log-probs again (routing is all the perturbation changed), and the router still gets a
+    gradient."""
     res = dist_pool.run(_rank_r3, tp=2, ep=2, timeout=300)
     for r in res:
         assert r["err_same"] < 1e-5, r  # fp32 trainer vs fp32 transformers, same weights, same routes
         assert r["replay_exact"] and r["train_exact"], "a replayed forward routed a token elsewhere than the engine"
         assert min(r["differ"]) > 0.2 * r["tokens"], r  # the perturbation moved many tokens' routes in every layer
         assert r["err_plain"] > 1e-3, r  # the routes (and router) changed the log-probs
-        assert r["router_grad"] > 0
+        assert r["err_replay"] > 1e-3, r  # the perturbed router's gate weights still differ from the engine's
+        assert r["err_weights"] < 1e-5, r  # routes and gate weights replayed: nothing of the perturbation is left
+        assert r["router_grad"] > 0 and r["router_grad_weights"] > 0
     for pair in ((0, 1), (2, 3)):  # the TP pairs' SP shards add up to the sequences' counts
         same = torch.tensor(res[pair[0]]["same_counts"]) + torch.tensor(res[pair[1]]["same_counts"])
         counts = torch.tensor(res[pair[0]]["counts"]) + torch.tensor(res[pair[1]]["counts"])

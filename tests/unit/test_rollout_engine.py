@@ -362,7 +362,9 @@ def test_moe_routes_are_the_routers_top_k_of_a_full_forward():
     """``return_routes`` on a Qwen3-MoE (routing replay R3): for every row (left-padded, KV-cached, chunked, rows that
     end early leave the batch) the engine's routes [layers, P + R - 1, k] are, per token and layer, the top-k experts
     of the router logits transformers returns (``output_router_logits``) from one full uncached forward of prompt +
-    response minus its last token. Without the option no routes are kept; a dense model refuses it."""
+    response minus its last token, and its gate weights (``route_weights``) are the softmax of those logits at the
+    routes (renormalised over the k with ``norm_topk_prob``, checked both ways), recomputed here in fp64. Without the
+    option no routes are kept; a dense model refuses it."""
     from transformers import Qwen3MoeConfig
 
     cfg = Qwen3MoeConfig(
@@ -370,7 +372,17 @@ def test_moe_routes_are_the_routers_top_k_of_a_full_forward():
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=6, num_experts_per_tok=2,
         max_position_embeddings=128, eos_token_id=EOS, bos_token_id=0, tie_word_embeddings=False, mlp_only_layers=[1],
     )  # fmt: skip
-    eng = make_engine(cfg, seed=4, config=HFEngineConfig(max_batch_rows=4, return_routes=True))
+    for norm in (False, True):
+        cfg.norm_topk_prob = norm
+        _check_engine_routes(make_engine(cfg, seed=4, config=HFEngineConfig(max_batch_rows=4, return_routes=True)), cfg)
+    plain = make_engine(cfg, seed=4).generate(PROMPTS[:1], SamplingParams(n=1, max_tokens=2, seed=5))
+    assert plain[0].completions[0].routes is None and plain[0].completions[0].route_weights is None
+    with pytest.raises(ValueError, match="return_routes: the model has no mixture-of-experts router"):
+        make_engine(llama_config(), config=HFEngineConfig(return_routes=True))
+
+
+def _check_engine_routes(eng, cfg) -> None:
+    """The checks of the test above on one engine built from ``cfg``."""
     with torch.no_grad():
         for name, p in eng.model.named_parameters():
             if name.endswith("mlp.gate.weight"):
@@ -385,14 +397,14 @@ def test_moe_routes_are_the_routers_top_k_of_a_full_forward():
                 ref = eng.model(ids, output_router_logits=True).router_logits  # one [T, E] per MoE layer
             assert len(ref) == 2  # layer 1 is dense
             assert c.routes.dtype == torch.int16 and tuple(c.routes.shape) == (2, ids.shape[1], 2)
+            assert c.route_weights.dtype == torch.float32 and c.route_weights.shape == c.routes.shape
             for layer, logits in enumerate(ref):
                 expected = logits.topk(2, -1).indices.sort(-1).values
                 assert torch.equal(c.routes[layer].long().sort(-1).values, expected), (layer, p, c.token_ids)
+                at = logits.double().softmax(-1).gather(1, c.routes[layer].long())
+                want = at / at.sum(-1, keepdim=True) if cfg.norm_topk_prob else at
+                torch.testing.assert_close(c.route_weights[layer], want.float())
     assert len(lengths) > 1  # some rows stopped at EOS before others
-    plain = make_engine(cfg, seed=4).generate(PROMPTS[:1], SamplingParams(n=1, max_tokens=2, seed=5))
-    assert plain[0].completions[0].routes is None
-    with pytest.raises(ValueError, match="return_routes: the model has no mixture-of-experts router"):
-        make_engine(llama_config(), config=HFEngineConfig(return_routes=True))
 
 
 def test_should_stop_interrupts_generation_between_decode_steps():

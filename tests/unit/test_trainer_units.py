@@ -50,6 +50,12 @@ def test_default_config_is_the_tiny_preset():
         ("reward.fn=no_such_module.fn", "no_such_module"),
         ("parallel.sequence_parallel=true parallel.tp=1", "sequence_parallel needs parallel.tp > 1"),
         ("algorithm.ref_kl.coef=0.1 train.ref_model=false", "needs a reference model"),
+        ("train.routing_replay_weights=maybe", "train.routing_replay_weights must be true or false, got 'maybe'"),
+        (
+            "model.name=tiny_moe train.routing_replay=r2 train.routing_replay_weights=true",
+            "train.routing_replay_weights replays the rollout engine's gate weights with its routes: it needs "
+            "train.routing_replay=r3 (got r2)",
+        ),
     ],
 )
 def test_bad_config_errors_name_the_key(override, expected):
@@ -557,3 +563,26 @@ def test_teacher_logprobs_are_scattered_to_the_response_positions():
     want8[0, 1:3], want8[1, 0:2] = teacher[0], teacher[1]
     assert torch.equal(packed.teacher_logp, want8)
     assert build_microbatch(seqs, 2, 5, pad_id=0).teacher_logp is None
+
+
+def test_replayed_gate_weights_replace_the_value_and_keep_the_gradient():
+    """Routing replay with the engine's gate weights (megatron.routing's router hook): the router's probabilities
+    [N, E] take the engine's weights at the replayed experts (NaN: the router's own value kept), stay 0 elsewhere,
+    and the gradient reaching the router's probabilities is the one of its own (identity: d sum(c * out) / d probs
+    = c), checked against tensors built by hand. Without target weights the hook leaves the output alone."""
+    from megatron_rlvr.megatron.routing import _replay_weights_hook
+
+    idx = torch.tensor([[2, 0], [1, 3], [3, 2]])
+    own = torch.tensor([[0.6, 0.0, 0.4, 0.0], [0.0, 0.7, 0.0, 0.3], [0.0, 0.0, 0.55, 0.45]], requires_grad=True)
+    rmap = own.detach() > 0
+    replay = SimpleNamespace(target_topk_idx=idx, target_weights=None)
+    hook = _replay_weights_hook(replay)
+    assert hook(None, (), (own, rmap)) is None
+    replay.target_weights = torch.tensor([[0.5, 0.5], [0.25, 0.75], [float("nan"), float("nan")]])
+    out, out_map = hook(None, (), (own, rmap))
+    want = torch.tensor([[0.5, 0.0, 0.5, 0.0], [0.0, 0.25, 0.0, 0.75], [0.0, 0.0, 0.55, 0.45]])
+    assert out_map is rmap
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    c = torch.arange(12, dtype=torch.float32).view(3, 4)
+    (out * c).sum().backward()
+    assert torch.equal(own.grad, c)
