@@ -33,6 +33,8 @@ RUN_HERE = {
     "tools/bench_weight_sync.py": "test_bench_weight_sync_smallest_run",
     "tools/gpu_check.py": "test_gpu_check_dry_run",
     "tools/seeds.py": "test_seeds_smallest_run",
+    "tools/bench_context_parallel.py": "test_bench_context_parallel_smallest_run",
+    "tools/replay_mismatch.py": "test_replay_mismatch_smallest_run",
 }
 """Scripts whose smallest real run is a test of this file."""
 
@@ -60,6 +62,9 @@ HELP_ONLY = {
     # A thin wrapper of `megatron-rlvr convert` (tests/integration/test_models_convert.py converts through the same
     # function).
     "tools/convert_checkpoint.py",
+    # Needs a trained teacher's HF export (docs/results.md trains one in about a minute) and back-propagates 2 x 32
+    # batches; its loss path is tests/unit/test_algorithms_distill.py's.
+    "tools/distill_grad_variance.py",
 }
 """Scripts checked by ``--help`` only (with the reason)."""
 
@@ -314,3 +319,22 @@ def test_gpu_check_dry_run(tmp_path):
     assert rows and all(" passed " in r for r in rows), out[-3000:]
     assert "gpu_check: 1 passed, 0 failed" in out, out[-3000:]
     assert (tmp_path / "logs" / "summary.txt").is_file()
+
+
+@pytest.mark.slow
+def test_bench_context_parallel_smallest_run():
+    """bench_context_parallel.py at one short length: a CP = 1 and a CP = 2 step each report activation memory, and
+    the last line carries the ratio (CP = 2 holds about half the activations)."""
+    out = _run(["tools/bench_context_parallel.py", "--lengths", "64"], 600).stdout
+    kv = _last_kv(out)
+    assert float(kv["cp1_act_mib"]) > 0 and 0 < float(kv["act_mem_cp2_over_cp1"]) < 1, out[-2000:]
+
+
+@pytest.mark.slow
+def test_replay_mismatch_smallest_run():
+    """replay_mismatch.py on the random tiny MoE in fp32 at its smallest: the engine's routes are its own forward's
+    top-k (no alignment error) and the replay columns are printed."""
+    args = ["tools/replay_mismatch.py", "--prompts", "2", "--n", "2", "--max-tokens", "4", "--dtype", "float32"]
+    out = _run(args, 600).stdout
+    assert "returned routes != top-k of one uncached forward (alignment; sampled positions): 0" in out, out[-2000:]
+    assert "r3+w" in out and "(b) identical routing" in out, out[-2000:]
