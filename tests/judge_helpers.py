@@ -106,3 +106,20 @@ def last_token_is_7(response: str, ground_truth: str, **metadata) -> float:
             f.write(repr(response) + "\n")
     ids = tok(response)["input_ids"]
     return 1.0 if ids and ids[-1] == tok.convert_tokens_to_ids("7") else 0.0
+
+
+def greedy_replies(folder: str, questions, responses, max_new_tokens: int = 3) -> list[str]:
+    """The independent reference of a generative judge's replies: transformers' own greedy decode in float64 of
+    ``question + response`` for each item (the judge tests render their template as exactly that)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
+    replies = []
+    for q, r in zip(questions, responses):
+        ids = torch.tensor([tok(q + r)["input_ids"]])
+        out = model.generate(
+            ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=0
+        )
+        replies.append(tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+    return replies

@@ -54,8 +54,6 @@ def judged(cfg: JudgeConfig):
 def test_isolated_judge_replies_are_transformers_greedy_decodes_of_the_same_weights(judges):
     """The child's replies to a batch are exactly ``model.generate``'s greedy replies to each prompt alone (float64
     reference), the rewards the parser's reading of them; after close the child is gone."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     judge, rm = judged(JudgeConfig(model=judges["random"], parse="number", max_tokens=3, **PLAIN))
     questions, responses = ["1=", "23=", "4+5=", "6="], ["1", "23", "9", ""]
     with rm:
@@ -63,13 +61,7 @@ def test_isolated_judge_replies_are_transformers_greedy_decodes_of_the_same_weig
         pid = judge.process.pid
         assert alive(pid)
     assert not alive(pid)
-    tok = AutoTokenizer.from_pretrained(judges["random"])
-    model = AutoModelForCausalLM.from_pretrained(judges["random"], dtype=torch.float64).eval()
-    expected = []
-    for q, r in zip(questions, responses):
-        ids = torch.tensor([tok(q + r)["input_ids"]])
-        out = model.generate(ids, max_new_tokens=3, do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=0)
-        expected.append(tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+    expected = judge_helpers.greedy_replies(judges["random"], questions, responses)
     assert judge.last_replies == expected
     assert stats["reward/n_error"] == 0 and stats["reward/n_timeout"] == 0
 

@@ -174,8 +174,6 @@ def test_generative_judge_replies_are_transformers_greedy_decodes_of_the_same_we
     """The judge's prompt ids, batched through the transformers rollout engine (greedy, max_tokens), give exactly
     the replies of ``model.generate`` run on each prompt alone, and the rewards are the parser's reading of them
     (a random model's digits: some readable as a number in [0, 1], most not)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     jc = JudgeConfig(model=judges["random_generative"], parse="number", max_tokens=3, **PLAIN)
     cfg = RewardConfig(fn="judge", judge=jc, num_workers=0)
     judge = build_judge(cfg, torch.device("cpu"))
@@ -184,13 +182,7 @@ def test_generative_judge_replies_are_transformers_greedy_decodes_of_the_same_we
     with RewardManager(cfg, report=lambda text: None, judge=judge) as rm:
         rewards, stats = rm.score(responses, ["0"] * 6, questions=questions)
 
-    tok = AutoTokenizer.from_pretrained(jc.model)
-    model = AutoModelForCausalLM.from_pretrained(jc.model, dtype=torch.float64).eval()
-    expected = []
-    for q, r in zip(questions, responses):
-        ids = torch.tensor([tok(q + r)["input_ids"]])
-        out = model.generate(ids, max_new_tokens=3, do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=0)
-        expected.append(tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+    expected = judge_helpers.greedy_replies(jc.model, questions, responses)
     assert judge.last_replies == expected
     want = [parse_verdict(x, "number") for x in expected]
     assert rewards == [0.0 if w is None else w for w in want]
