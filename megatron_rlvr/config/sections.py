@@ -232,7 +232,17 @@ class RolloutConfig:
     ~1e-3 to 1e-2 in bf16 on GPUs; a wrong layout or mapping of a whole tensor gives O(1). Needs
     ``old_logprobs=recompute`` (the probe reads the recomputed log-probs) and the colocated schedule."""
 
+    weight_delta: bool = False
+    """Disaggregated layout: each weight version crosses to the rollout ranks as the words that changed since the
+    version they hold (sparse indices and values, a tensor whose delta is not smaller sent whole), with the digest of
+    every rebuilt tensor checked on each rollout rank; a version any rank rebuilt wrongly is sent again whole. Costs
+    one host copy of the published weights on training rank 0 and on each rollout rank. Off by default: it pays
+    where the link is slow next to the delta's compute (a few Gbit/s between nodes), not on one machine or NVLink
+    (docs/performance.md)."""
+
     def __post_init__(self) -> None:
+        if not isinstance(self.weight_delta, bool):
+            raise ValueError(f"rollout.weight_delta must be true or false, got {self.weight_delta!r}")
         if self.engine not in ENGINES:
             raise ValueError(f"rollout.engine must be one of {ENGINES}, got {self.engine!r}")
         if self.verify_sync not in VERIFY_SYNC:

@@ -5,6 +5,12 @@
   stream's buckets: per bucket one header (names, shapes, dtypes) and one flat byte buffer, then an end-of-version
   header. A ``stop`` header ends the rollout ranks' loop (with the training ranks' exit code).
 
+With ``rollout.weight_delta`` a version carries, per tensor, only the words that changed since the version every
+rollout rank holds (``rollout.weight_delta``'s module), with the digest of the whole new tensor. Each rollout rank
+rebuilds the tensors from its copy of the previous version, checks the digests, and all ranks agree on the outcome
+(one all-reduce at the version's end): if any rank's rebuilt bytes differ, the version is sent again whole, so a lost
+or misapplied delta costs one full sync, never a wrong weight.
+
 The receiving side of each channel is a thread that is always posted on its group, so a sender never blocks on the
 other role's main loop (a blocking send into a busy peer would deadlock the two loops): the trainer's
 :class:`BatchReceiver` queues batches, each rollout rank's :class:`WeightReceiver` keeps the complete versions not yet
@@ -24,11 +30,12 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from megatron_rlvr.rollout import weight_check
+from megatron_rlvr.rollout import weight_check, weight_delta
 
 
 class PeerLost(RuntimeError):
@@ -92,11 +99,19 @@ def _bcast(pg, tensor: torch.Tensor, root: int) -> None:
 
 
 def publish_weights(
-    pg, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int, device: str = "cpu", with_digests=False
+    pg,
+    buckets: Iterable[list[tuple[str, torch.Tensor]]],
+    version: int,
+    device: str = "cpu",
+    with_digests=False,
+    delta: DeltaPublisher | None = None,
 ):
     """Training rank 0: broadcast every bucket of one weight version to the rollout ranks; returns (bytes, tensors).
     ``with_digests``: each header carries its tensors' digests (rollout.weight_check), which the receiver checks
-    against what arrived and the rollout rank against its engine."""
+    against what arrived and the rollout rank against its engine. ``delta``: send each tensor as its changes since
+    the version the rollout ranks hold (the publisher's state; its ``last`` holds this publish's figures)."""
+    if delta is not None:
+        return delta.publish(pg, buckets, version, device, with_digests)
     nbytes = ntensors = 0
     for bucket in buckets:
         flat = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket]
@@ -119,6 +134,103 @@ def publish_weights(
     with _weight_channel():
         broadcast_object(pg, {"version": version, "end": True}, device=device)
     return nbytes, ntensors
+
+
+@dataclass
+class DeltaStats:
+    """One delta publish, summed over its tensors (and its whole resend, if one was needed)."""
+
+    full_bytes: int = 0
+    """The version's bytes as a full sync sends them."""
+    sent_bytes: int = 0
+    """The payload bytes actually broadcast (sparse indices and values, tensors sent whole, a resend)."""
+    words: int = 0
+    """Elements in the version."""
+    changed: int = 0
+    """Elements whose bytes differ from the version the rollout ranks held."""
+    resends: int = 0
+    """Times the version was sent again whole because a rollout rank's rebuilt digests differed."""
+
+
+class DeltaPublisher:
+    """Training rank 0's side of delta syncs: the bytes of every tensor as the rollout ranks last confirmed them
+    (host memory: one copy of the published weights), and the figures of the last publish."""
+
+    def __init__(self, corrupt: Callable[[str, weight_delta.Encoded], weight_delta.Encoded] | None = None):
+        self.base: dict[str, torch.Tensor] = {}
+        """name -> uint8 bytes on the host, as of the last confirmed version."""
+        self.last = DeltaStats()
+        self.corrupt = corrupt
+        """Tests only: a hook that may alter an encoded tensor before it is sent (a misapplied delta)."""
+
+    def publish(self, pg, buckets, version: int, device: str, with_digests: bool) -> tuple[int, int]:
+        stats = self.last = DeltaStats()
+        sent: list[tuple[list[str], list[tuple], list[str], list[torch.Tensor]]] = []
+        for bucket in buckets:
+            names = [n for n, _ in bucket]
+            cpu = [t.detach().contiguous().reshape(-1).view(torch.uint8).to("cpu", copy=True) for _, t in bucket]
+            meta = (names, [tuple(t.shape) for _, t in bucket], [str(t.dtype) for _, t in bucket], cpu)
+            sizes = [t.element_size() for _, t in bucket]
+            encoded = [weight_delta.encode(self.base.get(n), f, e) for n, f, e in zip(names, cpu, sizes)]
+            if self.corrupt is not None:
+                encoded = [self.corrupt(n, x) for n, x in zip(names, encoded)]
+            self._send(pg, version, meta, encoded, device, with_digests, stats)
+            stats.words += sum(f.numel() // e for f, e in zip(cpu, sizes))
+            stats.changed += sum(x.changed for x in encoded)
+            sent.append(meta)
+            del bucket
+        if not self._confirm(pg, version, device):
+            stats.resends += 1
+            for meta in sent:  # whole, from the copies kept: the stream's tensors may have moved on
+                full = [weight_delta.Encoded("full", f, f.numel()) for f in meta[3]]
+                self._send(pg, version, meta, full, device, with_digests, stats)
+            if not self._confirm(pg, version, device):
+                raise weight_check.WeightSyncError(
+                    f"weight sync of version {version}: a rollout rank's tensors differ from the trainer's even after "
+                    "a full resend (rollout.weight_delta): the weight channel corrupts data"
+                )
+        for names, _, _, cpu in sent:
+            self.base.update(zip(names, cpu))
+        stats.full_bytes = sum(f.numel() for meta in sent for f in meta[3])
+        return stats.sent_bytes, sum(len(meta[0]) for meta in sent)
+
+    @staticmethod
+    def _send(pg, version, meta, encoded, device, with_digests, stats: DeltaStats) -> None:
+        names, shapes, dtypes, cpu = meta
+        header = {
+            "version": version,
+            "delta": True,
+            "verify": bool(with_digests),
+            "names": names,
+            "shapes": shapes,
+            "dtypes": dtypes,
+            "kinds": [x.kind for x in encoded],
+            "nbytes": [f.numel() for f in cpu],
+            "sizes": [x.payload.numel() for x in encoded],
+            "digests": [weight_check.digest(f) for f in cpu],
+        }
+        parts = [x.payload for x in encoded]
+        buf = (torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)).to(device)
+        with _weight_channel():
+            broadcast_object(pg, header, device=device)
+            _bcast(pg, buf, 0)
+        stats.sent_bytes += buf.numel()
+
+    @staticmethod
+    def _confirm(pg, version: int, device: str) -> bool:
+        """End the version and learn whether every rollout rank rebuilt it exactly."""
+        with _weight_channel():
+            broadcast_object(pg, {"version": version, "end": True, "confirm": True}, device=device)
+            return _any_failed(pg, False, device) is False
+
+
+def _any_failed(pg, failed: bool, device: str) -> bool:
+    """Whether any rank of ``pg`` reports a failure (one all-reduce of a flag)."""
+    flag = torch.tensor([int(failed)], dtype=torch.int64, device=device)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MAX
+    pg.allreduce([flag], opts).wait()
+    return bool(flag.item())
 
 
 @contextlib.contextmanager
@@ -157,6 +269,8 @@ class WeightReceiver:
         """The digests of the buckets the last ``take`` returned (empty: not a verified publish)."""
         self.newest = -1
         """The newest complete version so far."""
+        self.base: dict[str, torch.Tensor] = {}
+        """Delta syncs: name -> uint8 bytes of the newest confirmed version (what the next delta applies to)."""
         self.stop_code: int | None = None
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="weight-receiver", daemon=True)
@@ -168,6 +282,8 @@ class WeightReceiver:
     def _run(self) -> None:
         try:
             buckets, t0, nbytes = [], None, 0
+            pending: dict[str, torch.Tensor] = {}  # delta syncs: this version's rebuilt bytes, kept once confirmed
+            failed = False  # delta syncs: a rebuilt tensor's digest differs from the trainer's
             while True:
                 header = broadcast_object(self.pg, None, device=self.device)
                 if "stop" in header:
@@ -178,15 +294,24 @@ class WeightReceiver:
                     return
                 t0 = t0 if t0 is not None else time.perf_counter()
                 if header.get("end"):
+                    if header.get("confirm") and _any_failed(self.pg, failed, self.device):
+                        buckets, pending, failed = [], {}, False  # the trainer sends the version again, whole
+                        continue
+                    self.base.update(pending)
                     with self.cond:
                         self.complete[header["version"]] = (buckets, time.perf_counter() - t0, nbytes)
                         self.newest = max(self.newest, header["version"])
                         self.cond.notify_all()
-                    buckets, t0, nbytes = [], None, 0
+                    buckets, t0, nbytes, pending = [], None, 0, {}
                     continue
                 buf = torch.empty(sum(header["sizes"]), dtype=torch.uint8, device=self.device)
                 _bcast(self.pg, buf, 0)
                 nbytes += buf.numel()
+                if header.get("delta"):
+                    bucket, ok = self._rebuild(header, buf, pending)
+                    failed = failed or not ok
+                    buckets.append(bucket)
+                    continue
                 bucket, off = [], 0
                 for name, shape, dt, n in zip(header["names"], header["shapes"], header["dtypes"], header["sizes"]):
                     bucket.append((name, buf[off : off + n].view(_DTYPES[dt]).reshape(shape)))
@@ -200,6 +325,26 @@ class WeightReceiver:
             with self.cond:
                 self.error = e
                 self.cond.notify_all()
+
+    def _rebuild(self, header: dict, buf: torch.Tensor, pending: dict) -> tuple[list, bool]:
+        """A delta bucket's tensors from this rank's copy of the previous version; whether every rebuilt tensor has
+        the digest the trainer sent. The rebuilt bytes go to ``pending`` (the base once the version is confirmed)."""
+        bucket, off, ok = [], 0, True
+        fields = zip(*(header[k] for k in ("names", "shapes", "dtypes", "kinds", "sizes", "nbytes", "digests")))
+        for name, shape, dt, kind, n, nb, want in fields:
+            dtype = _DTYPES[dt]
+            size = torch.empty((), dtype=dtype).element_size()
+            try:
+                new = weight_delta.decode(self.base.get(name), kind, buf[off : off + n].cpu(), nb, size)
+            except ValueError:
+                new = torch.zeros(nb, dtype=torch.uint8)  # unusable payload: counts as a failed rebuild
+            off += n
+            ok = ok and weight_check.digest(new) == want
+            pending[name] = new
+            bucket.append((name, new.to(self.device).view(dtype).reshape(shape)))
+        if header.get("verify"):
+            self.digests.setdefault(header["version"], {}).update(zip(header["names"], header["digests"]))
+        return bucket, ok
 
     def _check(self) -> None:
         if isinstance(self.error, weight_check.WeightSyncError):

@@ -102,7 +102,7 @@ def train_role(cfg: RunConfig, run_dir: str | None, lock: RunLock | None, roles:
     signals = StopSignals().install()
     d = start_rank(cfg)
     life = build_run_life(cfg, d, run_dir, lock, signals)
-    sink = BridgeSink(roles.weights, cfg.rollout.verify_sync)
+    sink = BridgeSink(roles.weights, cfg.rollout.verify_sync, cfg.rollout.weight_delta)
     receiver = None
     code, clean = 0, False  # clean: the loop ended (finished or stopped), not an error: every rank reaches Roles.close
     try:

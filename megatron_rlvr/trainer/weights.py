@@ -173,13 +173,15 @@ class BridgeSink(WeightSink):
     """The rollout ranks (disaggregated): training rank 0 broadcasts the buckets over the bridge's weights group as
     ``version``; a step without an update announces its version with no tensors (admission waits for it)."""
 
-    def __init__(self, weights_group, verify: str):
+    def __init__(self, weights_group, verify: str, delta: bool = False):
         self.group = weights_group
         """The bridge's group between training rank 0 and the rollout ranks (None on the other training ranks)."""
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.verify = verify
         """``rollout.verify_sync``: which publishes carry per-tensor digests (checked on receipt and in the
         rollout ranks' engines)."""
+        self.delta = bridge.DeltaPublisher() if delta and weights_group is not None else None
+        """``rollout.weight_delta``: the publisher's state (what the rollout ranks hold), on training rank 0."""
         self.syncs = 0
 
     def publish(self, policy: PolicySide, version: int, changed: bool) -> dict[str, float]:
@@ -193,16 +195,24 @@ class BridgeSink(WeightSink):
         nbytes = ntensors = 0
         if self.group is not None:
             check = weight_check.due(self.verify, self.syncs)
-            nbytes, ntensors = bridge.publish_weights(self.group, stream, version, self.device, with_digests=check)
+            nbytes, ntensors = bridge.publish_weights(
+                self.group, stream, version, self.device, with_digests=check, delta=self.delta
+            )
         else:
             for _ in stream:  # the stream's collectives: every training rank takes part
                 pass
         self.syncs += 1
         dt = time.perf_counter() - t0
-        return {
+        m = {
             "sync/time_s": dt,
             "sync/tensors": float(ntensors),
             "sync/gbytes": nbytes / 1e9,
             "sync/gbps": nbytes / 1e9 / max(dt, 1e-9),
             "sync/version": float(version),
         }
+        if self.delta is not None:
+            d = self.delta.last
+            m["sync/delta_changed_frac"] = d.changed / max(d.words, 1)
+            m["sync/delta_bytes_over_full"] = d.sent_bytes / max(d.full_bytes, 1)
+            m["sync/delta_resends"] = float(d.resends)
+        return m

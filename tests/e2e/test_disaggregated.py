@@ -124,15 +124,25 @@ def test_k0_gives_the_colocated_samples_loss_and_grad_norm(tmp_path):
     steps = ["schedule.steps=3"]
     colocated = _run(tmp_path / "colocated", "launch.nproc=1", *steps)
     disagg = _run(tmp_path / "k0", *DISAGG, "rollout.max_staleness=0", *steps)
-    assert sorted(colocated) == sorted(disagg) == [1, 2, 3]
+    # the same with delta weight syncs: the rollout rank rebuilds each version from the previous one
+    delta = _run(tmp_path / "delta", *DISAGG, "rollout.max_staleness=0", "rollout.weight_delta=true", *steps)
+    assert sorted(colocated) == sorted(disagg) == sorted(delta) == [1, 2, 3]
     for s in colocated:
-        a, b = colocated[s], disagg[s]
-        for key in ("reward/mean", "response/length_mean", "loss/policy", "optim/grad_norm", "entropy/mean"):
-            if key in a:
-                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (s, key, a[key], b[key])
-        assert b["async/staleness_max"] == 0.0 and b["async/dropped_samples"] == 0.0
-        assert b["sync/gbytes"] > 0 and b["sync/gbps"] > 0 if s < 3 else True
-        assert b["async/rollout_version"] == s - 1
+        for b in (disagg[s], delta[s]):
+            a = colocated[s]
+            for key in ("reward/mean", "response/length_mean", "loss/policy", "optim/grad_norm", "entropy/mean"):
+                if key in a:
+                    assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (s, key, a[key], b[key])
+            assert b["async/staleness_max"] == 0.0 and b["async/dropped_samples"] == 0.0
+            assert b["async/rollout_version"] == s - 1
+        assert disagg[s]["sync/gbytes"] > 0 and disagg[s]["sync/gbps"] > 0 if s < 3 else True
+        if s < 3:  # a sync after each update, as deltas: the bytes sent are the delta's share of the full sync's
+            d = delta[s]
+            assert d["sync/delta_resends"] == 0 and 0 <= d["sync/delta_changed_frac"] <= 1, d
+            assert d["sync/gbytes"] == pytest.approx(d["sync/delta_bytes_over_full"] * disagg[s]["sync/gbytes"])
+    # an update that changes the weights changes (nearly) every fp32 word at lr 1e-3 (step 1's zero-reward batch
+    # may leave them all as they were: then its delta is empty)
+    assert max(delta[s]["sync/delta_changed_frac"] for s in (1, 2)) > 0.9
 
 
 def test_context_parallel_lora_training_ranks_match_the_colocated_run(tmp_path):

@@ -163,3 +163,109 @@ def test_receivers_see_the_published_bytes_only_by_waiting(reports):
     for rank, r in enumerate(reports[1:], start=1):
         assert r["mismatches"] == [], f"rank {rank}"
         assert r["unwaited"] == 0, f"rank {rank}"
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Delta syncs (rollout.weight_delta)
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def _delta_versions(n_versions: int):
+    """Per version, its buckets: version 1 random; each later version changes a few elements of each float tensor
+    (as an optimizer step at a small learning rate does to bf16 weights) and one whole tensor (a reshaped or
+    re-initialised one). Rebuilt from the seed on any rank."""
+    g = torch.Generator().manual_seed(11)
+    state = {
+        "a.weight": torch.randn(64, 33, generator=g).bfloat16(),
+        "a.bias": torch.randn(33, generator=g),
+        "b.weight": torch.randn(5, 7, 3, generator=g).double(),
+        "c.count": torch.randint(-(2**40), 2**40, (17,), generator=g),
+    }
+    out = []
+    for v in range(n_versions):
+        if v:
+            for name in ("a.weight", "a.bias", "b.weight"):
+                flat = state[name].reshape(-1)
+                idx = torch.randint(0, flat.numel(), (3,), generator=g)
+                flat[idx] = flat[idx] + 1
+            state["c.count"] = torch.randint(-(2**40), 2**40, (17,), generator=g)
+        snap = {k: t.clone() for k, t in state.items()}
+        out.append(
+            [
+                [("a.weight", snap["a.weight"]), ("a.bias", snap["a.bias"])],
+                [("b.weight", snap["b.weight"])],
+                [("c.count", snap["c.count"])],
+            ]
+        )
+    return out
+
+
+def _rank_delta_bridge(n_versions: int, corrupt_version: int) -> dict:
+    """Rank 0 publishes ``n_versions`` versions as deltas, overwriting its copies after each publish; at
+    ``corrupt_version`` one sparse payload is altered before it is sent. Ranks 1-3 take every version."""
+    import torch.distributed as dist
+
+    from megatron_rlvr.rollout import bridge, weight_delta
+
+    group = dist.new_group(ranks=[0, 1, 2, 3], backend="gloo")
+    rank = dist.get_rank()
+    expected = _delta_versions(n_versions)
+    report = {"stats": [], "mismatches": []}
+    if rank == 0:
+        current = {"v": 0}
+
+        def corrupt(name, enc):
+            if current["v"] == corrupt_version and name == "a.weight" and enc.kind == "sparse":
+                payload = enc.payload.clone()
+                payload[-1] ^= 0x40  # one bit of the last new value
+                return weight_delta.Encoded(enc.kind, payload, enc.changed)
+            return enc
+
+        pub = bridge.DeltaPublisher(corrupt=corrupt)
+        for v, buckets in enumerate(_delta_versions(n_versions), start=1):
+            current["v"] = v
+            nbytes, ntensors = bridge.publish_weights(group, buckets, v, delta=pub)
+            s = pub.last
+            report["stats"].append((nbytes, ntensors, s.full_bytes, s.sent_bytes, s.words, s.changed, s.resends))
+            for bucket in buckets:
+                for _, t in bucket:
+                    t.fill_(0)
+        dist.barrier()
+        bridge.publish_stop(group, 0)
+    else:
+        receiver = bridge.WeightReceiver(group).start()
+        for v in range(1, n_versions + 1):
+            receiver.wait_for(v)
+            buckets, _, _ = receiver.take(v)
+            got = {n: t for bucket in buckets for n, t in bucket}
+            for name, ref in (item for bucket in expected[v - 1] for item in bucket):
+                t = got.get(name)
+                if t is None or t.dtype != ref.dtype or t.shape != ref.shape or not torch.equal(t, ref):
+                    report["mismatches"].append(f"version {v} {name}")
+        dist.barrier()
+        with pytest.raises(bridge.Stopped):
+            receiver.wait_for(n_versions + 1)
+        receiver.thread.join(30)
+    return report
+
+
+def test_delta_syncs_deliver_every_version_exactly_and_a_misapplied_delta_is_sent_again_whole(dist_pool):
+    """Four versions published as deltas to 3 rollout ranks: every rank takes each version bit-identical to the
+    trainer's tensors (bf16, fp32, fp64, int64). Version 1 goes whole (no base); versions 2-4 send 3 changed elements
+    of each float tensor as (index, value) pairs and the fully changed int64 tensor whole, far fewer bytes than a full
+    sync. At version 3 one bit of a sparse value is flipped in transit: the ranks' rebuilt digest differs, so that
+    version is sent again whole (one resend) and still arrives exactly; version 4's delta applies to it."""
+    reports = dist_pool.run(_rank_delta_bridge, args=(4, 3), timeout=300)
+    for rank, r in enumerate(reports[1:], start=1):
+        assert r["mismatches"] == [], f"rank {rank}"
+    stats = reports[0]["stats"]
+    full = 64 * 33 * 2 + 33 * 4 + 105 * 8 + 17 * 8
+    words = 64 * 33 + 33 + 105 + 17
+    assert [s[2] for s in stats] == [full] * 4 and [s[4] for s in stats] == [words] * 4
+    assert stats[0][3] == full and stats[0][6] == 0  # first version: whole
+    sparse = 3 * (4 + 2) + 3 * (4 + 4) + 3 * (4 + 8) + 17 * 8  # three sparse tensors, c.count whole
+    for v in (1, 3):  # versions 2 and 4
+        changed = stats[v][5]
+        assert 3 + 17 <= changed <= 3 * 3 + 17, stats[v]  # a random index may repeat
+        assert stats[v][3] <= sparse and stats[v][6] == 0
+    assert stats[2][6] == 1 and stats[2][3] > full  # the resend: the corrupted delta, then the whole version
