@@ -267,3 +267,55 @@ def test_glm4_moe_logits_grads_and_controls_match_transformers(dist_pool, glm, t
         assert sorted(saved) == sorted(dst)
         assert [k for k in saved if not torch.equal(saved[k], dst[k])] == []
         assert all(dst[k].dtype == torch.float32 for k in dst if k.endswith("e_score_correction_bias"))
+
+
+def _rank_stream_to_transformers(data) -> dict:
+    """Megatron at the pool's layout loaded with the tiny GLM weights streams them (small buckets) into a transformers
+    engine whose every parameter and router bias was first set to NaN; returns, on rank 0, the names that differ
+    from the original HF tensors, the count sent, and the engine's logits against megatron's on the same tokens."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from megatron_rlvr.models.build import build_gpt_model
+    from megatron_rlvr.models.hf_config import megatron_model_args
+    from megatron_rlvr.models.hf_loading import load_hf_weights
+    from megatron_rlvr.models.mapping import ExpertLayout, unfuse_experts
+    from megatron_rlvr.rollout.hf_engine import HFRolloutEngine
+    from megatron_rlvr.rollout.weight_stream import StreamStats, WeightStreamConfig, megatron_weight_stream
+
+    cfg, state, _, _, batches, _, _ = data
+    pg = ProcessGroupCollection.use_mpu_process_groups()
+    experts = ExpertLayout.of(pg)
+    args = megatron_model_args(cfg, tp_size=pg.tp.size(), ep_size=experts.ep_size, etp_size=experts.etp_size)
+    model = build_gpt_model(args, pg_collection=pg)
+    load_hf_weights(model, args, state, pg_collection=pg)
+    model.eval()
+    engine = HFRolloutEngine.from_config(glm_config())
+    with torch.no_grad():
+        biases = [b for n, b in engine.model.named_buffers() if n.endswith("e_score_correction_bias")]
+        for t in [*engine.model.parameters(), *biases]:
+            t.fill_(float("nan"))
+    stats = StreamStats()
+    stream = megatron_weight_stream(model, args, pg_collection=pg, config=WeightStreamConfig(1 << 17), stats=stats)
+    n = engine.update_weights(stream)  # strict: every parameter and the router biases, each exactly once
+    held = unfuse_experts(engine.model.state_dict())
+    ref = unfuse_experts(state)
+    bad = sorted(k for k in ref if not torch.equal(held[k], ref[k]))
+    ids = batches[0]
+    with torch.no_grad():
+        mega = gather_from_tensor_model_parallel_region(model(ids, _positions(ids), None))[..., : args.dims.vocab_size]
+        eng = engine.model(ids).logits.float()
+    return {"n": n, "expected": len(ref), "bad": bad, "buckets": stats.buckets, "err": (mega - eng).abs().max().item()}
+
+
+@pytest.mark.slow
+def test_glm4_moe_weights_stream_into_the_transformers_engine(dist_pool, glm):
+    """The rollout weight stream of a TP=2 x EP=2 GLM trainer writes every tensor of the transformers engine (the
+    routed experts by hub name into transformers 5's fused tensors, and the fp32 router score-correction bias, a
+    buffer on both sides that the stream must carry: vLLM starts from dummy weights) bit-identical to the original
+    checkpoint, and the engine's logits then match megatron's on the same tokens (fp32)."""
+    results = dist_pool.run(_rank_stream_to_transformers, tp=2, ep=2, etp=1, args=(glm,), timeout=300)
+    for r in results:
+        print(r)
+        assert r["bad"] == [] and r["n"] == r["expected"] and r["buckets"] > 1, r
+        assert r["err"] < LOGIT_TOL, r
