@@ -230,6 +230,15 @@ def has_qkv_bias(cfg: dict, fam: Family) -> bool:
     return fam.qkv_bias or bool(cfg.get("attention_bias", False))
 
 
+def routed_experts(cfg: dict) -> int:
+    """Routed experts per MoE layer of an HF text config, under any family's name (Qwen's ``num_experts``,
+    transformers 5's ``num_local_experts``, DeepSeek's and GLM-4.5's ``n_routed_experts``); 0 for a dense model."""
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        if cfg.get(key):
+            return int(cfg[key])
+    return 0
+
+
 def has_qk_norm(cfg: dict, fam: Family) -> bool:
     """Whether queries and keys get a per-head RMSNorm in this config (a family default or a per-config field)."""
     if fam.qk_norm_field is not None:
