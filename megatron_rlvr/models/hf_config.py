@@ -3,10 +3,11 @@
 Supported families live in one registry (``FAMILIES``): Llama (incl. Llama-3 rope scaling), Qwen2/2.5 (QKV bias), Qwen3
 (per-head q/k RMSNorm), the mixture-of-experts Qwen3-MoE and Qwen2-MoE (shared expert with a sigmoid gate), and
 DeepSeek-V3 (multi-latent attention with YaRN, sigmoid routing with the aux-loss-free expert bias, group-limited top-k,
-ungated shared experts, dense first layers; V2 with its softmax router). Anything else, or any config feature these
-models do not implement exactly (sliding window, attention/MLP biases on Llama, partial rotary, non-SiLU activations,
-unsupported rope types), is a ValueError naming the field, so a model never silently computes something different from
-its HF reference.
+ungated shared experts, dense first layers; V2 with its softmax router), and GLM-4.5 (DeepSeek-V3's MoE with
+grouped-query attention: q/k/v biases, optional qk-norm, RoPE on part of each head). Anything else, or any config
+feature these models do not implement exactly (sliding window, attention/MLP biases on Llama, partial rotary outside
+GLM-4.5, non-SiLU activations, unsupported rope types), is a ValueError naming the field, so a model never silently
+computes something different from its HF reference.
 """
 
 from __future__ import annotations
