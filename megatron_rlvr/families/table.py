@@ -1,7 +1,8 @@
 """Model architectures, torch-free: the one model-family table and the shape specs the planner's memory model uses.
 
 - ``FAMILIES``: every supported HF decoder family (Llama, Qwen2/2.5, Qwen3, and the mixture-of-experts Qwen2-MoE,
-  Qwen3-MoE and DeepSeek-V2/V3 with multi-latent attention), keyed by ``architectures[0]``, with what distinguishes it.
+  Qwen3-MoE, DeepSeek-V2/V3 with multi-latent attention and GLM-4.5), keyed by ``architectures[0]``, with what
+  distinguishes it.
   ``models/hf_config.py`` builds megatron models from it, the planner derives a :class:`ModelSpec` from it, so the
   two accept exactly the same models.
 - ``ModelSpec``: the shapes of a decoder-only transformer, dense or mixture-of-experts, with a :class:`VisionSpec`
@@ -61,6 +62,12 @@ class Family:
     ``routed_scaling_factor``) with its router: ``sigmoid`` (V3: sigmoid scores whose top-k is chosen with the
     ``e_score_correction_bias`` added, the aux-loss-free balancing, and group-limited top-k by ``n_group`` /
     ``topk_group``) or ``softmax`` (V2: softmax over all experts, greedy top-k, never renormalised); empty: none."""
+    qk_norm_field: str | None = None
+    """HF config field saying whether queries and keys get a per-head RMSNorm (GLM-4.5's ``use_qk_norm``); None:
+    ``qk_layernorm`` decides."""
+    partial_rotary: float | None = None
+    """The family's default ``partial_rotary_factor`` (GLM-4.5: RoPE on the first half of each head's dims, in the
+    rotate-half layout; transformers fills in 0.5 when the config has none); None: only full rotary is accepted."""
 
 
 FAMILIES: dict[str, Family] = {
@@ -109,6 +116,18 @@ FAMILIES: dict[str, Family] = {
         moe=True,
         mla=True,
         deepseek_moe="softmax",
+    ),
+    # GLM-4.5 / GLM-4.5-Air: grouped-query attention with q/k/v biases, optional per-head qk-norm and RoPE on part
+    # of each head; DeepSeek-V3's MoE and router (sigmoid scores, e_score_correction_bias, groups, shared experts)
+    "Glm4MoeForCausalLM": Family(
+        "glm4_moe",
+        qkv_bias=False,
+        qk_layernorm=False,
+        qkv_bias_field="attention_bias",
+        qk_norm_field="use_qk_norm",
+        moe=True,
+        deepseek_moe="sigmoid",
+        partial_rotary=0.5,
     ),
 }
 """The supported families, keyed by HF ``architectures[0]`` (the trainer, the exporter and the planner all read it)."""
@@ -210,6 +229,45 @@ def has_qkv_bias(cfg: dict, fam: Family) -> bool:
     if fam.qkv_bias_field is not None:
         return bool(cfg.get(fam.qkv_bias_field, fam.qkv_bias))
     return fam.qkv_bias or bool(cfg.get("attention_bias", False))
+
+
+def routed_experts(cfg: dict) -> int:
+    """Routed experts per MoE layer of an HF text config, under any family's name (Qwen's ``num_experts``,
+    transformers 5's ``num_local_experts``, DeepSeek's and GLM-4.5's ``n_routed_experts``); 0 for a dense model."""
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        if cfg.get(key):
+            return int(cfg[key])
+    return 0
+
+
+def has_qk_norm(cfg: dict, fam: Family) -> bool:
+    """Whether queries and keys get a per-head RMSNorm in this config (a family default or a per-config field)."""
+    if fam.qk_norm_field is not None:
+        return bool(cfg.get(fam.qk_norm_field, fam.qk_layernorm))
+    return fam.qk_layernorm
+
+
+def rotary_fraction(cfg: dict, fam: Family, where: str = "HF config") -> float:
+    """The share of each head's dims that RoPE rotates (``partial_rotary_factor`` in ``rope_parameters``, or at the
+    top level of older config.json files; the family's default when absent). ValueError for a partial factor in a
+    family that rotates whole heads, or a factor that does not give an even number of rotated dims."""
+    params = cfg.get("rope_parameters") or {}
+    factor = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    if factor is None:
+        factor = fam.partial_rotary if fam.partial_rotary is not None else 1.0
+    factor = float(factor)
+    if factor == 1.0:
+        return factor
+    if fam.partial_rotary is None:
+        raise ValueError(f"{where}: partial_rotary_factor={factor} is not supported for {fam.model_type}")
+    heads = int(cfg.get("num_attention_heads") or 1)
+    head_dim = int(cfg.get("head_dim") or int(cfg.get("hidden_size", 0)) // heads)
+    rotated = int(head_dim * factor)
+    if not 0 < factor < 1 or rotated % 2 or rotated != head_dim * factor:
+        raise ValueError(
+            f"{where}: partial_rotary_factor={factor} must rotate an even number of the head_dim={head_dim} dims"
+        )
+    return factor
 
 
 @dataclass(frozen=True)
@@ -882,6 +940,58 @@ BUILTIN_SPECS: dict[str, ModelSpec] = {
         router_bias=True,
         mla=MlaFields(q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
     ),
+    # zai-org/GLM-4.5-Air config.json (Glm4MoeForCausalLM): hidden_size 4096, intermediate_size 10944 (the
+    # first_k_dense_replace 1 dense layer), num_hidden_layers 46, num_attention_heads 96, num_key_value_heads 8,
+    # head_dim 128, attention_bias true, use_qk_norm false, partial_rotary_factor 0.5, n_routed_experts 128,
+    # num_experts_per_tok 8, moe_intermediate_size 1408, n_shared_experts 1, n_group 1, topk_group 1,
+    # routed_scaling_factor 1.0, vocab_size 151552, untied; num_nextn_predict_layers 1 (its multi-token-prediction
+    # layer is in the checkpoint but not counted here: the policy is the causal LM).
+    # 106.85 B parameters, 13.42 B active; without the two embedding matrices 12.18 B active (published: 106 B / 12 B;
+    # the MTP layer would add 2.38 B).
+    "glm-4.5-air": _spec(
+        name="GLM-4.5-Air",
+        hidden=4096,
+        ffn=10944,
+        layers=46,
+        heads=96,
+        kv_heads=8,
+        head_dim=128,
+        vocab=151552,
+        qkv_bias=True,
+        experts=128,
+        top_k=8,
+        expert_ffn=1408,
+        moe_layers=(False,) + (True,) * 45,
+        shared_expert_ffn=1408,
+        shared_expert_gate=False,
+        router_bias=True,
+    ),
+    # zai-org/GLM-4.5 config.json (Glm4MoeForCausalLM): hidden_size 5120, intermediate_size 12288, num_hidden_layers
+    # 92, first_k_dense_replace 3, num_attention_heads 96, num_key_value_heads 8, head_dim 128, attention_bias true,
+    # use_qk_norm true, partial_rotary_factor 0.5, n_routed_experts 160, num_experts_per_tok 8, moe_intermediate_size
+    # 1536, n_shared_experts 1, n_group 1, topk_group 1, routed_scaling_factor 2.5, vocab_size 151552, untied;
+    # num_nextn_predict_layers 1 (not counted, as above).
+    # 352.80 B parameters, 33.63 B active; without the two embedding matrices 32.08 B active (published: 355 B / 32 B;
+    # the MTP layer would add 3.99 B, 356.79 B in all).
+    "glm-4.5": _spec(
+        name="GLM-4.5",
+        hidden=5120,
+        ffn=12288,
+        layers=92,
+        heads=96,
+        kv_heads=8,
+        head_dim=128,
+        vocab=151552,
+        qkv_bias=True,
+        qk_norm=True,
+        experts=160,
+        top_k=8,
+        expert_ffn=1536,
+        moe_layers=(False,) * 3 + (True,) * 89,
+        shared_expert_ffn=1536,
+        shared_expert_gate=False,
+        router_bias=True,
+    ),
 }
 
 
@@ -947,7 +1057,7 @@ def model_spec_from_hf_config(source: str | Path | dict, name: str | None = None
         # transformers' Llama/Qwen2/Qwen3/Mistral config classes default tie_word_embeddings to False.
         tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=has_qkv_bias(cfg, fam),
-        qk_norm=fam.qk_layernorm,
+        qk_norm=has_qk_norm(cfg, fam),
         experts=moe.experts if moe else 0,
         top_k=moe.top_k if moe else 0,
         expert_ffn=moe.expert_ffn if moe else 0,

@@ -9,6 +9,7 @@
 - ``tiny_moe``: the same tokenizer and task with a 2-layer Qwen3-MoE of width 64 (q/k norm, 4 experts of inner
   width 64 per layer, top-2, renormalised top-k probabilities): the mixture-of-experts path end to end on CPU
   (``configs/tiny_moe.yaml``: expert parallelism 2).
+- ``tiny_glm4_moe``: the same with a 2-layer GLM-4.5 (``configs/tiny_glm4_moe.yaml``).
 
 The task (``configs/tiny.yaml``): the procedural ``copy`` task in terse style, "7=" -> "7" and then EOS (reward
 ``exact_stop``). A random model answers so with probability ~1/|V|^2 (well under 1%); a working RL pipeline drives
@@ -81,7 +82,47 @@ TINY_MOE_MODEL = dict(
 )
 """HF config fields of the tiny mixture-of-experts model."""
 
-TINY_MODELS = {TINY_NAME: TINY_MODEL, TINY_MOE_NAME: TINY_MOE_MODEL, TINY_TOOLS_NAME: TINY_MODEL}
+TINY_GLM4_MOE_NAME = "tiny_glm4_moe"
+
+TINY_GLM4_MOE_MODEL = dict(
+    architectures=["Glm4MoeForCausalLM"],
+    model_type="glm4_moe",
+    hidden_size=64,
+    intermediate_size=128,  # the dense first layer's MLP
+    moe_intermediate_size=64,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    n_group=2,  # two groups of 2 experts, one per token: the group limit binds (top-2 = 2 x topk_group: exact)
+    topk_group=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    first_k_dense_replace=1,
+    num_hidden_layers=2,
+    num_attention_heads=2,  # head_dim 32 (vLLM's CPU attention), RoPE on its first 16 dims
+    num_key_value_heads=2,
+    head_dim=32,
+    partial_rotary_factor=0.5,
+    attention_bias=True,
+    use_qk_norm=True,
+    max_position_embeddings=64,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-5,
+    hidden_act="silu",
+    tie_word_embeddings=False,
+    initializer_range=0.02,
+    attention_dropout=0.0,
+)
+"""HF config fields of the tiny GLM-4.5 model: a dense first layer and one MoE layer with GLM-4.5's router (sigmoid
+scores, the score-correction bias, a group limit, routed scaling, a shared expert), q/k/v biases, qk-norm and partial
+rotary (``configs/tiny_glm4_moe.yaml``)."""
+
+TINY_MODELS = {
+    TINY_NAME: TINY_MODEL,
+    TINY_MOE_NAME: TINY_MOE_MODEL,
+    TINY_TOOLS_NAME: TINY_MODEL,
+    TINY_GLM4_MOE_NAME: TINY_GLM4_MOE_MODEL,
+}
 """The built-in models over the character tokenizer, by ``model.name`` (``tiny_tools``: the ``tiny`` model over the
 character tokenizer with the tool markers, for multi-turn rollouts with tools, configs/tiny_tools.yaml)."""
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from megatron_rlvr.config import ModelConfig, OptimizerConfig, ParallelConfig, ScheduleConfig, TrainConfig
-from megatron_rlvr.families.table import vl_family_of, vl_saved_name
+from megatron_rlvr.families.table import routed_experts, vl_family_of, vl_saved_name
 from megatron_rlvr.megatron.context_parallel import cp_core_attention
 from megatron_rlvr.models.build import build_gpt_model, unwrap
 from megatron_rlvr.models.hf_config import hf_config_object, megatron_model_args
@@ -26,7 +26,7 @@ def model_args_for(source: ModelSource, model_cfg: ModelConfig, par: ParallelCon
     overrides: dict[str, Any] = {}
     if train.recompute == "full":
         overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    if source.hf_config.get("num_experts", source.hf_config.get("num_local_experts")):
+    if routed_experts(source.hf_config):
         overrides.update(
             ep_size=par.ep,
             etp_size=par.expert_tp,

@@ -238,6 +238,7 @@ def build_gpt_model(
         parallel_output=parallel_output,
         share_embeddings_and_output_weights=args.share_embeddings_and_output_weights,
         rotary_base=rope.theta,
+        rotary_percent=rope.percent,
         seq_len_interpolation_factor=rope.factor if rope.kind == "linear" else None,
         pg_collection=pg_collection,
         **extra,

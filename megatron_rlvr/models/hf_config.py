@@ -3,14 +3,16 @@
 Supported families live in one registry (``FAMILIES``): Llama (incl. Llama-3 rope scaling), Qwen2/2.5 (QKV bias), Qwen3
 (per-head q/k RMSNorm), the mixture-of-experts Qwen3-MoE and Qwen2-MoE (shared expert with a sigmoid gate), and
 DeepSeek-V3 (multi-latent attention with YaRN, sigmoid routing with the aux-loss-free expert bias, group-limited top-k,
-ungated shared experts, dense first layers; V2 with its softmax router). Anything else, or any config feature these
-models do not implement exactly (sliding window, attention/MLP biases on Llama, partial rotary, non-SiLU activations,
-unsupported rope types), is a ValueError naming the field, so a model never silently computes something different from
-its HF reference.
+ungated shared experts, dense first layers; V2 with its softmax router), and GLM-4.5 (DeepSeek-V3's MoE with
+grouped-query attention: q/k/v biases, optional qk-norm, RoPE on part of each head). Anything else, or any config
+feature these models do not implement exactly (sliding window, attention/MLP biases on Llama, partial rotary outside
+GLM-4.5, non-SiLU activations, unsupported rope types), is a ValueError naming the field, so a model never silently
+computes something different from its HF reference.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -22,10 +24,12 @@ from megatron_rlvr.families.table import (
     FAMILIES,
     VL_FAMILIES,
     MlaFields,
+    has_qk_norm,
     has_qkv_bias,
     mla_fields,
     moe_fields,
     padded_vocab,
+    rotary_fraction,
     vl_text_config,
 )
 from megatron_rlvr.models.fusions import detect as detect_fusions
@@ -51,6 +55,9 @@ class RopeSpec:
     """llama3 only."""
     original_max_position_embeddings: int = 8192
     """llama3 only: context length of the unscaled model."""
+    percent: float = 1.0
+    """Share of each head's dims that RoPE rotates (HF ``partial_rotary_factor``, megatron's ``rotary_percent``):
+    the first ``percent * head_dim`` dims in the rotate-half layout, the rest pass through (GLM-4.5: 0.5)."""
 
 
 @dataclass
@@ -238,6 +245,7 @@ def megatron_model_args(
         cfg = vl_text_config(cfg)
         config_overrides = {"mrope_section": list(vision.mrope_section), "apply_rope_fusion": False, **config_overrides}
     arch, fam = _text_family(cfg)
+    cfg, rotary_percent = _partial_rotary(cfg, fam)
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
 
@@ -263,6 +271,10 @@ def megatron_model_args(
     # MoE layers train at TP > 1 only under sequence parallelism; MLA's whole down projections' gradients likewise
     sequence_parallel = sequence_parallel or (tp_size > 1 and (dims.is_moe or mla is not None))
     config_cls, mla_kwargs, rope = _attention_settings(cfg, mla)
+    if rotary_percent != 1.0:
+        if rope.kind != "default":
+            raise ValueError(f"HF config: partial_rotary_factor with rope type {rope.kind!r} is not supported")
+        rope = dataclasses.replace(rope, percent=rotary_percent)
     kwargs = _transformer_kwargs(cfg, dims, fusions, tp_size, pp_size, dtype, sequence_parallel, perform_initialization)
     config = config_cls(**{**kwargs, **moe_kwargs, **mla_kwargs, **config_overrides})
     return MegatronModelArgs(
@@ -285,6 +297,20 @@ def _attention_settings(cfg: dict, mla):
         return TransformerConfig, {}, _rope_spec(cfg)
     mla_kwargs, rope = mla_settings(cfg, mla)
     return MLATransformerConfig, mla_kwargs, rope
+
+
+def _partial_rotary(cfg: dict, fam) -> tuple[dict, float]:
+    """(the config without its partial rotary factor, the factor) for a family whose RoPE may rotate part of each
+    head (GLM-4.5: transformers' ``apply_rotary_pos_emb`` rotates the first ``factor * head_dim`` dims in the
+    rotate-half layout, as megatron's ``rotary_percent`` does); other families keep the config as it is and
+    ``_rope_spec`` refuses a partial factor."""
+    if fam.partial_rotary is None:
+        return cfg, 1.0
+    factor = rotary_fraction(cfg, fam)
+    out = {k: v for k, v in cfg.items() if k != "partial_rotary_factor"}
+    if isinstance(cfg.get("rope_parameters"), dict):
+        out["rope_parameters"] = {k: v for k, v in cfg["rope_parameters"].items() if k != "partial_rotary_factor"}
+    return out, factor
 
 
 def _text_family(cfg: dict):
@@ -335,7 +361,7 @@ def _model_dims(
         padded_vocab_size=int(padded_vocab_size),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=has_qkv_bias(cfg, fam),
-        qk_layernorm=fam.qk_layernorm,
+        qk_layernorm=has_qk_norm(cfg, fam),
         num_experts=moe.experts if moe else 0,
         moe_ffn_hidden_size=moe.expert_ffn if moe else 0,
         shared_expert_ffn=moe.shared_expert_ffn if moe else 0,

@@ -629,7 +629,7 @@ def mapped_tensors(model):
 
 
 def mtp_tensor_names(names, num_layers: int) -> list[str]:
-    """The tensors of a checkpoint's multi-token-prediction layers (DeepSeek-V3 stores them as decoder layers
+    """The tensors of a checkpoint's multi-token-prediction layers (DeepSeek-V3 and GLM-4.5 store them as decoder layers
     ``num_hidden_layers ..``; ``num_nextn_predict_layers`` of them): not part of the causal LM."""
     out = []
     for n in names:

@@ -23,7 +23,7 @@ import torch
 
 from megatron_rlvr.families.table import vl_family_of, vl_saved_name
 from megatron_rlvr.megatron.cpu_shims import native_torch
-from megatron_rlvr.models.mapping import unfuse_experts
+from megatron_rlvr.models.mapping import FP32_HF_TENSORS, unfuse_experts
 from megatron_rlvr.models.mrope import image_token_counts, rope_index
 from megatron_rlvr.rollout.engine import (
     Completion,
@@ -182,6 +182,16 @@ class HFRolloutEngine(RolloutEngine):
             return pairs
         return ((vl_saved_name(self._vl[1], n), p) for n, p in pairs)
 
+    def _weights_by_name(self) -> dict[str, torch.Tensor]:
+        """What the weight stream writes, by HF name: every parameter (routed experts by hub name, views of
+        transformers 5's fused tensors) and the buffers a checkpoint holds (the fp32 router score-correction bias of
+        DeepSeek-V3 / GLM-4.5, megatron's ``router.expert_bias``)."""
+        out = unfuse_experts(dict(self.named_parameters()))
+        for name, buf in self.model.named_buffers():
+            if name.endswith(FP32_HF_TENSORS):
+                out[vl_saved_name(self._vl[1], name) if self._vl is not None else name] = buf
+        return out
+
     @torch.no_grad()
     def update_weights(self, weights: Iterable, strict: bool = True) -> int:
         """Copy full HF-named tensors into the parameters in place.
@@ -194,7 +204,7 @@ class HFRolloutEngine(RolloutEngine):
             raise RuntimeError("update_weights called while the engine sleeps: call wake_up() first")
         # transformers 5 fuses a layer's routed experts into one tensor; the weight stream sends hub-style per-expert
         # names, which land in views of it (one view object per name, so ``received`` tracks each expert)
-        params = unfuse_experts(dict(self.named_parameters()))
+        params = self._weights_by_name()
         received: set[int] = set()
         count = 0
         for item in weights:
@@ -215,7 +225,7 @@ class HFRolloutEngine(RolloutEngine):
     def weight_digests(self, names: Iterable[str]) -> dict[str, int]:
         """Digests of the parameters held under ``names`` (any alias of a tied parameter; experts by hub name)."""
         self._check_open()
-        params = unfuse_experts(dict(self.named_parameters()))
+        params = self._weights_by_name()
         with native_torch():
             return {n: digest(params[n]) for n in names if n in params}
 
