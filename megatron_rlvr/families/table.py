@@ -1,7 +1,8 @@
 """Model architectures, torch-free: the one model-family table and the shape specs the planner's memory model uses.
 
 - ``FAMILIES``: every supported HF decoder family (Llama, Qwen2/2.5, Qwen3, and the mixture-of-experts Qwen2-MoE,
-  Qwen3-MoE and DeepSeek-V2/V3 with multi-latent attention), keyed by ``architectures[0]``, with what distinguishes it.
+  Qwen3-MoE, DeepSeek-V2/V3 with multi-latent attention and GPT-OSS), keyed by ``architectures[0]``, with what
+  distinguishes it.
   ``models/hf_config.py`` builds megatron models from it, the planner derives a :class:`ModelSpec` from it, so the
   two accept exactly the same models.
 - ``ModelSpec``: the shapes of a decoder-only transformer, dense or mixture-of-experts, with a :class:`VisionSpec`

@@ -3,10 +3,11 @@
 Supported families live in one registry (``FAMILIES``): Llama (incl. Llama-3 rope scaling), Qwen2/2.5 (QKV bias), Qwen3
 (per-head q/k RMSNorm), the mixture-of-experts Qwen3-MoE and Qwen2-MoE (shared expert with a sigmoid gate), and
 DeepSeek-V3 (multi-latent attention with YaRN, sigmoid routing with the aux-loss-free expert bias, group-limited top-k,
-ungated shared experts, dense first layers; V2 with its softmax router). Anything else, or any config feature these
-models do not implement exactly (sliding window, attention/MLP biases on Llama, partial rotary, non-SiLU activations,
-unsupported rope types), is a ValueError naming the field, so a model never silently computes something different from
-its HF reference.
+ungated shared experts, dense first layers; V2 with its softmax router), and GPT-OSS (attention sinks, per-layer
+sliding windows, linear biases, the clamped SwiGLU, YaRN; ``gpt_oss_settings``). Anything else, or any config feature
+these models do not implement exactly (sliding window, attention/MLP biases on Llama, partial rotary, non-SiLU
+activations, unsupported rope types), is a ValueError naming the field, so a model never silently computes something
+different from its HF reference.
 """
 
 from __future__ import annotations

@@ -45,6 +45,10 @@ Layouts (megatron-core 0.16, ``SelfAttention.get_query_key_value_tensors``)
 - Multi-latent attention (DeepSeek): the down projections (``q_a_proj``, ``kv_a_proj_with_mqa``) are whole on every
   TP rank, the up projections (``q_b_proj`` / ``q_proj``, ``kv_b_proj``) split by heads, all in transformers' row
   order; the router's ``e_score_correction_bias`` is megatron's ``router.expert_bias`` buffer (``mapped_tensors``).
+- GPT-OSS: the sinks are ``core_attention.softmax_offset`` (split over TP by heads); the experts are stored fused
+  over experts with gate and up interleaved (``InterleavedExpertFC1``); the table names one expert's slice
+  (``fused_expert_name``), loading reads only that slice (or its MXFP4 blocks, dequantised), and export stacks the
+  slices back (``stack_fused_experts``).
 - Norm weights: megatron's local (torch) spec names them ``input_layernorm`` / ``pre_mlp_layernorm``; the
   Transformer-Engine spec fuses them into the next linear (``linear_qkv.layer_norm_weight`` /
   ``linear_fc1.layer_norm_weight``). Both names resolve to the same rule.
