@@ -1102,10 +1102,20 @@ def fused_expert_reader(reader: Callable[[str], SliceReader], names) -> Callable
 
 
 def unfuse_experts(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A transformers 5 in-memory state dict with the routed experts under hub-style per-expert names (views)."""
+    """A transformers 5 in-memory state dict with the routed experts under hub-style per-expert names (views).
+    GPT-OSS's fused tensors (recognised by their biases, which the other families' experts lack) become the table's
+    per-expert slices (``mlp.experts.{e}.gate_up_proj`` = ``gate_up_proj[e]``, ``fused_expert_name``)."""
     out = {}
     for name, t in state.items():
-        if name.endswith(".mlp.experts.gate_up_proj"):
+        if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")) and f"{name}_bias" in state:
+            pre, proj = name.rsplit(".", 1)
+            for suffix in ("", "_bias"):
+                fused = state[name + suffix]
+                out.update({f"{pre}.{e}.{proj}{suffix}": fused[e] for e in range(fused.shape[0])})
+        elif name.endswith((".mlp.experts.gate_up_proj_bias", ".mlp.experts.down_proj_bias")):
+            if name.removesuffix("_bias") not in state:
+                out[name] = t
+        elif name.endswith(".mlp.experts.gate_up_proj"):
             pre, inner = name.removesuffix(".gate_up_proj"), t.shape[1] // 2
             for e in range(t.shape[0]):
                 out[f"{pre}.{e}.gate_proj.weight"] = t[e, :inner]

@@ -220,3 +220,30 @@ def test_gpt_oss_mxfp4_checkpoint_loads_dequantised(tiny, tmp_path, monkeypatch,
         mxfp4.dequantize_expert(
             blocks, torch.zeros(blocks.shape[:-1], dtype=torch.int32), "model.layers.0.mlp.experts.down_proj"
         )
+
+
+def test_gpt_oss_per_expert_names_are_views_of_transformers_fused_experts(tiny):
+    """What the weight stream sends for GPT-OSS (the table's per-expert slices, ``WeightMapping.hf_names()``) is
+    exactly the set of names ``unfuse_experts`` gives a transformers GPT-OSS model (the transformers engine's refit
+    view), each a view of the fused parameter with the slice's shape: copying model A's slices into model B's views
+    makes B compute A's logits."""
+    from megatron_rlvr.models.hf_config import megatron_model_args
+    from megatron_rlvr.models.mapping import TensorSlice, WeightMapping, fused_expert_reader, unfuse_experts
+
+    cfg, state, _ = tiny
+    names = WeightMapping(megatron_model_args(cfg).dims).hf_names()
+    target = _make_model(_config(), seed=44)
+    views = unfuse_experts(dict(target.named_parameters()))
+    assert sorted(views) == sorted(names)
+    reader = fused_expert_reader(lambda name: TensorSlice(state[name]), state.keys())
+    ids = torch.randint(3, 160, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = target(ids).logits
+        for n in names:
+            src = reader(n)[...]
+            assert views[n].shape == src.shape, n
+            views[n].copy_(src)
+        after = target(ids).logits
+        source = _make_model(_config(), seed=43)  # the fixture's model: same seed, same weights
+        want = source(ids).logits
+    assert not torch.equal(before, want) and torch.equal(after, want)
