@@ -305,6 +305,10 @@ def megatron_model_args(
     )
 
 
+GPT_OSS_DEFAULT_THETA = 150000.0
+"""RoPE base of a GPT-OSS config that names none (transformers' ``GptOssConfig.default_theta``; 10000 elsewhere)."""
+
+
 def quick_gelu_eager(y: torch.Tensor) -> torch.Tensor:
     """megatron's ``quick_gelu``, ``y * sigmoid(1.702 y)``, without the ``torch.compile`` megatron wraps it in: on CPU
     (no fusions) the compiled function recompiles for every new token count an expert receives."""
@@ -347,6 +351,8 @@ def gpt_oss_settings(cfg: dict, oss: GptOssFields, fused: bool = False) -> tuple
     if any(oss.sliding_layers):
         out.update(window_size=(oss.sliding_window - 1, 0), window_attn_skip_freq=[int(s) for s in oss.sliding_layers])
     params, theta, kind = _rope_params(cfg)
+    if params.get("rope_theta", cfg.get("rope_theta")) is None:
+        theta = GPT_OSS_DEFAULT_THETA
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("HF config: partial_rotary_factor != 1 is not supported")
     if kind == "default":

@@ -51,6 +51,8 @@ def test_gpt_oss_config_translation_and_refusals(tiny):
     assert megatron_model_args(cfg | {"layer_types": ["full_attention"] * 4}).config.window_size is None
     plain = cfg | {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}
     assert not hasattr(megatron_model_args(plain).config, "yarn_rotary_scaling_factor")
+    no_theta = {k: v for k, v in cfg.items() if k != "rope_theta"} | {"rope_parameters": {"rope_type": "default"}}
+    assert megatron_model_args(no_theta).rope.theta == 150000.0  # transformers' GptOssConfig default, not 1e4
     bad = {
         "swiglu_alpha": (1.5, "swiglu_alpha=1.5 is not supported"),
         "attention_bias": (False, "attention_bias=False"),
