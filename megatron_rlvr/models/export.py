@@ -166,8 +166,8 @@ def export_hf(
 
     # 1. every stage streams its tensors into temporary shard files
     tensors = iter_hf_tensors(model, args, pg_collection=pg_collection)
-    if args.dims.gpt_oss:  # GPT-OSS checkpoints hold each expert tensor fused over experts
-        tensors = stack_fused_experts(tensors, args.dims.num_experts)
+    if args.dims.gpt_oss and writer:  # GPT-OSS checkpoints hold each expert tensor fused over experts
+        tensors = stack_fused_experts(tensors, args.dims.num_experts, device="cpu")
     files, err = _write_temp_shards(tensors, out_dir, pp_rank, dtype, max_shard_bytes, writer)
 
     # 2. rank 0 names the shards globally and writes the index, config and tokenizer

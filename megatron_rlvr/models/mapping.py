@@ -1038,11 +1038,12 @@ def checkpoint_names(names) -> list[str]:
     return list(out)
 
 
-def stack_fused_experts(tensors, num_experts: int):
+def stack_fused_experts(tensors, num_experts: int, device=None):
     """``(name, tensor)`` stream with GPT-OSS's per-expert slices stacked into their fused checkpoint tensors
     ([E, ...], expert order), each yielded once all ``num_experts`` slices arrived; other tensors pass through.
-    Holds at most the slices of the fused tensors still incomplete (one layer's experts in ``iter_hf_tensors``
-    order). The stream must be iterated to its end (collective producers)."""
+    Holds copies (on ``device``; None: where they are) of the slices of the fused tensors still incomplete: one
+    layer's experts in ``iter_hf_tensors`` order (gpt-oss-120b: 128 x 24.9 M values). The stream must be iterated to
+    its end (collective producers)."""
     pending: dict[str, dict[int, torch.Tensor]] = {}
     for name, t in tensors:
         fused = fused_expert_name(name)
@@ -1050,7 +1051,8 @@ def stack_fused_experts(tensors, num_experts: int):
             yield name, t
             continue
         slices = pending.setdefault(fused[0], {})
-        slices[fused[1]] = t.clone()  # the producer may hand out views of parameters or reused buffers
+        # a copy: the producer may hand out views of parameters or reused buffers
+        slices[fused[1]] = t.detach().to(device or t.device, copy=True)
         if len(slices) == num_experts:
             del pending[fused[0]]
             yield fused[0], torch.stack([slices[e] for e in range(num_experts)])
