@@ -174,7 +174,8 @@ def test_gpt_oss_mxfp4_checkpoint_loads_dequantised(tiny, tmp_path, monkeypatch,
     """A hub-style checkpoint whose experts are MXFP4 (``*_blocks`` / ``*_scales``, biases in full precision, config
     with quantization_config mxfp4), written here from codes chosen at random: the strict presence check accepts
     it, every expert reads as the values the codes define (decoded independently above, in float64), megatron's
-    fc1 shard is their de-interleaved transpose, and undecodable scales fail with one line naming the tensor.
+    fc1 shard is their de-interleaved transpose, transformers' own loader reads the folder as the same values, and
+    undecodable scales fail with one line naming the tensor.
     ``decoder``: transformers' dequantiser, or this project's own (used where transformers has none)."""
     from safetensors.torch import save_file
 
@@ -217,6 +218,11 @@ def test_gpt_oss_mxfp4_checkpoint_loads_dequantised(tiny, tmp_path, monkeypatch,
         assert torch.equal(shard.double(), torch.cat([gate_up[:, ::2].t(), gate_up[:, 1::2].t()]))
     finally:
         closer.close()
+    if decoder == "transformers":  # transformers' own loader reads the folder as the same values (the layout)
+        from transformers import AutoModelForCausalLM
+
+        loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).state_dict()
+        assert all(torch.equal(loaded[n].double(), v) for n, v in expected.items())
     with pytest.raises(ValueError, match="model.layers.0.mlp.experts.down_proj: .*cannot dequantise"):
         blocks = hf["model.layers.0.mlp.experts.down_proj_blocks"][0]
         mxfp4.dequantize_expert(
