@@ -1,7 +1,7 @@
 """Model architectures, torch-free: the one model-family table and the shape specs the planner's memory model uses.
 
 - ``FAMILIES``: every supported HF decoder family (Llama, Qwen2/2.5, Qwen3, and the mixture-of-experts Qwen2-MoE,
-  Qwen3-MoE, DeepSeek-V2/V3 with multi-latent attention and GLM-4.5), keyed by ``architectures[0]``, with what
+  Qwen3-MoE, DeepSeek-V2/V3 with multi-latent attention, GLM-4.5 and GPT-OSS), keyed by ``architectures[0]``, with what
   distinguishes it.
   ``models/hf_config.py`` builds megatron models from it, the planner derives a :class:`ModelSpec` from it, so the
   two accept exactly the same models.
@@ -68,6 +68,11 @@ class Family:
     partial_rotary: float | None = None
     """The family's default ``partial_rotary_factor`` (GLM-4.5: RoPE on the first half of each head's dims, in the
     rotate-half layout; transformers fills in 0.5 when the config has none); None: only full rotary is accepted."""
+    gpt_oss: bool = False
+    """GPT-OSS: learned attention sinks, sliding-window attention on the layers ``layer_types`` names, biases on
+    q/k/v/o, the router and the experts, a router that takes the top-k of the biased logits and softmaxes over those
+    k, clamped SwiGLU experts (``swiglu_limit``, ``swiglu_alpha``, ``up + 1``) stored fused with gate and up
+    interleaved, and YaRN; see :func:`gpt_oss_fields`."""
 
 
 FAMILIES: dict[str, Family] = {
@@ -129,6 +134,8 @@ FAMILIES: dict[str, Family] = {
         deepseek_moe="sigmoid",
         partial_rotary=0.5,
     ),
+    # OpenAI gpt-oss-20b / gpt-oss-120b
+    "GptOssForCausalLM": Family("gpt_oss", qkv_bias=True, qk_layernorm=False, moe=True, gpt_oss=True),
 }
 """The supported families, keyed by HF ``architectures[0]`` (the trainer, the exporter and the planner all read it)."""
 
@@ -300,6 +307,8 @@ class MoeFields:
     """Groups a token may use (``topk_group``), chosen by the sum of each group's two best biased scores."""
     scaling_factor: float | None = None
     """The routed experts' weights are multiplied by this (``routed_scaling_factor``); None: 1."""
+    linear_bias: bool = False
+    """The router and every expert's projections carry biases (GPT-OSS)."""
 
 
 def _deepseek_moe_fields(cfg: dict, fam: Family, where: str) -> MoeFields:
@@ -406,6 +415,8 @@ def moe_fields(cfg: dict, fam: Family, where: str = "HF config") -> MoeFields | 
         return None
     if fam.deepseek_moe:
         return _deepseek_moe_fields(cfg, fam, where)
+    if fam.gpt_oss:
+        return _gpt_oss_moe_fields(cfg, fam, where)
     experts = cfg.get("num_experts", cfg.get("num_local_experts"))
     if experts is None:
         raise ValueError(f"{where}: {fam.model_type} needs num_experts (or num_local_experts)")
@@ -430,6 +441,81 @@ def moe_fields(cfg: dict, fam: Family, where: str = "HF config") -> MoeFields | 
         norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
         moe_layers=pattern,
         shared_expert_ffn=shared,
+    )
+
+
+GPT_OSS_SWIGLU_ALPHA = 1.702
+"""The only sigmoid gain of GPT-OSS's SwiGLU megatron computes: its ``quick_gelu`` is ``y * sigmoid(1.702 y)`` (the
+fused GPU kernel too)."""
+
+GPT_OSS_LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+@dataclass(frozen=True)
+class GptOssFields:
+    """GPT-OSS's attention and expert settings of an HF config (``GptOssForCausalLM``), in plain numbers."""
+
+    sliding_window: int
+    """Keys a sliding layer's query sees, itself included (HF ``sliding_window``; megatron's window is
+    ``(sliding_window - 1, 0)``)."""
+    sliding_layers: tuple[bool, ...]
+    """Per layer: True for sliding-window attention, False for full (HF ``layer_types``; the hub models slide on
+    even layers)."""
+    swiglu_limit: float
+    """Clamp of the experts' gate (above) and up projection (both sides) before the SwiGLU (``swiglu_limit``)."""
+
+
+def gpt_oss_fields(cfg: dict, where: str = "HF config") -> GptOssFields:
+    """The GPT-OSS settings of an HF config, refusing by name what megatron cannot compute as transformers does:
+    ``swiglu_alpha`` other than 1.702, ``attention_bias=false`` (megatron's ``add_bias_linear`` puts biases on the
+    output projection and the experts together), unknown ``layer_types``. Any pattern of sliding and full layers is
+    expressible (megatron takes a per-layer list)."""
+    layers = int(cfg["num_hidden_layers"])
+    alpha = cfg.get("swiglu_alpha", GPT_OSS_SWIGLU_ALPHA)
+    if alpha is None or abs(float(alpha) - GPT_OSS_SWIGLU_ALPHA) > 1e-12:
+        raise ValueError(
+            f"{where}: swiglu_alpha={alpha!r} is not supported (megatron's quick_gelu has the fixed gain "
+            f"{GPT_OSS_SWIGLU_ALPHA})"
+        )
+    limit = cfg.get("swiglu_limit", 7.0)
+    if not isinstance(limit, (int, float)) or isinstance(limit, bool) or not limit > 0:
+        raise ValueError(f"{where}: swiglu_limit must be a positive number, got {limit!r}")
+    if cfg.get("attention_bias", True) is not True:
+        raise ValueError(
+            f"{where}: gpt_oss with attention_bias={cfg.get('attention_bias')!r} is not supported (megatron's "
+            "add_bias_linear biases the attention output and the experts together)"
+        )
+    types = cfg.get("layer_types")
+    if types is None:  # transformers' default: sliding on even layers
+        types = [GPT_OSS_LAYER_TYPES[i % 2] for i in range(layers)]
+    if len(types) != layers or any(t not in GPT_OSS_LAYER_TYPES for t in types):
+        raise ValueError(f"{where}: layer_types must list {layers} entries of {GPT_OSS_LAYER_TYPES}, got {types!r}")
+    sliding = tuple(t == "sliding_attention" for t in types)
+    window = cfg.get("sliding_window")
+    if any(sliding) and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise ValueError(f"{where}: sliding layers need sliding_window >= 1, got {window!r}")
+    return GptOssFields(sliding_window=int(window or 0), sliding_layers=sliding, swiglu_limit=float(limit))
+
+
+def _gpt_oss_moe_fields(cfg: dict, fam: Family, where: str) -> MoeFields:
+    """GPT-OSS's MoE (transformers' ``GptOssTopKRouter`` / ``GptOssExperts``): every layer is an MoE layer of
+    ``num_local_experts`` experts of width ``intermediate_size``; the router takes the top-k of its biased logits and
+    softmaxes over those k, which is renormalised softmax-then-top-k (megatron's ``moe_router_pre_softmax=False``)."""
+    gpt_oss_fields(cfg, where)
+    experts = cfg.get("num_local_experts", cfg.get("num_experts"))
+    top_k = cfg.get("num_experts_per_tok")
+    for name, v in (("num_local_experts", experts), ("num_experts_per_tok", top_k)):
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"{where}: {fam.model_type} needs {name} > 0, got {v!r}")
+    if top_k > experts:
+        raise ValueError(f"{where}: num_experts_per_tok={top_k} must be in 1..num_local_experts={experts}")
+    return MoeFields(
+        experts=experts,
+        top_k=top_k,
+        expert_ffn=int(cfg["intermediate_size"]),
+        norm_topk_prob=True,
+        moe_layers=(True,) * int(cfg["num_hidden_layers"]),
+        linear_bias=True,
     )
 
 
@@ -629,6 +715,11 @@ class ModelSpec:
     """Each router has a per-expert score-correction bias of E values (DeepSeek-V3's ``e_score_correction_bias``)."""
     mla: MlaFields | None = None
     """Multi-latent attention shapes (DeepSeek); None: grouped-query attention of ``heads`` x ``head_dim``."""
+    attention_sinks: bool = False
+    """Each attention head has one learned sink logit (GPT-OSS ``sinks``, ``heads`` values per layer)."""
+    linear_bias: bool = False
+    """The attention output projection, the router and every expert's projections carry biases (GPT-OSS: ``h`` for
+    o_proj, ``E`` for the router, ``2 f_e + h`` per expert)."""
     vision: VisionSpec | None = None
     """The vision tower of a vision-language model (on the first pipeline stage); None: text only."""
 
@@ -690,6 +781,9 @@ class ModelSpec:
         h, f = self.hidden, self.ffn
         mlp_w = (3 if self.gated_mlp else 2) * h * f
         norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        # GPT-OSS's small vectors counted with the norms: the o_proj bias (replicated over TP like them) and the
+        # sinks (split over TP by heads: a few hundred values, not worth a key of their own)
+        norms += (h if self.linear_bias else 0) + (self.heads if self.attention_sinks else 0)
         m = self.mla
         if m is not None:
             qk = m.qk_nope_head_dim + m.qk_rope_head_dim
@@ -729,8 +823,14 @@ class ModelSpec:
             return {"router": 0, "experts": 0, "shared": 0}
         h = self.hidden
         shared = 3 * h * self.shared_expert_ffn + (h if self.shared_expert_gate else 0) if self.shared_expert_ffn else 0
-        router = h * self.experts + (self.experts if self.router_bias else 0)
-        return {"router": router, "experts": self.experts * 3 * h * self.expert_ffn, "shared": shared}
+        biases = (self.experts if self.router_bias else 0) + (self.experts if self.linear_bias else 0)
+        router = h * self.experts + biases
+        return {"router": router, "experts": self.experts * self.expert_params(), "shared": shared}
+
+    def expert_params(self) -> int:
+        """Parameters of one routed expert: gate, up and down of ``h x f_e`` (+ GPT-OSS's biases, ``2 f_e + h``)."""
+        h, f = self.hidden, self.expert_ffn
+        return 3 * h * f + ((2 * f + h) if self.linear_bias else 0)
 
     def param_count(self) -> int:
         """Total parameters of the HF checkpoint (unpadded vocab), embeddings + L layers + final norm + LM head (+ the
@@ -751,7 +851,7 @@ class ModelSpec:
         (the figure in an MoE model's name, e.g. 3.3 B of Qwen3-30B-A3B)."""
         if not self.is_moe:
             return self.param_count()
-        idle = (self.experts - self.top_k) * 3 * self.hidden * self.expert_ffn
+        idle = (self.experts - self.top_k) * self.expert_params()
         return self.param_count() - self.n_moe_layers * idle
 
     def padded_vocab(self, tp: int, divisible_by: int = MEGATRON_VOCAB_DIVISIBLE_BY) -> int:
@@ -992,6 +1092,45 @@ BUILTIN_SPECS: dict[str, ModelSpec] = {
         shared_expert_gate=False,
         router_bias=True,
     ),
+    # openai/gpt-oss-20b config.json (GptOssForCausalLM): hidden_size 2880, intermediate_size 2880 (each expert),
+    # num_hidden_layers 24, num_attention_heads 64, num_key_value_heads 8, head_dim 64, num_local_experts 32,
+    # num_experts_per_tok 4, vocab_size 201088, sliding_window 128 (even layers), attention_bias true,
+    # tie_word_embeddings false; sinks, q/k/v/o, router and expert biases. 20.91 B parameters, 4.19 B active; the
+    # model card's 3.61 B active leaves out the input embedding (a lookup, not a matmul).
+    "gpt-oss-20b": _spec(
+        name="gpt-oss-20b",
+        hidden=2880,
+        ffn=2880,
+        layers=24,
+        heads=64,
+        kv_heads=8,
+        head_dim=64,
+        vocab=201088,
+        qkv_bias=True,
+        experts=32,
+        top_k=4,
+        expert_ffn=2880,
+        attention_sinks=True,
+        linear_bias=True,
+    ),
+    # openai/gpt-oss-120b config.json: as gpt-oss-20b with num_hidden_layers 36 and num_local_experts 128.
+    # 116.83 B parameters, 5.71 B active; the model card's 5.13 B active leaves out the input embedding.
+    "gpt-oss-120b": _spec(
+        name="gpt-oss-120b",
+        hidden=2880,
+        ffn=2880,
+        layers=36,
+        heads=64,
+        kv_heads=8,
+        head_dim=64,
+        vocab=201088,
+        qkv_bias=True,
+        experts=128,
+        top_k=4,
+        expert_ffn=2880,
+        attention_sinks=True,
+        linear_bias=True,
+    ),
 }
 
 
@@ -1066,5 +1205,7 @@ def model_spec_from_hf_config(source: str | Path | dict, name: str | None = None
         shared_expert_gate=moe.shared_expert_gate if moe else True,
         router_bias=moe.expert_bias if moe else False,
         mla=mla,
+        attention_sinks=fam.gpt_oss,
+        linear_bias=moe.linear_bias if moe else False,
         vision=vision,
     )

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from megatron_rlvr.models.hf_config import MegatronModelArgs
+from megatron_rlvr.models.hf_config import MegatronModelArgs, yarn_attributes
 from megatron_rlvr.models.vision import vl_gpt_model_class
 
 
@@ -140,6 +140,36 @@ def _mla_local_spec(spec):
     return spec
 
 
+def _expert_output_clone(module, inputs, output):
+    """Forward hook of an expert's ``linear_fc2``: its output as a fresh tensor."""
+    out, bias = output
+    return out.clone(), bias
+
+
+def _fix_expert_biases(gpt) -> int:
+    """Two megatron-core 0.16 bugs of MoE experts with biases (GPT-OSS); returns the number of experts fixed.
+
+    1. ``MLP.forward`` adds an expert's fc2 bias in place (``output += output_bias * per_token_scale``,
+       transformer/mlp.py) on the output of ``RowParallelLinear``, which its TP reduction returns as a view; autograd
+       refuses to modify that view in place ("Output 0 of _ReduceFromModelParallelRegion is a view and is being
+       modified inplace"), so such a model cannot train. A forward hook on each local expert's ``linear_fc2`` hands
+       ``MLP.forward`` a clone instead (one copy of the expert's output).
+    2. ``RowParallelLinear`` flags its bias ``sequence_parallel``, so ``finalize_model_grads`` sums its gradient over
+       the TP group. An expert's bias (expert TP 1, the only size megatron allows with biases) already has its whole
+       gradient where its expert lives, and under expert parallelism the TP peers hold other experts: the sum adds
+       another expert's gradient (measured at TP=2 x EP=2: every fc2 bias gradient wrong). Its weight is never
+       summed over TP; the bias is treated the same (the flag cleared)."""
+    from megatron.core.transformer.mlp import MLP
+
+    n = 0
+    for name, module in gpt.named_modules():
+        if isinstance(module, MLP) and ".local_experts." in f".{name}." and module.linear_fc2.bias is not None:
+            module.linear_fc2.register_forward_hook(_expert_output_clone)
+            module.linear_fc2.bias.sequence_parallel = False
+            n += 1
+    return n
+
+
 MLA_LATENT_NORM_EPS = 1e-6
 """transformers (and DeepSeek's own code) build ``q_a_layernorm`` / ``kv_a_layernorm`` with the RMSNorm default eps
 1e-6, not ``rms_norm_eps`` (Moonlight: 1e-5); megatron gives every norm ``layernorm_epsilon``."""
@@ -221,6 +251,11 @@ def build_gpt_model(
         post_process = pp_rank == pp_size - 1
     rope = args.rope
     cls, extra = GPTModel, {"position_embedding_type": "rope"}
+    yarn = yarn_attributes(rope, mla=getattr(cfg, "multi_latent_attention", False))
+    if yarn:  # GPT-OSS: megatron's YaRN embedding reads its settings from config attributes (not fields)
+        for name, value in yarn.items():
+            setattr(cfg, name, value)
+        extra = {"position_embedding_type": "yarn"}
     if args.vision is not None:
         if pp_size > 1:
             raise ValueError(
@@ -246,6 +281,8 @@ def build_gpt_model(
     _apply_rope_scaling(model, args)
     if getattr(cfg, "multi_latent_attention", False):
         _set_mla_latent_norm_eps(model)
+    if cfg.num_moe_experts and cfg.add_bias_linear:
+        _fix_expert_biases(model)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     if wrap_float16 and (cfg.bf16 or cfg.fp16):

@@ -20,7 +20,15 @@ import torch
 from megatron_rlvr.models.hf_config import MegatronModelArgs
 from megatron_rlvr.models.hf_loading import SAFE_INDEX, SAFE_SINGLE
 from megatron_rlvr.models.lora import lora_container
-from megatron_rlvr.models.mapping import FP32_HF_TENSORS, ExpertLayout, WeightMapping, layer_offset, mapped_tensors
+from megatron_rlvr.models.mapping import (
+    FP32_HF_TENSORS,
+    ExpertLayout,
+    WeightMapping,
+    checkpoint_names,
+    layer_offset,
+    mapped_tensors,
+    stack_fused_experts,
+)
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 
@@ -158,6 +166,8 @@ def export_hf(
 
     # 1. every stage streams its tensors into temporary shard files
     tensors = iter_hf_tensors(model, args, pg_collection=pg_collection)
+    if args.dims.gpt_oss and writer:  # GPT-OSS checkpoints hold each expert tensor fused over experts
+        tensors = stack_fused_experts(tensors, args.dims.num_experts, device="cpu")
     files, err = _write_temp_shards(tensors, out_dir, pp_rank, dtype, max_shard_bytes, writer)
 
     # 2. rank 0 names the shards globally and writes the index, config and tokenizer
@@ -264,7 +274,7 @@ def save_shard(tensors: dict[str, torch.Tensor], path: str) -> None:
 
 
 def _finalise(files, out_dir, args: MegatronModelArgs, dtype, source_dir) -> None:
-    expected = set(WeightMapping(args.dims).hf_names())
+    expected = set(checkpoint_names(WeightMapping(args.dims).hf_names()))
     written = [n for _, names, _ in files for n in names]
     if sorted(written) != sorted(expected):
         missing, extra = sorted(expected - set(written)), sorted(set(written) - expected)

@@ -3,8 +3,9 @@
 Supported families live in one registry (``FAMILIES``): Llama (incl. Llama-3 rope scaling), Qwen2/2.5 (QKV bias), Qwen3
 (per-head q/k RMSNorm), the mixture-of-experts Qwen3-MoE and Qwen2-MoE (shared expert with a sigmoid gate), and
 DeepSeek-V3 (multi-latent attention with YaRN, sigmoid routing with the aux-loss-free expert bias, group-limited top-k,
-ungated shared experts, dense first layers; V2 with its softmax router), and GLM-4.5 (DeepSeek-V3's MoE with
-grouped-query attention: q/k/v biases, optional qk-norm, RoPE on part of each head). Anything else, or any config
+ungated shared experts, dense first layers; V2 with its softmax router), GLM-4.5 (DeepSeek-V3's MoE with
+grouped-query attention: q/k/v biases, optional qk-norm, RoPE on part of each head) and GPT-OSS (attention sinks,
+per-layer sliding windows, linear biases, the clamped SwiGLU, YaRN; ``gpt_oss_settings``). Anything else, or any config
 feature these models do not implement exactly (sliding window, attention/MLP biases on Llama, partial rotary outside
 GLM-4.5, non-SiLU activations, unsupported rope types), is a ValueError naming the field, so a model never silently
 computes something different from its HF reference.
@@ -23,7 +24,9 @@ import torch
 from megatron_rlvr.families.table import (
     FAMILIES,
     VL_FAMILIES,
+    GptOssFields,
     MlaFields,
+    gpt_oss_fields,
     has_qk_norm,
     has_qkv_bias,
     mla_fields,
@@ -45,8 +48,8 @@ class RopeSpec:
     theta: float
     """Base period (HF rope_theta)."""
     kind: str = "default"
-    """'default', 'linear' (position interpolation), 'llama3', or 'yarn' (multi-latent attention only: its
-    settings are in the MLA config, see ``mla_settings``)."""
+    """'default', 'linear' (position interpolation), 'llama3', or 'yarn' (multi-latent attention: its settings are
+    in the MLA config, see ``mla_settings``; GPT-OSS: megatron's ``YarnRotaryEmbedding``, see ``yarn_attributes``)."""
     factor: float = 1.0
     """Scaling factor for 'linear' / 'llama3' / 'yarn'."""
     low_freq_factor: float = 1.0
@@ -58,6 +61,17 @@ class RopeSpec:
     percent: float = 1.0
     """Share of each head's dims that RoPE rotates (HF ``partial_rotary_factor``, megatron's ``rotary_percent``):
     the first ``percent * head_dim`` dims in the rotate-half layout, the rest pass through (GLM-4.5: 0.5)."""
+    beta_fast: float = 32.0
+    """yarn (GPT-OSS) only: rotations above which a frequency is kept (extrapolated)."""
+    beta_slow: float = 1.0
+    """yarn (GPT-OSS) only: rotations below which a frequency is divided by ``factor`` (interpolated)."""
+    truncate: bool = True
+    """yarn (GPT-OSS) only: the correction range is rounded to whole dims (HF ``truncate``; GPT-OSS: false)."""
+    mscale: float | None = None
+    """yarn (GPT-OSS) only: with ``mscale_all_dim``, the attention factor is get_mscale(f, mscale) /
+    get_mscale(f, mscale_all_dim); None: 0.1 ln(factor) + 1 (transformers' rule)."""
+    mscale_all_dim: float | None = None
+    """yarn (GPT-OSS) only: see ``mscale``."""
 
 
 @dataclass
@@ -258,25 +272,40 @@ def megatron_model_args(
         config_overrides = {"context_parallel_size": cp_size, "cp_comm_type": cp_comm_type, **config_overrides}
     dims = _model_dims(cfg, fam, moe, mla, vision, tp_size, pp_size, vocab_multiple, padded_vocab_size)
     dims.check_tp(tp_size)
+    if etp_size is None and fam.gpt_oss:
+        etp_size = 1  # megatron biases MoE experts only at expert TP 1
+    elif fam.gpt_oss and etp_size != 1:
+        raise ValueError(
+            f"expert tensor parallel size {etp_size}: GPT-OSS's expert biases need expert TP 1 (parallel.expert_tp=1)"
+        )
     etp_size = tp_size if etp_size is None else etp_size
     dims.check_ep(ep_size, etp_size if dims.is_moe else 1)
     moe_kwargs = {}
     if dims.is_moe:
         # MLA layers are built from megatron's local spec (models/build.py), whose experts are SequentialMLP
-        grouped = fusions is not False and detect_fusions().grouped_gemm and mla is None
+        grouped = fusions is not False and detect_fusions().grouped_gemm and mla is None and not fam.gpt_oss
         moe_kwargs = moe_settings(
             moe, ep_size=ep_size, etp_size=etp_size, dispatcher=moe_dispatcher, aux_loss_coeff=moe_aux_loss_coeff,
             z_loss_coeff=moe_z_loss_coeff, grouped_gemm=grouped, expert_bias_update_rate=moe_expert_bias_update_rate,
         )  # fmt: skip
     # MoE layers train at TP > 1 only under sequence parallelism; MLA's whole down projections' gradients likewise
     sequence_parallel = sequence_parallel or (tp_size > 1 and (dims.is_moe or mla is not None))
-    config_cls, mla_kwargs, rope = _attention_settings(cfg, mla)
+    if fam.gpt_oss:  # sinks, sliding windows, biases, the clamped SwiGLU and YaRN
+        from megatron.core.transformer import TransformerConfig
+
+        fused = fusion_flags(fusions)["bias_activation_fusion"]
+        config_cls = TransformerConfig
+        mla_kwargs, rope = gpt_oss_settings(cfg, gpt_oss_fields(cfg), fused=fused)
+    else:
+        config_cls, mla_kwargs, rope = _attention_settings(cfg, mla)
     if rotary_percent != 1.0:
         if rope.kind != "default":
             raise ValueError(f"HF config: partial_rotary_factor with rope type {rope.kind!r} is not supported")
         rope = dataclasses.replace(rope, percent=rotary_percent)
     kwargs = _transformer_kwargs(cfg, dims, fusions, tp_size, pp_size, dtype, sequence_parallel, perform_initialization)
     config = config_cls(**{**kwargs, **moe_kwargs, **mla_kwargs, **config_overrides})
+    for name, value in yarn_attributes(rope, mla=mla is not None).items():
+        setattr(config, name, value)
     return MegatronModelArgs(
         config=config,
         dims=dims,
@@ -285,6 +314,101 @@ def megatron_model_args(
         max_sequence_length=int(_get(cfg, "max_position_embeddings", 4096)),
         hf_config=full_cfg,
         vision=vision,
+    )
+
+
+GPT_OSS_DEFAULT_THETA = 150000.0
+"""RoPE base of a GPT-OSS config that names none (transformers' ``GptOssConfig.default_theta``; 10000 elsewhere)."""
+
+
+def quick_gelu_eager(y: torch.Tensor) -> torch.Tensor:
+    """megatron's ``quick_gelu``, ``y * sigmoid(1.702 y)``, without the ``torch.compile`` megatron wraps it in: on CPU
+    (no fusions) the compiled function recompiles for every new token count an expert receives."""
+    return y * torch.sigmoid(1.702 * y)
+
+
+def gpt_oss_settings(cfg: dict, oss: GptOssFields, fused: bool = False) -> tuple[dict[str, Any], RopeSpec]:
+    """megatron TransformerConfig fields of a GPT-OSS config and its RopeSpec (transformers' modeling_gpt_oss).
+
+    - Sinks: ``softmax_type="learnable"``, one learned logit per head in ``core_attention.softmax_offset`` joining
+      each row's softmax and dropped from its output (transformers' ``sinks``), split over TP by heads.
+    - Sliding window: transformers' ``sliding_window=w`` lets a query see itself and the ``w - 1`` keys before it,
+      megatron's ``window_size=(w - 1, 0)``; ``window_attn_skip_freq`` as a per-layer list (1: sliding).
+    - Experts: ``quick_gelu`` (``y * sigmoid(1.702 y)``, ``swiglu_alpha`` is refused otherwise; megatron's own
+      function where ``fused`` bias-activation kernels run, which recognise it by identity) on the gate,
+      times ``up + 1`` (``glu_linear_offset``), both clamped by ``activation_func_clamp_value`` as transformers clamps
+      them (gate above, up both sides).
+    - Biases: ``add_bias_linear`` (q/k/v/o, router, expert fc1/fc2).
+    - RoPE: YaRN (or plain); its settings are not TransformerConfig fields but attributes megatron reads with
+      ``getattr`` (``yarn_attributes``), ``truncate=false`` is ``yarn_correction_range_round_to_int=False``.
+    - Quantisation: an MXFP4 checkpoint's experts are dequantised on load (models/mxfp4.py); other methods refused.
+    """
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+    quant = cfg.get("quantization_config") or {}
+    if quant and quant.get("quant_method") != "mxfp4":
+        raise ValueError(
+            f"HF config: quantization_config.quant_method={quant.get('quant_method')!r} is not supported for "
+            "gpt_oss (mxfp4 checkpoints are dequantised on load)"
+        )
+    out: dict[str, Any] = dict(
+        softmax_type="learnable",
+        add_bias_linear=True,
+        add_qkv_bias=True,
+        gated_linear_unit=True,
+        activation_func=quick_gelu if fused else quick_gelu_eager,
+        glu_linear_offset=1.0,
+        activation_func_clamp_value=oss.swiglu_limit,
+    )
+    if any(oss.sliding_layers):
+        out.update(window_size=(oss.sliding_window - 1, 0), window_attn_skip_freq=[int(s) for s in oss.sliding_layers])
+    params, theta, kind = _rope_params(cfg)
+    if params.get("rope_theta", cfg.get("rope_theta")) is None:
+        theta = GPT_OSS_DEFAULT_THETA
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("HF config: partial_rotary_factor != 1 is not supported")
+    if kind == "default":
+        return out, RopeSpec(theta=theta)
+    if kind != "yarn":
+        raise ValueError(f"HF config: rope type {kind!r} is not supported for gpt_oss (default, yarn)")
+    if params.get("attention_factor") is not None:
+        raise ValueError(
+            "HF config: rope_parameters.attention_factor is not supported (megatron derives it from factor)"
+        )
+    orig = params.get("original_max_position_embeddings")
+    if not orig:
+        raise ValueError("HF config: yarn rope scaling needs original_max_position_embeddings")
+    factor = params.get("factor") or cfg["max_position_embeddings"] / orig
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    both = bool(mscale and mscale_all_dim)  # transformers uses the pair only when both are set and non-zero
+    return out, RopeSpec(
+        theta=theta,
+        kind="yarn",
+        factor=float(factor),
+        original_max_position_embeddings=int(orig),
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
+        truncate=bool(params.get("truncate", True)),
+        mscale=float(mscale) if both else None,
+        mscale_all_dim=float(mscale_all_dim) if both else None,
+    )
+
+
+def yarn_attributes(rope: RopeSpec, mla: bool = False) -> dict[str, Any]:
+    """The ``yarn_*`` attributes megatron's ``GPTModel(position_embedding_type="yarn")`` and ``Attention`` read from
+    the config with ``getattr`` (empty unless a non-MLA YaRN model). They are not dataclass fields, so
+    ``dataclasses.replace`` and field-wise serialisation drop them: ``models/build.py`` sets them again from the
+    RopeSpec before it builds the model."""
+    if rope.kind != "yarn" or mla:
+        return {}
+    return dict(
+        yarn_rotary_scaling_factor=rope.factor,
+        yarn_original_max_position_embeddings=rope.original_max_position_embeddings,
+        yarn_beta_fast=rope.beta_fast,
+        yarn_beta_slow=rope.beta_slow,
+        yarn_mscale=rope.mscale,
+        yarn_mscale_all_dim=rope.mscale_all_dim,
+        yarn_correction_range_round_to_int=rope.truncate,
     )
 
 
@@ -368,6 +492,7 @@ def _model_dims(
         moe_layers=moe.moe_layers if moe else (),
         shared_expert_gate=moe.shared_expert_gate if moe else True,
         expert_bias=moe.expert_bias if moe else False,
+        gpt_oss=fam.gpt_oss,
         **(_mla_dims(mla) if mla is not None else {}),
         **(_vision_dims(vision, vision_param_names(vision)) if vision is not None else {}),
     )

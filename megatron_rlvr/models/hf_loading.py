@@ -19,6 +19,7 @@ from megatron_rlvr.models.mapping import (
     ExpertLayout,
     TensorSlice,
     WeightMapping,
+    fused_expert_name,
     fused_expert_reader,
     layer_offset,
     mapped_tensors,
@@ -166,6 +167,9 @@ def _missing(needed, present) -> set[str]:
     out = set()
     for name in needed:
         if name in present:
+            continue
+        oss = fused_expert_name(name)  # GPT-OSS: the fused tensor, or its MXFP4 blocks and scales
+        if oss is not None and (oss[0] in present or {oss[0] + "_blocks", oss[0] + "_scales"} <= present):
             continue
         head, sep, tail = name.partition(".mlp.experts.")
         if sep:

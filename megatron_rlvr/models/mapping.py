@@ -45,6 +45,10 @@ Layouts (megatron-core 0.16, ``SelfAttention.get_query_key_value_tensors``)
 - Multi-latent attention (DeepSeek): the down projections (``q_a_proj``, ``kv_a_proj_with_mqa``) are whole on every
   TP rank, the up projections (``q_b_proj`` / ``q_proj``, ``kv_b_proj``) split by heads, all in transformers' row
   order; the router's ``e_score_correction_bias`` is megatron's ``router.expert_bias`` buffer (``mapped_tensors``).
+- GPT-OSS: the sinks are ``core_attention.softmax_offset`` (split over TP by heads); the experts are stored fused
+  over experts with gate and up interleaved (``InterleavedExpertFC1``); the table names one expert's slice
+  (``fused_expert_name``), loading reads only that slice (or its MXFP4 blocks, dequantised), and export stacks the
+  slices back (``stack_fused_experts``).
 - Norm weights: megatron's local (torch) spec names them ``input_layernorm`` / ``pre_mlp_layernorm``; the
   Transformer-Engine spec fuses them into the next linear (``linear_qkv.layer_norm_weight`` /
   ``linear_fc1.layer_norm_weight``). Both names resolve to the same rule.
@@ -102,6 +106,12 @@ class ModelDims:
     expert_bias: bool = False
     """Each router has a score-correction bias (DeepSeek-V3's ``e_score_correction_bias``, megatron's
     ``router.expert_bias`` buffer)."""
+    gpt_oss: bool = False
+    """GPT-OSS's layout: attention sinks (``self_attn.sinks``, megatron's ``core_attention.softmax_offset``), an
+    o_proj bias, the router as ``mlp.router`` with a bias, and the experts stored fused over experts
+    (``mlp.experts.gate_up_proj`` [E, H, 2F] with gate and up interleaved in the last dim, ``down_proj`` [E, F, H],
+    and their biases); the table names one expert's slice ``mlp.experts.{e}.gate_up_proj`` etc.
+    (``fused_expert_name``)."""
     mla: bool = False
     """Multi-latent attention (DeepSeek): the five fields below describe it; there is no fused QKV projection."""
     q_lora_rank: int = 0
@@ -391,6 +401,63 @@ class GatedFC1(Transform):
         return torch.cat([gate, up], dim=0)
 
 
+class InterleavedExpertFC1(Transform):
+    """GPT-OSS expert ``linear_fc1`` (weight [2F, H] or bias [2F]) <-> one expert's slice of HF ``gate_up_proj``
+    ([H, 2F], the transpose) or ``gate_up_proj_bias`` ([2F]), whose gate and up alternate: gate = ``[..., ::2]``,
+    up = ``[..., 1::2]``. megatron's GLU chunks each expert-TP rank's output into ``[gate_r; up_r]`` (see
+    ``GatedFC1``), so the columns are de-interleaved on the way in. Expert-TP rank r's rows are the contiguous HF
+    columns ``2 r F/tp .. 2 (r+1) F/tp``, so a rank reads only those."""
+
+    tp_dim = 0
+
+    def to_hf(self, full, dims, tp_size):
+        f = dims.moe_ffn_hidden_size
+        if full.shape[0] != 2 * f:
+            raise ValueError(f"expert linear_fc1 has {full.shape[0]} rows, expected 2 * moe_ffn_hidden_size = {2 * f}")
+        rest = full.shape[1:]
+        per_rank = full.reshape(tp_size, 2, f // tp_size, *rest)
+        # [tp, F/tp, 2, ...]: gate and up of each inner index side by side
+        pairs = per_rank.transpose(1, 2).reshape(2 * f, *rest)
+        return [pairs.t().contiguous() if pairs.dim() == 2 else pairs.contiguous()]
+
+    def _deinterleave(self, hf: torch.Tensor, tp_size: int) -> torch.Tensor:
+        cols = hf.t() if hf.dim() == 2 else hf  # [2F_local, (H)] in HF's interleaved order
+        rest = cols.shape[1:]
+        local = cols.shape[0] // 2
+        per_rank = cols.reshape(tp_size, local // tp_size, 2, *rest).transpose(1, 2)
+        return per_rank.reshape(2 * local, *rest).contiguous()
+
+    def from_hf(self, tensors, dims, tp_size):
+        (t,) = tensors
+        return self._deinterleave(t, tp_size)
+
+    def read_shard(self, readers, dims, tp_rank, tp_size):
+        (r,) = readers
+        step = dims.moe_ffn_hidden_size // tp_size
+        last = len(r.get_shape()) - 1
+        cols = _read_range(r, last, 2 * tp_rank * step, 2 * (tp_rank + 1) * step)
+        return self._deinterleave(cols, 1)
+
+
+class TransposedExpertFC2(Transform):
+    """GPT-OSS expert ``linear_fc2.weight`` [H, F] (row-parallel over expert TP) <-> one expert's slice of HF
+    ``down_proj`` [F, H] (the transpose)."""
+
+    tp_dim = 1
+
+    def to_hf(self, full, dims, tp_size):
+        return [full.t().contiguous()]
+
+    def from_hf(self, tensors, dims, tp_size):
+        (t,) = tensors
+        return t.t().contiguous()
+
+    def read_shard(self, readers, dims, tp_rank, tp_size):
+        (r,) = readers
+        step = dims.moe_ffn_hidden_size // tp_size
+        return _read_range(r, 0, tp_rank * step, (tp_rank + 1) * step).t().contiguous()
+
+
 TRANSFORMS: dict[str, Transform] = {
     "replicated": Replicated(),
     "column": Split(0),
@@ -400,6 +467,8 @@ TRANSFORMS: dict[str, Transform] = {
     "gated_fc1": GatedFC1(),
     "expert_fc1": GatedFC1("moe_ffn_hidden_size"),
     "shared_fc1": GatedFC1("shared_expert_ffn"),
+    "oss_fc1": InterleavedExpertFC1(),
+    "oss_fc2": TransposedExpertFC2(),
 }
 """Registry of layout kinds used by ``RULES``."""
 
@@ -525,6 +594,16 @@ RULES: tuple[Rule, ...] = (
         when=lambda d: d.qk_layernorm,
     ),
     Rule(_L + "self_attention.linear_proj.weight", (_H + "self_attn.o_proj.weight",), "row"),
+    # GPT-OSS: the o_proj bias (added once after the TP reduction: whole on every rank) and the sinks (per head)
+    Rule(
+        _L + "self_attention.linear_proj.bias", (_H + "self_attn.o_proj.bias",), "replicated", when=lambda d: d.gpt_oss
+    ),
+    Rule(
+        _L + "self_attention.core_attention.softmax_offset",
+        (_H + "self_attn.sinks",),
+        "column",
+        when=lambda d: d.gpt_oss,
+    ),
     Rule(
         _L + "pre_mlp_layernorm.weight",
         (_H + "post_attention_layernorm.weight",),
@@ -539,7 +618,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(_L + "mlp.linear_fc2.weight", (_H + "mlp.down_proj.weight",), "row", layers="dense"),
     # mixture of experts: router, routed experts (local index in megatron, global index in HF), shared expert
-    Rule(_L + "mlp.router.weight", (_H + "mlp.gate.weight",), "replicated", layers="moe"),
+    Rule(_L + "mlp.router.weight", (_H + "mlp.gate.weight",), "replicated", when=lambda d: not d.gpt_oss, layers="moe"),
     # a buffer in megatron (not trained by gradient), kept in fp32 by both (see FP32_HF_TENSORS)
     Rule(
         _L + "mlp.router.expert_bias",
@@ -553,6 +632,7 @@ RULES: tuple[Rule, ...] = (
         (_H + "mlp.experts.{expert}.gate_proj.weight", _H + "mlp.experts.{expert}.up_proj.weight"),
         "expert_fc1",
         aliases=(_L + "mlp.experts.linear_fc1.weight{expert}",),  # Transformer Engine's grouped GEMM experts
+        when=lambda d: not d.gpt_oss,
         layers="moe",
     ),
     Rule(
@@ -560,6 +640,42 @@ RULES: tuple[Rule, ...] = (
         (_H + "mlp.experts.{expert}.down_proj.weight",),
         "row",
         aliases=(_L + "mlp.experts.linear_fc2.weight{expert}",),
+        when=lambda d: not d.gpt_oss,
+        layers="moe",
+    ),
+    # GPT-OSS: router with a bias; each expert's slice of the fused tensors (see fused_expert_name)
+    Rule(_L + "mlp.router.weight", (_H + "mlp.router.weight",), "replicated", when=lambda d: d.gpt_oss, layers="moe"),
+    Rule(_L + "mlp.router.bias", (_H + "mlp.router.bias",), "replicated", when=lambda d: d.gpt_oss, layers="moe"),
+    Rule(
+        _L + "mlp.experts.local_experts.{expert}.linear_fc1.weight",
+        (_H + "mlp.experts.{expert}.gate_up_proj",),
+        "oss_fc1",
+        aliases=(_L + "mlp.experts.linear_fc1.weight{expert}",),
+        when=lambda d: d.gpt_oss,
+        layers="moe",
+    ),
+    Rule(
+        _L + "mlp.experts.local_experts.{expert}.linear_fc1.bias",
+        (_H + "mlp.experts.{expert}.gate_up_proj_bias",),
+        "oss_fc1",
+        aliases=(_L + "mlp.experts.linear_fc1.bias{expert}",),
+        when=lambda d: d.gpt_oss,
+        layers="moe",
+    ),
+    Rule(
+        _L + "mlp.experts.local_experts.{expert}.linear_fc2.weight",
+        (_H + "mlp.experts.{expert}.down_proj",),
+        "oss_fc2",
+        aliases=(_L + "mlp.experts.linear_fc2.weight{expert}",),
+        when=lambda d: d.gpt_oss,
+        layers="moe",
+    ),
+    Rule(
+        _L + "mlp.experts.local_experts.{expert}.linear_fc2.bias",
+        (_H + "mlp.experts.{expert}.down_proj_bias",),
+        "replicated",
+        aliases=(_L + "mlp.experts.linear_fc2.bias{expert}",),
+        when=lambda d: d.gpt_oss,
         layers="moe",
     ),
     Rule(
@@ -897,6 +1013,68 @@ class _ExpertOfFused:
         return self.fused[(self.expert, first, *idx[1:])]
 
 
+_OSS_EXPERT = re.compile(
+    r"^(?P<pre>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_up_proj|down_proj)(?P<bias>_bias)?$"
+)
+
+
+def fused_expert_name(name: str) -> tuple[str, int] | None:
+    """(checkpoint tensor, expert index) of the table's name for one GPT-OSS expert's slice
+    (``model.layers.3.mlp.experts.5.gate_up_proj`` -> (``model.layers.3.mlp.experts.gate_up_proj``, 5)); None for
+    any other name. GPT-OSS checkpoints hold each of the four expert tensors once per layer, experts stacked first."""
+    m = _OSS_EXPERT.match(name)
+    if m is None:
+        return None
+    return f"{m.group('pre')}.{m.group('proj')}{m.group('bias') or ''}", int(m.group("expert"))
+
+
+def checkpoint_names(names) -> list[str]:
+    """The tensor names a checkpoint holds for the table's ``names`` (``WeightMapping.hf_names()``): GPT-OSS's
+    per-expert slices collapse into their fused tensor (first appearance keeps the order); others are unchanged."""
+    out: dict[str, None] = {}
+    for n in names:
+        fused = fused_expert_name(n)
+        out[fused[0] if fused else n] = None
+    return list(out)
+
+
+def stack_fused_experts(tensors, num_experts: int, device=None):
+    """``(name, tensor)`` stream with GPT-OSS's per-expert slices stacked into their fused checkpoint tensors
+    ([E, ...], expert order), each yielded once all ``num_experts`` slices arrived; other tensors pass through.
+    Holds copies (on ``device``; None: where they are) of the slices of the fused tensors still incomplete: one
+    layer's experts in ``iter_hf_tensors`` order (gpt-oss-120b: 128 x 24.9 M values). The stream must be iterated to
+    its end (collective producers)."""
+    pending: dict[str, dict[int, torch.Tensor]] = {}
+    for name, t in tensors:
+        fused = fused_expert_name(name)
+        if fused is None:
+            yield name, t
+            continue
+        slices = pending.setdefault(fused[0], {})
+        # a copy: the producer may hand out views of parameters or reused buffers
+        slices[fused[1]] = t.detach().to(device or t.device, copy=True)
+        if len(slices) == num_experts:
+            del pending[fused[0]]
+            yield fused[0], torch.stack([slices[e] for e in range(num_experts)])
+    if pending:
+        name, got = next(iter(pending.items()))
+        raise RuntimeError(f"{name}: only {len(got)} of {num_experts} experts were produced")
+
+
+class _ExpertSlice:
+    """One expert's slice of a fused GPT-OSS tensor ([E, ...]) as a ``SliceReader`` (reads only what is sliced)."""
+
+    def __init__(self, fused: SliceReader, expert: int):
+        self.fused, self.expert = fused, expert
+
+    def get_shape(self) -> list[int]:
+        return list(self.fused.get_shape()[1:])
+
+    def __getitem__(self, idx) -> torch.Tensor:
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        return self.fused[(self.expert, *idx)]
+
+
 def fused_expert_reader(reader: Callable[[str], SliceReader], names) -> Callable[[str], SliceReader]:
     """``reader`` that also answers hub-style per-expert names (``...mlp.experts.{e}.gate_proj.weight``) from
     transformers 5's fused in-memory layout (``...mlp.experts.gate_up_proj`` / ``down_proj``) when only the fused
@@ -905,6 +1083,14 @@ def fused_expert_reader(reader: Callable[[str], SliceReader], names) -> Callable
 
     def read(name: str) -> SliceReader:
         m = _PER_EXPERT.match(name)
+        oss = fused_expert_name(name) if name not in names else None
+        if oss is not None:  # GPT-OSS: a slice of the fused tensor, or of its MXFP4 blocks dequantised
+            fused, e = oss
+            if fused not in names and f"{fused}_blocks" in names:
+                from megatron_rlvr.models.mxfp4 import Mxfp4Expert
+
+                return Mxfp4Expert(reader(f"{fused}_blocks"), reader(f"{fused}_scales"), e, fused)
+            return _ExpertSlice(reader(fused), e)
         if name in names or m is None:
             return reader(name)
         e, proj = int(m.group("expert")), m.group("proj")
@@ -918,10 +1104,20 @@ def fused_expert_reader(reader: Callable[[str], SliceReader], names) -> Callable
 
 
 def unfuse_experts(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A transformers 5 in-memory state dict with the routed experts under hub-style per-expert names (views)."""
+    """A transformers 5 in-memory state dict with the routed experts under hub-style per-expert names (views).
+    GPT-OSS's fused tensors (recognised by their biases, which the other families' experts lack) become the table's
+    per-expert slices (``mlp.experts.{e}.gate_up_proj`` = ``gate_up_proj[e]``, ``fused_expert_name``)."""
     out = {}
     for name, t in state.items():
-        if name.endswith(".mlp.experts.gate_up_proj"):
+        if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")) and f"{name}_bias" in state:
+            pre, proj = name.rsplit(".", 1)
+            for suffix in ("", "_bias"):
+                fused = state[name + suffix]
+                out.update({f"{pre}.{e}.{proj}{suffix}": fused[e] for e in range(fused.shape[0])})
+        elif name.endswith((".mlp.experts.gate_up_proj_bias", ".mlp.experts.down_proj_bias")):
+            if name.removesuffix("_bias") not in state:
+                out[name] = t
+        elif name.endswith(".mlp.experts.gate_up_proj"):
             pre, inner = name.removesuffix(".gate_up_proj"), t.shape[1] // 2
             for e in range(t.shape[0]):
                 out[f"{pre}.{e}.gate_proj.weight"] = t[e, :inner]
