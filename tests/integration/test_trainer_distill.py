@@ -76,3 +76,38 @@ def test_distillation_runs_log_their_metrics(dist_pool, tmp_path):
             assert recs[0]["distill/kl_per_token"] == 0.0
         if name == "advantage_lora_alone":
             assert all("loss/distill" not in r for r in recs)
+
+
+DISTILL_KEYS = ("distill/kl_per_token", "distill/teacher_logprob_mean", "loss/distill")
+
+
+def test_distillation_step_at_cp2_matches_cp1(dist_pool, tmp_path):
+    """Context parallelism with a teacher: 1-step runs at CP = 2 x DP = 2 and at CP = 1 x DP = 4 (TP = 1; the tiny
+    student and teacher are drawn in HF layout from their seeds, so the weights are the same at both layouts, and
+    each rollout sample has its own seeded generator, so is the batch), for the full-vocabulary estimator (the
+    teacher's logits split over CP like the student's) and the sampled one (the teacher's log-probs from its own
+    CP forward), with seq-mean-token-mean aggregation (per-sequence token counts completed over CP): the step-1
+    distillation metrics agree to 1e-5, the batch (reward, response length) is the same, and the KL is not 0 (the
+    teacher differs from the student)."""
+    common = [
+        *trainer_helpers.SMALL,
+        "schedule.steps=1",
+        "parallel.tp=1",
+        "algorithm.distill.teacher=tiny",
+        "algorithm.distill.teacher_seed=7",
+        "algorithm.aggregation.mode=seq-mean-token-mean",
+    ]
+    runs = {est: [f"algorithm.distill.estimator={est}"] for est in ("full", "sampled")}
+    layouts = {}
+    for cp in (1, 2):
+        root = tmp_path / f"cp{cp}"
+        extra = [*common, f"parallel.cp={cp}"]
+        codes = dist_pool.run(_train, cp=cp, args=(str(root), runs, extra), timeout=600)[0]
+        assert codes == {n: 0 for n in runs}, (cp, codes)
+        layouts[cp] = {n: _records(root / n) for n in runs}
+    for name in runs:
+        (one,), (two,) = layouts[1][name], layouts[2][name]
+        assert one["reward/mean"] == two["reward/mean"] and one["response/length_mean"] == two["response/length_mean"]
+        assert one["distill/kl_per_token"] > 1e-3, (name, one)
+        for key in DISTILL_KEYS:
+            assert abs(one[key] - two[key]) <= 1e-5 * max(1.0, abs(one[key])), (name, key, one[key], two[key])
