@@ -1,7 +1,8 @@
 """On-policy distillation in the training loop, in-process on the shared 4-rank gloo pool (TP = 2 x DP = 2): a tiny
 run exports its HF folder, then 2-step runs distil into a fresh student from that folder (sampled estimator, loss
-mode), from another random-init tiny teacher (full-vocabulary estimator) and into a LoRA student (advantage mode,
-distillation alone); every step logs the distillation metrics."""
+mode), from another random-init tiny teacher (full-vocabulary estimator) and into LoRA students (advantage mode,
+distillation alone; full estimator from the student's own base model); every step logs the distillation metrics.
+A CP = 2 step logs the CP = 1 step's distillation metrics."""
 
 import json
 import math
@@ -36,7 +37,8 @@ def test_distillation_runs_log_their_metrics(dist_pool, tmp_path):
     ``distill/teacher_logprob_mean`` that is a log-probability (<= 0, above log(1/19) - 5 on the 19-token tiny
     vocabulary); a teacher that differs from the student gives KL > 0, and in loss mode (token-mean, one update per
     step) the loss term equals the logged mean KL. The start teacher (train.seed, the student's own start weights)
-    gives a full-vocabulary KL of exactly 0 at step 1, before any update."""
+    gives a full-vocabulary KL of exactly 0 at step 1, before any update; so does the LoRA student's own base model
+    as its teacher (a separate frozen copy; the adapters start at zero)."""
     teacher_dir = tmp_path / "teacher" / "hf"
     runs = {
         "teacher": ["checkpoint.export_hf=true", "schedule.steps=2"],
@@ -47,6 +49,12 @@ def test_distillation_runs_log_their_metrics(dist_pool, tmp_path):
             "algorithm.distill.estimator=full",
         ],
         "full_same_start": ["algorithm.distill.teacher=tiny", "algorithm.distill.estimator=full"],
+        "lora_full_base_teacher": [
+            "algorithm.distill.teacher=tiny",
+            "algorithm.distill.estimator=full",
+            "model.lora.rank=8",
+            "model.lora.alpha=16",
+        ],
         "advantage_lora_alone": [
             "algorithm.distill.teacher=tiny",
             "algorithm.distill.teacher_seed=7",
@@ -72,7 +80,7 @@ def test_distillation_runs_log_their_metrics(dist_pool, tmp_path):
                 assert abs(r["loss/distill"] - kl) < 1e-5, (name, r)
         if name == "full_other_seed":
             assert all(r["distill/kl_per_token"] > 1e-4 for r in recs), recs
-        if name == "full_same_start":
+        if name in ("full_same_start", "lora_full_base_teacher"):
             assert recs[0]["distill/kl_per_token"] == 0.0
         if name == "advantage_lora_alone":
             assert all("loss/distill" not in r for r in recs)
