@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .aggregation import AggregationConfig, LossNormalizers, aggregate
+from .aggregation import AggregationConfig, LossNormalizers, SeqSum, aggregate
 from .algorithm_config import DistillConfig
 from .metrics import masked_mean
 
@@ -71,11 +71,14 @@ def distill_loss(
     teacher_logp_BT: Tensor | None,
     kl_BT: Tensor | None,
     log_ratio_clamp: float,
+    seq_sum: SeqSum | None = None,
 ) -> tuple[Tensor | None, dict[str, Tensor]]:
     """(coef * aggregated reverse-KL term, or None in ``advantage`` mode; metrics).
 
     ``kl_BT``: the exact per-token reverse KL (ops ``kl``, with gradient), for ``estimator=full``;
     ``teacher_logp_BT``: the teacher's log-prob of each sampled token (detached), for ``sampled`` and the metrics.
+    ``seq_sum``: completes per-sequence sums when the sequences are split over ranks (context parallelism), as
+    for every other aggregated term (aggregation.aggregate).
     Metrics: ``distill/kl_per_token`` (mean over the masked tokens of the exact KL when given, else of the sampled
     estimate logp - teacher_logp), ``distill/teacher_logprob_mean``, and ``loss/distill`` (the aggregated term)."""
     mask = mask_BT.bool()
@@ -98,6 +101,6 @@ def distill_loss(
         # masked positions of the inputs may hold anything: zero them before the exp (value and gradient)
         z = [_zero_off(t, mask) for t in (logp_BT, old_logp_BT, teacher_logp_BT)]
         term_BT = _zero_off(sampled_reverse_kl_surrogate(*z, log_ratio_clamp), mask)
-    term = aggregate(term_BT, mask, agg, norms)
+    term = aggregate(term_BT, mask, agg, norms, seq_sum)
     metrics["loss/distill"] = term.detach().float()
     return cfg.coef * term, metrics

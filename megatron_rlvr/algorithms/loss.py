@@ -177,6 +177,7 @@ def compute_policy_loss(
             _clean(inputs.teacher_logp_BT, mask),
             _clean(inputs.distill_kl_BT, mask),
             cfg.policy_loss.log_ratio_clamp,
+            seq_sum,
         )
         if d_loss is not None:
             loss = loss + d_loss
