@@ -52,7 +52,7 @@ from megatron_rlvr.config.sections import (
 )
 from megatron_rlvr.data.data_config import DataConfig
 from megatron_rlvr.families import gguf
-from megatron_rlvr.families.table import vl_family_of, vl_text_config
+from megatron_rlvr.families.table import routed_experts, vl_family_of, vl_text_config
 from megatron_rlvr.families.tiny import TINY_MODELS, tiny_hf_config
 from megatron_rlvr.rewards.reward_config import RewardConfig
 
@@ -283,7 +283,7 @@ def check_expert_layout(par, world_size: int, hf: dict) -> None:
         )
     if not hf:
         return
-    experts = int(hf.get("num_experts", hf.get("num_local_experts")) or 0)
+    experts = routed_experts(hf)
     if experts and par.cp > 1:
         raise ConfigError(
             f"parallel.cp={par.cp}: mixture-of-experts models train with parallel.cp=1 (context parallelism is wired "
@@ -353,7 +353,7 @@ def check_lora(cfg: RunConfig, hf: dict) -> None:
         return
     text = vl_text_config(hf) if vl_family_of(hf) is not None else hf
     experts = {"fc1", "fc2"} & set(lora.targets)
-    if experts and (text.get("num_experts") or text.get("num_local_experts")):
+    if experts and routed_experts(text):
         raise ConfigError(
             f"model.lora.targets=[{','.join(lora.targets)}]: {'/'.join(sorted(experts))} adapters on the experts of "
             "this MoE model are not supported (vLLM cannot serve expert adapters); use model.lora.targets=[qkv,proj]"
@@ -366,9 +366,11 @@ def check_lora(cfg: RunConfig, hf: dict) -> None:
         )
 
 
-GATE_WEIGHT_FAMILIES = ("qwen2_moe", "qwen3_moe")
+GATE_WEIGHT_FAMILIES = ("qwen2_moe", "qwen3_moe", "deepseek_v3")
 """HF model types whose transformers ``*TopKRouter`` returns, as its second output, the weights the experts' outputs
-are multiplied by (softmax, top-k, optional renormalisation; no factor applied outside the router)."""
+are multiplied by (softmax, top-k, optional renormalisation; no factor applied outside the router). DeepSeek-V3's
+``DeepseekV3TopkRouter``: the unbiased sigmoid scores at the experts chosen with the bias, renormalised and times
+``routed_scaling_factor``, which megatron's probabilities also include."""
 
 
 def check_routing_replay(cfg: RunConfig, hf: dict) -> None:
@@ -400,7 +402,7 @@ def check_routing_replay(cfg: RunConfig, hf: dict) -> None:
             "on CPU, and the vLLM engine does not pass them on yet); set rollout.engine=hf, or use "
             "train.routing_replay=r2 (routes of the trainer's behaviour forward)"
         )
-    if hf and not int(hf.get("num_experts", hf.get("num_local_experts")) or 0):
+    if hf and not routed_experts(hf):
         raise ConfigError(f"train.routing_replay={mode} needs a mixture-of-experts model (this model has no experts)")
     if cfg.parallel.pp > 1 and cfg.train.recompute == "full":
         raise ConfigError(

@@ -958,3 +958,15 @@ def model_spec_from_hf_config(source: str | Path | dict, name: str | None = None
         mla=mla,
         vision=vision,
     )
+
+
+ROUTED_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+"""HF config keys of the routed-expert count: Qwen's hub configs, transformers 5 (and GPT-OSS), DeepSeek / GLM."""
+
+
+def routed_experts(cfg: dict) -> int:
+    """Routed experts per MoE layer of an HF (text) config; 0 for a dense model."""
+    for key in ROUTED_EXPERT_KEYS:
+        if cfg.get(key):
+            return int(cfg[key])
+    return 0

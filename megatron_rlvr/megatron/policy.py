@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from megatron_rlvr.config import ModelConfig, OptimizerConfig, ParallelConfig, ScheduleConfig, TrainConfig
-from megatron_rlvr.families.table import vl_family_of, vl_saved_name
+from megatron_rlvr.families.table import routed_experts, vl_family_of, vl_saved_name
 from megatron_rlvr.megatron.context_parallel import cp_core_attention
 from megatron_rlvr.megatron.router_loss import record_expert_loads
 from megatron_rlvr.models.build import build_gpt_model, unwrap
@@ -27,8 +27,7 @@ def model_args_for(source: ModelSource, model_cfg: ModelConfig, par: ParallelCon
     overrides: dict[str, Any] = {}
     if train.recompute == "full":
         overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    # routed experts: Qwen's num_experts (transformers 5: num_local_experts), DeepSeek's n_routed_experts
-    if any(source.hf_config.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts")):
+    if routed_experts(source.hf_config):
         overrides.update(
             ep_size=par.ep,
             etp_size=par.expert_tp,

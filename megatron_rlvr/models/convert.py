@@ -10,6 +10,7 @@ import os
 import torch
 
 from megatron_rlvr.config.lora_config import LoRAConfig
+from megatron_rlvr.families.table import routed_experts
 from megatron_rlvr.families.tiny import TINY_MODELS, tiny_hf_config, tiny_tokenizer_for
 from megatron_rlvr.models.build import build_gpt_model
 from megatron_rlvr.models.checkpointing import (
@@ -83,7 +84,7 @@ def expert_layout_kwargs(hf_config: dict) -> dict:
     """The job's expert-parallel and expert-TP sizes as model-args keywords (nothing for a dense model)."""
     from megatron.core import parallel_state as ps
 
-    if not hf_config.get("num_experts", hf_config.get("num_local_experts")):
+    if not routed_experts(hf_config):
         return {}
     return {
         "ep_size": ps.get_expert_model_parallel_world_size(),
@@ -181,7 +182,7 @@ def validate_layout(args, cfg_source) -> None:
                 "choose another --out or --step"
             )
         meta_cfg = megatron_model_args(cfg_source, tp_size=args.tp, pp_size=args.pp, **_cli_experts(args)).hf_config
-    if (args.ep > 1 or (args.etp or 1) > 1) and not meta_cfg.get("num_experts", meta_cfg.get("num_local_experts")):
+    if (args.ep > 1 or (args.etp or 1) > 1) and not routed_experts(meta_cfg):
         raise ValueError("--ep / --etp > 1 need a mixture-of-experts model")
 
 

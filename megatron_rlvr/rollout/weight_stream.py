@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlvr.models.lora import LoRAAdapter, lora_container
-from megatron_rlvr.models.mapping import ExpertLayout, ResolvedParam, WeightMapping, layer_offset
+from megatron_rlvr.models.mapping import ExpertLayout, ResolvedParam, WeightMapping, layer_offset, mapped_tensors
 
 Bucket = list[tuple[str, torch.Tensor]]
 
@@ -159,7 +159,7 @@ def _local_entries(chunks, offsets, mapping: WeightMapping, tp_size: int, stage:
     out = []
     for chunk, offset in zip(chunks, offsets):
         lora = lora_container(chunk)
-        for name, param in chunk.named_parameters():
+        for name, param in mapped_tensors(chunk):  # the parameters and the buffers HF stores (the router bias)
             if lora is not None and lora.is_adapter_param(param):  # merged into their weights (or sent as a folder)
                 continue
             p = mapping.resolve(name, layer_offset=offset, expert_offset=experts.expert_offset(mapping.dims))
