@@ -366,9 +366,11 @@ def check_lora(cfg: RunConfig, hf: dict) -> None:
         )
 
 
-GATE_WEIGHT_FAMILIES = ("qwen2_moe", "qwen3_moe")
+GATE_WEIGHT_FAMILIES = ("qwen2_moe", "qwen3_moe", "deepseek_v3")
 """HF model types whose transformers ``*TopKRouter`` returns, as its second output, the weights the experts' outputs
-are multiplied by (softmax, top-k, optional renormalisation; no factor applied outside the router)."""
+are multiplied by (softmax, top-k, optional renormalisation; no factor applied outside the router). DeepSeek-V3's
+``DeepseekV3TopkRouter``: the unbiased sigmoid scores at the experts chosen with the bias, renormalised and times
+``routed_scaling_factor``, which megatron's probabilities also include."""
 
 
 def check_routing_replay(cfg: RunConfig, hf: dict) -> None:

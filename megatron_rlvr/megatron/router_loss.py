@@ -15,6 +15,15 @@ the term divided by its coefficient to the tracker slot of its layer:
 
 :func:`router_loss_metrics` turns those sums into the mean over the update's training forwards (micro-batches of every
 data-parallel rank) and over MoE layers, the number the gradient term is ``coeff x``.
+
+Routers with an expert bias (DeepSeek-V3's aux-loss-free balancing, arXiv:2408.15664) are balanced by the bias
+instead: megatron-core counts every token each router sends to each expert in the forwards run with grad enabled
+(``TopKRouter.local_tokens_per_expert``; a recomputed forward counts once, forward-only passes never; padding is
+counted, the model is given no padding mask), and ``finalize_model_grads`` (the end of a mini-batch's backward,
+before the optimizer step) all-reduces the counts over TP x CP x DP, adds ``rate * sign(mean load - load_i)`` to each
+layer's bias and zeroes them. :func:`record_expert_loads` keeps a copy of those counts before megatron zeroes them;
+:func:`expert_bias_metrics` turns them and the biases into the step's ``moe/expert_bias_*`` and
+``moe/load_imbalance*`` metrics.
 """
 
 from __future__ import annotations
@@ -85,4 +94,87 @@ def router_loss_metrics(model, forwards: int, pg) -> dict[str, float]:
     for j, name in enumerate(names):
         per_rank_mean = tp if name == "z_loss" else 1  # z: each TP rank's value is the mean over its s / tp positions
         out[METRICS[name]] = float(values[j]) / per_rank_mean / microbatches / layers
+    return out
+
+
+EXPERT_LOADS_ATTR = "expert_loads"
+"""Attribute of the DDP model that holds its :class:`ExpertLoadRecorder` (set by :func:`record_expert_loads`)."""
+
+
+def expert_bias_routers(model) -> list:
+    """This rank's routers that carry an expert bias, in layer order."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return [m for m in model.modules() if isinstance(m, TopKRouter) and getattr(m, "expert_bias", None) is not None]
+
+
+class ExpertLoadRecorder:
+    """This rank's per-expert token counts [MoE layers on the stage, E] of every optimizer step since the last
+    :meth:`take`, copied just before megatron's ``finalize_model_grads`` uses and zeroes them."""
+
+    def __init__(self, finalize):
+        self._finalize = finalize
+        self._loads: list[torch.Tensor] = []
+
+    def __call__(self, model_chunks, *args, **kwargs):
+        routers = [r for chunk in model_chunks for r in expert_bias_routers(chunk)]
+        if routers:
+            self._loads.append(torch.stack([r.local_tokens_per_expert.detach().double().cpu() for r in routers]))
+        return self._finalize(model_chunks, *args, **kwargs)
+
+    def take(self) -> list[torch.Tensor]:
+        out, self._loads = self._loads, []
+        return out
+
+
+def record_expert_loads(ddp_model) -> None:
+    """Have ``ddp_model``'s gradient finalisation keep each optimizer step's expert loads (a model whose routers
+    have an expert bias; otherwise nothing changes)."""
+    config = _config(ddp_model)
+    if not getattr(config, "moe_router_enable_expert_bias", False):
+        return
+    if not isinstance(config.finalize_model_grads_func, ExpertLoadRecorder):
+        config.finalize_model_grads_func = ExpertLoadRecorder(config.finalize_model_grads_func)
+    setattr(ddp_model, EXPERT_LOADS_ATTR, config.finalize_model_grads_func)
+
+
+def expert_bias_metrics(ddp_model, pg) -> dict[str, float]:
+    """The step's aux-loss-free routing terms ({} unless the routers have an expert bias):
+
+    - ``moe/expert_bias_abs_mean`` / ``moe/expert_bias_abs_max``: mean / max of |bias| over the MoE layers' experts,
+      after the step;
+    - ``moe/load_imbalance``: max_i load_i / mean_i load_i of a layer, the load counted over the tokens of one
+      optimizer step on every rank, averaged over MoE layers and the step's optimizer steps (1: balanced);
+      ``moe/load_imbalance_max``: its largest value.
+
+    Every rank of the world calls (collectives over TP x CP x DP and over PP); clears the recorded loads."""
+    config = _config(ddp_model)
+    if not getattr(config, "moe_router_enable_expert_bias", False):
+        return {}
+    recorder = getattr(ddp_model, EXPERT_LOADS_ATTR, None)
+    loads = recorder.take() if recorder is not None else []
+    routers = expert_bias_routers(ddp_model)
+    sums = torch.zeros(4, dtype=torch.float64)  # imbalance sum, imbalance count, |bias| sum, bias count
+    maxes = torch.zeros(2, dtype=torch.float64)  # imbalance max, |bias| max
+    if loads:
+        counts_SLE = torch.stack(loads)
+        dist.all_reduce(counts_SLE, group=pg.tp_dp_cp)  # the counts megatron's update all-reduces
+        mean_SL = counts_SLE.mean(-1)
+        imbalance_SL = counts_SLE.amax(-1) / mean_SL.clamp_min(1e-30)
+        sums[0], sums[1] = imbalance_SL.sum(), imbalance_SL.numel()
+        maxes[0] = imbalance_SL.max()
+    if routers:
+        bias_abs = torch.stack([r.expert_bias.detach().double().abs().cpu() for r in routers])
+        sums[2], sums[3] = bias_abs.sum(), bias_abs.numel()
+        maxes[1] = bias_abs.max()
+    if pg.pp.size() > 1:  # each pipeline stage holds its own layers
+        dist.all_reduce(sums, group=pg.pp)
+        dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=pg.pp)
+    out = {}
+    if sums[3] > 0:
+        out["moe/expert_bias_abs_mean"] = float(sums[2] / sums[3])
+        out["moe/expert_bias_abs_max"] = float(maxes[1])
+    if sums[1] > 0:
+        out["moe/load_imbalance"] = float(sums[0] / sums[1])
+        out["moe/load_imbalance_max"] = float(maxes[0])
     return out

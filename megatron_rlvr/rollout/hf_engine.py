@@ -16,6 +16,7 @@ index): the samples do not depend on how rows are batched.
 from __future__ import annotations
 
 import inspect
+import itertools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -37,6 +38,9 @@ from megatron_rlvr.rollout.engine import (
     validate_prompts,
 )
 from megatron_rlvr.rollout.weight_check import digest
+
+ROUTER_BIAS_BUFFER = "mlp.gate.e_score_correction_bias"
+"""transformers' name of the DeepSeek-V3 router's expert bias, a buffer it saves and loads like a weight."""
 
 
 @dataclass
@@ -150,7 +154,9 @@ class HFRolloutEngine(RolloutEngine):
         weights the experts' outputs are multiplied by, in the router's output dtype) to ``self._routes``, in layer
         order. The engine's own choice is recorded, not a top-k recomputed from logits (ties could resolve
         differently)."""
-        routers = [m for m in self.model.modules() if type(m).__name__.endswith("TopKRouter")]
+        # Qwen2/3-MoE: *TopKRouter; DeepSeek-V3: DeepseekV3TopkRouter (indices chosen with the expert bias, weights
+        # from the unbiased sigmoid scores, renormalised and scaled)
+        routers = [m for m in self.model.modules() if type(m).__name__.lower().endswith("topkrouter")]
         if not routers:
             raise ValueError("HFEngineConfig.return_routes: the model has no mixture-of-experts router")
 
@@ -178,6 +184,9 @@ class HFRolloutEngine(RolloutEngine):
         """(HF name, parameter) for every parameter, tied aliases included (e.g. lm_head.weight). Vision-language
         models: the names their checkpoint holds (transformers nests them differently in memory)."""
         pairs = self.model.named_parameters(remove_duplicate=False)
+        # DeepSeek-V3's router bias is a buffer in transformers, a weight of the checkpoint (and of the stream)
+        bias = [(n, b) for n, b in self.model.named_buffers() if n.endswith(ROUTER_BIAS_BUFFER)]
+        pairs = itertools.chain(pairs, bias) if bias else pairs
         if self._vl is None:
             return pairs
         return ((vl_saved_name(self._vl[1], n), p) for n, p in pairs)

