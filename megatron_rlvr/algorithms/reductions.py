@@ -43,6 +43,8 @@ REDUCTIONS: MappingProxyType[str, str] = MappingProxyType(
         # trainer: ratio diagnostics, and one non-finite micro-batch flags the step
         "ratio/abs_log_ratio_max": "max",
         "async/staleness_max": "max",
+        "moe/expert_bias_abs_max": "max",
+        "moe/load_imbalance_max": "max",
         "async/sample_version_min": "min",
         "train/nonfinite": "max",
         # trainer: response lengths of the step's batch

@@ -1209,4 +1209,3 @@ def model_spec_from_hf_config(source: str | Path | dict, name: str | None = None
         linear_bias=moe.linear_bias if moe else False,
         vision=vision,
     )
-

