@@ -31,6 +31,7 @@ RUN_HERE = {
     "tools/profile_step.py": "test_profile_step_smallest_run",
     "tools/bench_async.py": "test_bench_async_smallest_run",
     "tools/bench_weight_sync.py": "test_bench_weight_sync_smallest_run",
+    "tools/bench_weight_delta.py": "test_bench_weight_delta_smallest_run",
     "tools/gpu_check.py": "test_gpu_check_dry_run",
     "tools/seeds.py": "test_seeds_smallest_run",
     "tools/bench_context_parallel.py": "test_bench_context_parallel_smallest_run",
@@ -290,6 +291,16 @@ def test_bench_weight_sync_smallest_run():
     kv = _last_kv(out)
     assert kv["bit_exact"] == "True" and float(kv["sync_s"]) > 0 and float(kv["copy_s"]) > 0, out[-2000:]
     assert float(kv["sync_over_copy"]) > 0
+
+
+@pytest.mark.slow
+def test_bench_weight_delta_smallest_run():
+    """bench_weight_delta.py on the tiny MoE, one AdamW step at lr 1e-6, over loopback: some but not all published
+    bf16 elements change, the delta is smaller than the full sync, and the bridge delivered both without a resend."""
+    out = _run(["tools/bench_weight_delta.py", "--model", "tiny_moe", "--steps", "1", "--rate", "none"], 600).stdout
+    kv = {k: v for line in out.strip().splitlines()[-3:] for k, v in [line.split("=", 1)]}
+    assert 0 < float(kv["delta_changed_frac"]) < 1 and 0 < float(kv["delta_bytes_over_full"]) < 1, out[-2000:]
+    assert float(kv["delta_time_over_full"]) > 0 and "resends 1" not in out
 
 
 @pytest.mark.slow
