@@ -12,9 +12,10 @@ times so that load from other jobs on a shared machine hits both alike; the repo
 (timeit's convention), all repeats are printed.
 
 Weight sync: ``VLLMRolloutEngine.update_weights`` with every HF tensor of the model (the trainer's stream delivers
-the same (name, tensor) pairs; its TP gathers are benchmarked by tools/bench_weight_sync.py), which runs vLLM's
-layerwise reload (``load_weights`` + re-processing: the CPU backend repacks every linear weight) and the prefix-cache
-reset; against a plain ``copy_`` of the same bytes into preallocated tensors (the floor for any in-place update).
+the same (name, tensor) pairs; its TP gathers are benchmarked by tools/bench_weight_sync.py) on the engine's default
+path (in place: rollout/vllm_refit.py; on CPU every linear weight and the LM head are re-packed for their GEMM) and
+the prefix-cache reset; against a plain ``copy_`` of the same bytes into preallocated tensors (the floor for any
+in-place update). tools/bench_refit.py compares the in-place path with vLLM's layerwise reload.
 
 The last line is ``key=value`` pairs; ``vllm_over_hf_tokens_per_s`` > 1 means vLLM generates faster.
 """

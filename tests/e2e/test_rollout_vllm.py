@@ -11,6 +11,9 @@ CPU (CI installs it), vllm 0.33 on CUDA.
      for another seed; the engine's processed log-probs match the trainer's vocab-parallel op on megatron's
      sharded logits and an fp64 transformers forward; prompts longer than one 128-token KV block give log-probs of
      the NEW weights after an update (a missing prefix-cache reset fails this: checked by hand, NOTE in the docs);
+     these syncs take the default in-place path (rollout.vllm_refit); the same weights through vLLM's layerwise
+     reload then give the same samples and bit-identical log-probs (one fused slice written one row off fails
+     this: checked by hand), and an in-place update after a reload holds the new weights again;
    - megatron TP=1 x DP=2 -> vLLM TP=2 (one engine over both ranks), Llama with tied embeddings: the same
      parameter and log-prob checks on each rank's shard, both ranks return identical samples, the tied lm_head
      follows the embedding after an update; closing leaves the trainer's process group working, the torch thread
@@ -18,7 +21,8 @@ CPU (CI installs it), vllm 0.33 on CUDA.
      starts on the same machine;
    - SmolLM2-135M-Instruct (the real weights): 20 greedy tokens and their log-probs agree with transformers.
 3. GPU only (@pytest.mark.gpu, tools/gpu_check.sh): sleep(2) frees GPU memory, generate refuses while asleep,
-   wake -> update -> wake restores generation with the new weights.
+   wake -> update -> wake restores generation with the new weights; an in-place update keeps every parameter's
+   storage (CUDA graphs) and matches the reload.
 """
 
 from __future__ import annotations
@@ -217,6 +221,16 @@ def _read_engine_shards(model) -> dict[str, torch.Tensor]:
     return out
 
 
+def _logprob_diff(a, b) -> float:
+    """max |log-prob difference| of two generations of the same request (their token ids must match)."""
+    return max(
+        abs(x - y)
+        for oa, ob in zip(a, b)
+        for ca, cb in zip(oa.completions, ob.completions)
+        for x, y in zip(ca.logprobs, cb.logprobs)
+    )
+
+
 def _shard_mismatches(engine, cfg, state, tp, rank) -> list[str]:
     """Names whose engine values are not bit-identical to the expected HF slices (padding rows ignored)."""
     got = engine.llm.apply_model(_read_engine_shards)[0]
@@ -228,10 +242,11 @@ def _shard_mismatches(engine, cfg, state, tp, rank) -> list[str]:
     return bad
 
 
-def _sync(engine, model, args, pg):
-    """Stream the trainer's weights into the engine; returns (tensors, load_weights calls). At trainer TP=1 the
-    stream's tensors alias the trainer's parameters (one stream bucket), so they go in as loose pairs that the engine
-    buckets itself: either way a layer's tensors may arrive in different ``load_weights`` calls."""
+def _sync(engine, model, args, pg, path=None):
+    """Stream the trainer's weights into the engine (``path``: the engine's update path, None: its default, in
+    place); returns (tensors, load_weights calls). At trainer TP=1 the stream's tensors alias the trainer's
+    parameters (one stream bucket), so they go in as loose pairs that the engine buckets itself: either way a layer's
+    tensors may arrive in different ``load_weights`` calls."""
     from megatron_rlvr.models.mapping import WeightMapping
     from megatron_rlvr.rollout.weight_stream import WeightStreamConfig, stream_hf_weights
 
@@ -241,9 +256,9 @@ def _sync(engine, model, args, pg):
     if pg.tp.size() == 1:
         pairs = [pair for bucket in stream for pair in bucket]
         calls = len(list(as_buckets(pairs, engine.config.bucket_bytes)))
-        return engine.update_weights(iter(pairs)), calls
+        return engine.update_weights(iter(pairs), path=path), calls
     buckets = list(stream)
-    return engine.update_weights(iter(buckets)), len(buckets)
+    return engine.update_weights(iter(buckets), path=path), len(buckets)
 
 
 def _rank_train_to_vllm(family: str, second_engine: bool):
@@ -276,6 +291,7 @@ def _rank_train_to_vllm(family: str, second_engine: bool):
     try:
         res["threads_after_init"] = torch.get_num_threads()
         res["n"], res["buckets"] = _sync(engine, model, args, pg)
+        res["default_path"] = engine.last_update_path
         res["expected_n"] = len(w1) - (1 if cfg.tie_word_embeddings and "lm_head.weight" in w1 else 0)
         vllm_rank = rank % rollout_tp
         res["bad1"] = _shard_mismatches(engine, cfg, w1, rollout_tp, vllm_rank)
@@ -298,6 +314,17 @@ def _rank_train_to_vllm(family: str, second_engine: bool):
         res["hf_err2_new"] = _hf_logprob_err(cfg, w2, long_out, 1.0)
         res["hf_err2_old"] = _hf_logprob_err(cfg, w1, long_out, 1.0)
         res["trainer_err2"] = _trainer_logprob_err(model, pg, long_out, 1.0, cfg.vocab_size)
+        # the same weights through vLLM's layerwise reload, then in place again: the same samples and log-probs
+        in_place = engine.generate(SHORT_PROMPTS, sp)
+        _sync(engine, model, args, pg, path="reload")
+        res["bad_reload"] = _shard_mismatches(engine, cfg, w2, rollout_tp, vllm_rank)
+        reloaded = engine.generate(SHORT_PROMPTS, sp)
+        res["paths_same_tokens"] = _tokens(reloaded) == _tokens(in_place)
+        res["paths_lp_diff"] = _logprob_diff(reloaded, in_place)
+        load_hf_weights(model, args, w1)  # back to w1, in place after a reload (vLLM's wrappers left behind)
+        _sync(engine, model, args, pg)
+        res["bad3"] = _shard_mismatches(engine, cfg, w1, rollout_tp, vllm_rank)
+        res["tokens3_as_first"] = _tokens(engine.generate(SHORT_PROMPTS, sp)) == res["tokens"]
     finally:
         engine.close()
     # the trainer's world survives close(): a collective on the default group still works
@@ -323,6 +350,10 @@ def _check_train_to_vllm(results, family):
         where = f"{family} rank {rank} (trainer TP={r['train_tp']} -> vLLM TP={r['rollout_tp']})"
         assert r["rollout_tp"] != r["train_tp"], where
         assert r["n"] == r["expected_n"] and r["buckets"] > 1, (where, r["n"], r["buckets"])
+        assert r["default_path"] == "inplace", (where, r["default_path"])
+        # the same packed / stored values either way: bit-identical on CPU (CUDA kernels may reduce in any order)
+        tol = 1e-5 if torch.cuda.is_available() else 0.0
+        assert r["paths_same_tokens"] and r["paths_lp_diff"] <= tol, (where, "in place vs reload", r["paths_lp_diff"])
         assert r["bad1"] == [] and r["bad2"] == [], (where, r["bad1"], r["bad2"])
         assert r["repeat_same"] and r["other_seed_differs"], where
         assert all(1 <= n <= 8 for n in r["lens"]), where
@@ -330,6 +361,8 @@ def _check_train_to_vllm(results, family):
         assert min(r["long_len"]) > 128, "the prefix-cache check needs prompts longer than one KV block"
         assert r["hf_err2_new"] < 1e-4 and r["trainer_err2"] < 1e-4, (where, r["hf_err2_new"], r["trainer_err2"])
         assert r["hf_err2_old"] > 0.1, (where, "the new weights must be in use", r["hf_err2_old"])
+        assert r["bad_reload"] == [] and r["bad3"] == [], (where, r["bad_reload"], r["bad3"])
+        assert r["tokens3_as_first"], (where, "w1 again, in place after a reload: the first samples again")
         assert r["world_sum_after_close"] == len(results), where
         assert r["threads_after_init"] == 2 and r["threads_after_close"] == 2 and r["set_threads_works"], where
         assert r["shm_left"] == [], (where, r["shm_left"])
@@ -448,6 +481,36 @@ def test_vllm_sleep_frees_gpu_memory_and_wakes_with_new_weights():
         engine.close()
 
 
+@pytest.mark.gpu
+def test_vllm_in_place_update_writes_the_captured_storage_and_matches_the_reload():
+    """CUDA, CUDA graphs on (the platform default): an in-place update leaves every parameter in the storage the
+    engine captured (data pointers unchanged), the new weights are what generation uses (log-probs of an fp64
+    transformers forward on them, to 1e-3), and in-place and reload updates to the same weights give the same
+    samples and log-probs (to 1e-5: GPU reductions may differ in order)."""
+    cfg = _configs()["qwen2"]
+    w1, w2 = _random_hf_state(cfg, 1), _random_hf_state(cfg, 2)
+    engine = VLLMRolloutEngine(cfg, config=_engine_config(1))
+    sp = SamplingParams(n=2, temperature=TEMPERATURE, max_tokens=8, seed=1)
+
+    def pointers(model):
+        return {n: p.data_ptr() for n, p in model.named_parameters()}
+
+    try:
+        engine.update_weights(w1.items(), path="reload")
+        before = engine.llm.apply_model(pointers)[0]
+        reloaded = engine.generate(SHORT_PROMPTS, sp)
+        engine.update_weights(w2.items())
+        assert engine.last_update_path == "inplace"
+        out = engine.generate(LONG_PROMPTS, sp)
+        assert _hf_logprob_err(cfg, w2, out, TEMPERATURE) < 1e-3
+        engine.update_weights(w1.items(), path="inplace")
+        in_place = engine.generate(SHORT_PROMPTS, sp)
+        assert engine.llm.apply_model(pointers)[0] == before
+        assert _tokens(in_place) == _tokens(reloaded) and _logprob_diff(in_place, reloaded) <= 1e-5
+    finally:
+        engine.close()
+
+
 # --------------------------------------------------------------------------------------------- MoE weight sync
 
 
@@ -529,6 +592,7 @@ def _rank_moe_train_to_vllm():
             res[f"{key}_err"] = _hf_logprob_err(cfg, w, out, TEMPERATURE, torch.float32)
         res["w2_err_vs_w1"] = _hf_logprob_err(cfg, w1, out, TEMPERATURE, torch.float32)
         res["expected_n"] = len(unfuse_count(w1))
+        res["path"] = engine.last_update_path  # fused MoE is not updated in place: the reload
     finally:
         engine.close()
     return res
@@ -548,7 +612,7 @@ def test_moe_sync_trainer_ep2_to_vllm_tp2_logprobs_match_transformers(vllm_pool)
     results = vllm_pool.run(_rank_moe_train_to_vllm, tp=1, ep=2, timeout=500)
     for rank, r in enumerate(results):
         print(f"rank {rank}: {r}")
-        assert r["ep"] == 2 and r["local_experts"] == 4, r
+        assert r["ep"] == 2 and r["local_experts"] == 4 and r["path"] == "reload", r
         assert r["w1_n"] == r["w2_n"] == r["expected_n"] and r["w1_buckets"] > 1, r
         assert r["w1_err"] < 1e-4 and r["w2_err"] < 1e-4, r
         assert r["w2_err_vs_w1"] > 0.1, r

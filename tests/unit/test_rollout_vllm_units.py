@@ -1,6 +1,7 @@
 """The parts of the vLLM engine (megatron_rlvr.rollout.vllm_engine) that need no vLLM: bucketing of update streams,
 config validation, conversion of vLLM outputs, the model folder, the CPU KV-cache size (hand computed), tied-module
-detection. The engine itself: tests/e2e/test_rollout_vllm.py."""
+detection, and the in-place update's bookkeeping (megatron_rlvr.rollout.vllm_refit) on stand-in layers. The engine
+itself: tests/e2e/test_rollout_vllm.py."""
 
 import os
 from types import SimpleNamespace
@@ -37,6 +38,7 @@ def test_as_buckets_groups_pairs_and_passes_buckets_through():
         (dict(bucket_bytes=0), "bucket_bytes"),
         (dict(kv_cache_bytes=0), "kv_cache_bytes"),
         (dict(max_model_len=0), "max_model_len"),
+        (dict(weight_update="fast"), "weight_update"),
     ],
 )
 def test_config_validation(kw, field):
@@ -124,3 +126,141 @@ def test_deepseek_config_for_vllm_and_the_cpu_latent_rule():
     qwen = tiny_hf_config(name="tiny_moe")
     assert vllm_model_config(qwen, on_cpu=True) == qwen
     assert kv_cache_bytes_for(cfg, "float32", 128, 1, cap_bytes=1 << 30) == 128 * 3 * 576 * 4
+
+
+# --------------------------------------------------------------------------------------------- in-place update
+
+
+class UnquantizedLinearMethod:
+    """Stands in for vLLM's method of the same name (``vllm_refit`` goes by class name): "packs" the weight into
+    ``layer.packed`` and leaves an empty weight behind, as the CPU backend does."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def process_weights_after_loading(self, layer):
+        self.calls += 1
+        layer.packed = layer.weight.detach().clone()
+        layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+
+
+class Fp8LinearMethod:
+    pass
+
+
+class MLAAttention(torch.nn.Module):
+    pass
+
+
+class FusedQKV(torch.nn.Module):
+    """A fused q/k/v projection whose loader writes each part at its row offset (as vLLM's ``load_qkv_weight``)."""
+
+    SIZES = {"q": 4, "k": 2, "v": 2}
+
+    def __init__(self):
+        super().__init__()
+        self.quant_method = UnquantizedLinearMethod()
+        self.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)  # processed: empty
+        self.packed = None
+
+    def weight_loader(self, param, loaded_weight, shard_id):
+        offset = {"q": 0, "k": 4, "v": 6}[shard_id]
+        param.data.narrow(0, offset, self.SIZES[shard_id]).copy_(loaded_weight)
+
+
+def _staged(layer):
+    """A _StagedLinear over ``layer`` with the checkpoint-format record vLLM would keep ([8, 3], the layer's
+    loader)."""
+    from megatron_rlvr.rollout.vllm_refit import _StagedLinear
+
+    meta = torch.nn.Parameter(torch.empty(8, 3, device="meta"), requires_grad=False)
+    meta.weight_loader = layer.weight_loader
+    return _StagedLinear("qkv", layer, meta)
+
+
+def test_in_place_staging_writes_each_part_at_its_offset_and_repacks_once_complete():
+    """q, k, v arriving in separate calls through the placeholder's loader: the layer is re-processed once, after
+    the last part, from a weight equal to torch.cat([q, k, v]); the placeholder is what load_weights would see."""
+    pytest.importorskip("vllm")
+    layer = FusedQKV()
+    st = _staged(layer)
+    ph = st.placeholder()
+    assert ph.is_meta and tuple(ph.shape) == (8, 3) and ph.weight_loader == st.load
+    q, k, v = torch.randn(4, 3), torch.randn(2, 3), torch.randn(2, 3)
+    ph.weight_loader(ph, v, "v")
+    ph.weight_loader(ph, q, "q")
+    assert layer.quant_method.calls == 0 and st.written == 18
+    ph.weight_loader(ph, k, "k")
+    assert layer.quant_method.calls == 1 and st.processed and st.staging is None
+    assert torch.equal(layer.packed, torch.cat([q, k, v]))
+    with pytest.raises(RuntimeError, match="more tensors"):
+        ph.weight_loader(ph, q, "q")
+
+
+def test_in_place_staging_keeps_the_old_kernel_when_a_part_is_missing():
+    """Only q and k arrive: finish() puts the processed (kernel) weight back and, for a completed update, says
+    which layer got only part of its elements; a loader that writes nothing is an error at once."""
+    pytest.importorskip("vllm")
+    from megatron_rlvr.rollout.vllm_refit import InPlaceUpdate
+
+    layer = FusedQKV()
+    kernel = layer.weight
+    st = _staged(layer)
+    layer._parameters["weight"] = st.placeholder()
+    st.load(None, torch.randn(4, 3), "q")
+    st.load(None, torch.randn(2, 3), "k")
+    update = InPlaceUpdate(torch.nn.Module(), repack=False)
+    update.staged = [st]
+    with pytest.raises(RuntimeError, match=r"qkv \(18 of 24\)"):
+        update.finish(ok=True)
+    assert layer.weight is kernel and layer.quant_method.calls == 0
+
+    silent = FusedQKV()
+    silent.weight_loader = lambda param, loaded_weight, shard_id: None
+    with pytest.raises(RuntimeError, match="wrote nothing"):
+        _staged(silent).load(None, torch.randn(4, 3), "q")
+
+
+def test_copied_elements_counts_what_a_loader_writes():
+    """Rows 2..4 of an [8, 5] parameter written through narrow: 15 elements (hand counted); reads count nothing."""
+    from megatron_rlvr.rollout.vllm_refit import _CopiedElements
+
+    param = torch.zeros(8, 5)
+    with _CopiedElements() as counted:
+        param.narrow(0, 2, 3).copy_(torch.ones(3, 5))
+        _ = param.sum()
+    assert counted.numel == 15 and param.sum() == 15
+
+
+def test_unwrapped_loader_drops_layerwise_reload_wrappers():
+    """A loader wrapped (twice) by a function named like vLLM's deferring wrapper is unwrapped to the original."""
+    import functools
+
+    from megatron_rlvr.rollout.vllm_refit import _unwrapped
+
+    def loader(param, w):
+        return "original"
+
+    def wrap(f):
+        @functools.wraps(f, assigned=("__doc__",))
+        def online_process_loader(*a, **k):
+            return None
+
+        return online_process_loader
+
+    assert _unwrapped(wrap(wrap(loader))) is loader and _unwrapped(loader) is loader
+
+
+def test_unsupported_names_the_first_module_not_updated_in_place():
+    """Supported quant methods pass; a quantized layer or an MLA attention module is named."""
+    from megatron_rlvr.rollout.vllm_refit import unsupported
+
+    ok = torch.nn.Linear(2, 2)
+    ok.quant_method = UnquantizedLinearMethod()
+    model = torch.nn.ModuleDict({"proj": ok, "norm": torch.nn.LayerNorm(2)})
+    assert unsupported(model) is None
+    fp8 = torch.nn.Linear(2, 2)
+    fp8.quant_method = Fp8LinearMethod()
+    model["fp8"] = fp8
+    assert unsupported(model).startswith("fp8: Fp8LinearMethod")
+    assert unsupported(torch.nn.ModuleDict({"attn": MLAAttention()})).startswith("attn: MLA attention")

