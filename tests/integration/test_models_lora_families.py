@@ -3,7 +3,8 @@ random DeepSeek-V3 (multi-latent attention with a q LoRA: adapters on q_a_proj a
 every TP rank, on the column-parallel q_b_proj and kv_b_proj, and on the row-parallel o_proj), GLM-4.5 (q/k/v
 biases, qk-norm, partial rotary) and GPT-OSS (biases, sinks, sliding window) with random non-zero A and B (fp32).
 At TP=1 and at TP=2 (MLA: with sequence parallelism) megatron's logits equal ``PeftModel.from_pretrained`` on the
-HF model, its adapter gradients equal PEFT's, and the adapters it exports load into PEFT to the same logits.
+HF model, its adapter gradients equal PEFT's, the adapters it exports load into PEFT to the same logits, and the
+planner counts the adapter parameters one GPU holds.
 Controls, each of which must miss megatron's logits by 100 x the tolerance or more: the export with one module's
 adapter under a wrong name (PEFT then leaves it at zero), with the column-parallel B's two halves swapped (the
 concatenation of TP=2 shards in the wrong order), and with the row-parallel A's halves swapped."""
@@ -121,7 +122,13 @@ def _rank_lora(name: str, folder: str, peft: dict, ids: torch.Tensor, export_dir
     from megatron_rlvr.models.build import build_gpt_model
     from megatron_rlvr.models.hf_config import megatron_model_args
     from megatron_rlvr.models.hf_loading import load_hf_weights
-    from megatron_rlvr.models.lora import attach_lora, export_peft, gather_peft_tensors, load_peft_tensors
+    from megatron_rlvr.models.lora import (
+        adapter_params,
+        attach_lora,
+        export_peft,
+        gather_peft_tensors,
+        load_peft_tensors,
+    )
     from megatron_rlvr.models.mapping import ExpertLayout
 
     pg = ProcessGroupCollection.use_mpu_process_groups()
@@ -140,7 +147,9 @@ def _rank_lora(name: str, folder: str, peft: dict, ids: torch.Tensor, export_dir
     finalize_model_grads([ddp])  # DP average of equal batches; the TP sum of sequence-parallel partial gradients
     grads = gather_peft_tensors(model, pg_collection=pg, grads=True)
     export_peft(model, export_dir, base_model=folder, pg_collection=pg)
-    return {"logits": logits.detach().float(), "grads": grads, "sp": bool(args.config.sequence_parallel)}
+    numel = sum(p.numel() for p in adapter_params(model))
+    sp = bool(args.config.sequence_parallel)
+    return {"logits": logits.detach().float(), "grads": grads, "sp": sp, "numel": numel}
 
 
 def _rel(a, b):
@@ -154,7 +163,11 @@ def _halves_swapped(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_attention_lora_matches_peft(dist_pool, family, tp, tmp_path):
+    from megatron_rlvr.config import ParallelConfig
+    from megatron_rlvr.config.lora_config import LoRAConfig
+    from megatron_rlvr.families.table import model_spec_from_hf_config
     from megatron_rlvr.models.lora import read_peft_folder
+    from megatron_rlvr.planner.memory import lora_stage_params
 
     name, folder, base, peft, ids, ref_logits, ref_grads = family
     _, modules, (column, row), (renamed, wrong) = FAMILIES[name]
@@ -162,6 +175,9 @@ def test_attention_lora_matches_peft(dist_pool, family, tp, tmp_path):
     r = dist_pool.run(_rank_lora, tp=tp, etp=1, args=(name, folder, peft, ids, export_dir), timeout=300)[0]
     if name == "dsv3":
         assert r["sp"] == (tp > 1)  # MLA at TP > 1 runs with sequence parallelism (the replicated adapters' case)
+    # the planner's count of adapter parameters per GPU is what the model holds
+    lora = LoRAConfig(rank=RANK, alpha=ALPHA, targets=FAMILIES[name][0])
+    assert lora_stage_params(model_spec_from_hf_config(folder), ParallelConfig(tp=tp), lora) == [r["numel"]]
     err = (r["logits"] - ref_logits).abs().max().item()
     assert err < LOGIT_TOL, f"{name} tp{tp}: logits vs PEFT max-abs {err:.2e}"
     assert set(r["grads"]) == set(peft) == set(ref_grads)
