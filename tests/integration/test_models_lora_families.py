@@ -3,8 +3,9 @@ random DeepSeek-V3 (multi-latent attention with a q LoRA: adapters on q_a_proj a
 every TP rank, on the column-parallel q_b_proj and kv_b_proj, and on the row-parallel o_proj), GLM-4.5 (q/k/v
 biases, qk-norm, partial rotary) and GPT-OSS (biases, sinks, sliding window) with random non-zero A and B (fp32).
 At TP=1 and at TP=2 (MLA: with sequence parallelism) megatron's logits equal ``PeftModel.from_pretrained`` on the
-HF model, its adapter gradients equal PEFT's, the adapters it exports load into PEFT to the same logits, and the
-planner counts the adapter parameters one GPU holds.
+HF model, as do its weights with the adapters merged in (the merged weight stream's tensors); its adapter gradients
+equal PEFT's, the adapters it exports load into PEFT to the same logits, and the planner counts the adapter
+parameters one GPU holds.
 Controls, each of which must miss megatron's logits by 100 x the tolerance or more: the export with one module's
 adapter under a wrong name (PEFT then leaves it at zero), with the column-parallel B's two halves swapped (the
 concatenation of TP=2 shards in the wrong order), and with the row-parallel A's halves swapped."""
@@ -124,6 +125,7 @@ def _rank_lora(name: str, folder: str, peft: dict, ids: torch.Tensor, export_dir
     from megatron_rlvr.models.hf_loading import load_hf_weights
     from megatron_rlvr.models.lora import (
         adapter_params,
+        adapters_disabled,
         attach_lora,
         export_peft,
         gather_peft_tensors,
@@ -137,7 +139,7 @@ def _rank_lora(name: str, folder: str, peft: dict, ids: torch.Tensor, export_dir
     model = build_gpt_model(args, pg_collection=pg)
     load_hf_weights(model, args, folder, pg_collection=pg)
     targets = FAMILIES[name][0]
-    attach_lora(model, LoRAConfig(rank=RANK, alpha=ALPHA, targets=targets), args, pg_collection=pg)
+    lora = attach_lora(model, LoRAConfig(rank=RANK, alpha=ALPHA, targets=targets), args, pg_collection=pg)
     load_peft_tensors(model, peft)
     ddp = wrap_ddp(model, distributed_optimizer=False)
     ddp.zero_grad_buffer()
@@ -148,8 +150,13 @@ def _rank_lora(name: str, folder: str, peft: dict, ids: torch.Tensor, export_dir
     grads = gather_peft_tensors(model, pg_collection=pg, grads=True)
     export_peft(model, export_dir, base_model=folder, pg_collection=pg)
     numel = sum(p.numel() for p in adapter_params(model))
+    with torch.no_grad():  # W + (alpha/r) B A of each shard, what the merged weight stream sends
+        for p in lora.adapted_weights():
+            p.copy_(lora.merged_weight(p))
+        with adapters_disabled(model):
+            merged = gather_from_tensor_model_parallel_region(model(ids, pos, None))[..., :VOCAB]
     sp = bool(args.config.sequence_parallel)
-    return {"logits": logits.detach().float(), "grads": grads, "sp": sp, "numel": numel}
+    return {"logits": logits.detach().float(), "grads": grads, "sp": sp, "numel": numel, "merged": merged.float()}
 
 
 def _rel(a, b):
@@ -180,6 +187,7 @@ def test_attention_lora_matches_peft(dist_pool, family, tp, tmp_path):
     assert lora_stage_params(model_spec_from_hf_config(folder), ParallelConfig(tp=tp), lora) == [r["numel"]]
     err = (r["logits"] - ref_logits).abs().max().item()
     assert err < LOGIT_TOL, f"{name} tp{tp}: logits vs PEFT max-abs {err:.2e}"
+    assert (r["merged"] - ref_logits).abs().max().item() < LOGIT_TOL, f"{name} tp{tp}: adapters merged into W"
     assert set(r["grads"]) == set(peft) == set(ref_grads)
     for k, g in ref_grads.items():
         assert g.abs().sum() > 0, k
