@@ -9,6 +9,11 @@ LORA_TARGETS = ("qkv", "proj", "fc1", "fc2")
 projection, the (gate/up) MLP input and the MLP output. In Hugging Face names: q/k/v_proj, o_proj, gate/up_proj,
 down_proj."""
 
+MLA_LORA_TARGETS = ("q_a", "q_b", "kv_a", "kv_b")
+"""The projections of multi-latent attention (DeepSeek-V2/V3), besides ``proj`` (o_proj): in Hugging Face names
+q_a_proj (query down projection), q_b_proj (query up projection; q_proj when ``q_lora_rank`` is null),
+kv_a_proj_with_mqa (latent and shared RoPE key down projection) and kv_b_proj (key/value up projection)."""
+
 LORA_INITS = ("kaiming", "gaussian")
 """How A starts (B always starts at zero, so a fresh adapter leaves the model unchanged): ``kaiming`` is PEFT's
 default (uniform in +-1/sqrt(fan_in)), ``gaussian`` draws A from N(0, 1/r)."""
@@ -29,7 +34,8 @@ class LoRAConfig:
     dropout: float = 0.0
     """Dropout on the adapter's input during training (0 keeps the statistics of the update exact)."""
     targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
-    """Which linears get adapters, among ``qkv``, ``proj``, ``fc1``, ``fc2``."""
+    """Which linears get adapters, among ``qkv``, ``proj``, ``fc1``, ``fc2``; on multi-latent attention ``q_a``,
+    ``q_b``, ``kv_a``, ``kv_b`` in place of ``qkv``."""
     init: str = "kaiming"
     """Initialisation of A: ``kaiming`` or ``gaussian``."""
     sync: str = "merged"
@@ -43,10 +49,11 @@ class LoRAConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.lora.dropout must be in [0, 1), got {self.dropout!r}")
         targets = list(self.targets)
-        bad = [t for t in targets if t not in LORA_TARGETS]
+        bad = [t for t in targets if t not in LORA_TARGETS + MLA_LORA_TARGETS]
         if bad or not targets or len(set(targets)) != len(targets):
             raise ValueError(
-                f"model.lora.targets must be distinct names among {LORA_TARGETS} (at least one), got {targets}"
+                f"model.lora.targets must be distinct names among {LORA_TARGETS + MLA_LORA_TARGETS} (at least one), "
+                f"got {targets}"
             )
         if self.init not in LORA_INITS:
             raise ValueError(f"model.lora.init must be one of {LORA_INITS}, got {self.init!r}")

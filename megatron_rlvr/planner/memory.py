@@ -236,10 +236,8 @@ def stage_params(model: ModelSpec, par: ParallelConfig) -> list[int]:
 def lora_stage_params(model: ModelSpec, par: ParallelConfig, lora: LoRAConfig) -> list[int]:
     """Adapter parameters held by ONE GPU of each pipeline stage (models/lora.py's layout: a column-parallel
     target keeps A [P*r, in] whole and B [out/tp, r]; a row-parallel one A [r, in/tp] and B [out, r] whole; P is
-    3 for the fused qkv, 2 for a gated fc1)."""
+    3 for the fused qkv, 2 for a gated fc1; MLA's replicated down projections A [r, in] and B [out, r] whole)."""
     r, h, f = lora.rank, model.hidden, model.ffn
-    if model.mla is not None and set(lora.targets) & {"qkv", "proj"}:
-        raise ValueError("LoRA on multi-latent attention projections is not supported (lora.targets)")
     qkv_out = model.q_dim + 2 * model.kv_dim
     gates = 2 if model.gated_mlp else 1
     per_target = {
@@ -248,6 +246,26 @@ def lora_stage_params(model: ModelSpec, par: ParallelConfig, lora: LoRAConfig) -
         "fc1": gates * r * h + gates * f * r // par.tp,
         "fc2": r * f // par.tp + h * r,
     }
+    m = model.mla
+    if m is not None:
+        # the down projections (q_a, kv_a) are whole on every TP rank, A and B too; the up projections are
+        # column-parallel by heads, o_proj row-parallel over heads x v_head_dim
+        q_in = m.q_lora_rank or h
+        per_target = {
+            "q_a": r * h + (m.q_lora_rank or 0) * r,
+            "q_b": r * q_in + model.heads * (m.qk_nope_head_dim + m.qk_rope_head_dim) * r // par.tp,
+            "kv_a": r * h + (m.kv_lora_rank + m.qk_rope_head_dim) * r,
+            "kv_b": r * m.kv_lora_rank + model.heads * (m.qk_nope_head_dim + m.v_head_dim) * r // par.tp,
+            "proj": r * model.heads * m.v_head_dim // par.tp + h * r,
+            "fc1": per_target["fc1"],
+            "fc2": per_target["fc2"],
+        }
+        if not m.q_lora_rank:  # no query down projection (q_b is q_proj)
+            del per_target["q_a"]
+    bad = [t for t in lora.targets if t not in per_target]
+    if bad:
+        kind = "multi-latent attention" if m is not None else "this model's attention"
+        raise ValueError(f"lora.targets: {bad} do not exist on {kind}; choose among {sorted(per_target)}")
     per_layer = sum(per_target[t] for t in lora.targets)
     return [model.layers // par.pp * per_layer] * par.pp
 
