@@ -3,7 +3,6 @@ package docstring for the formulas' sources). Pure Python."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 from megatron_rlvr.config.lora_config import LoRAConfig
@@ -189,7 +188,7 @@ def expert_layout_errors(model: ModelSpec, par: ParallelConfig, world_size: int,
         errors.append(f"parallel.ep={par.ep} does not divide the {model.experts} routed experts")
     if model.expert_ffn % etp:
         errors.append(f"expert TP {etp} does not divide the experts' inner width {model.expert_ffn}")
-    if model.linear_bias and etp != 1 and par.etp is not None:  # the model build's check (models.hf_config)
+    if model.linear_bias and etp != 1:  # the model build's check (models.hf_config); etp unset means etp = tp
         errors.append(f"expert tensor parallel size {etp}: GPT-OSS's expert biases need expert TP 1 (parallel.etp=1)")
     if world_size % (etp * par.ep * par.pp):
         errors.append(
@@ -430,9 +429,6 @@ def estimate_memory(cfg: PlanConfig) -> MemoryPlan:
     ``rollout.kv_cache_gb``) and sleeps while training; the transformers engine (rollout TP 1) keeps its full weights
     on the GPU throughout and, while generating, a KV cache of ``max_batch_rows`` rows of ``max_model_len`` tokens.
     """
-    if cfg.model.linear_bias and cfg.model.is_moe and cfg.parallel.etp is None:
-        # GPT-OSS: the model build defaults expert TP to 1, not TP (megatron biases experts only at expert TP 1)
-        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, etp=1))
     m, par, cl = cfg.model, cfg.parallel, cfg.cluster
     world = cl.world_size
     errors, warnings = validate_layout(m, par, world, cl.gpus_per_node)

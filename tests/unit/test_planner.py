@@ -1,6 +1,7 @@
 """Layout planner: parameter counts and memory terms against hand-computed closed forms, layout validation,
 config loading, and the CLI's exit codes. Pure Python, well under a second."""
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -622,24 +623,25 @@ def test_training_tp_above_the_kv_heads_is_refused_in_the_trainers_words(tmp_pat
     assert validate_layout(get_model_spec("gpt-oss-20b"), ParallelConfig(tp=8, ep=8, etp=1), world_size=8)[0] == []
 
 
-def test_gpt_oss_plans_experts_at_expert_tp_1_as_the_model_build_does():
-    """GPT-OSS's experts carry biases, which megatron builds only at expert TP 1: the model build defaults its expert
-    TP to 1 (not TP) and refuses another value (models.hf_config). The planner does the same: with parallel.etp
-    unset, gpt-oss-20b at TP=2 x EP=8 on 8 GPUs holds 4 whole experts of each of its 24 layers per GPU, 24 x 4 x
-    (3 x 2880 x 2880 + 2 x 2880 + 2880) = 2,389,616,640 parameters (by hand; at expert TP 2 it would be half and
-    the expert grid 2 x 8 would not fit 8 GPUs); `--search` offers only expert TP 1 layouts, and parallel.etp=2 is
-    refused in the model build's words."""
-    from megatron_rlvr.planner import search_layouts
+def test_gpt_oss_plans_experts_at_expert_tp_1_as_the_model_build_requires():
+    """GPT-OSS's experts carry biases, which megatron builds only at expert TP 1; the model build refuses any other
+    expert TP (models.hf_config), and the trainer passes parallel.etp, else tp. The planner refuses the same layouts
+    (TP=2 with etp unset, or etp=2), and `--search` sets etp=1 in every layout it offers (and says so in its chosen
+    line). At TP=2 x EP=8 x etp 1 on 8 GPUs a GPU holds 4 whole experts of each of the 24 layers, 24 x 4 x
+    (3 x 2880 x 2880 + 2 x 2880 + 2880) = 2,389,616,640 parameters (by hand)."""
+    from megatron_rlvr.planner import format_search, search_layouts
 
     spec = get_model_spec("gpt-oss-20b")
     cluster = ClusterConfig(nodes=1, gpus_per_node=8, gpu_mem_gb=80)
-    plan = estimate_memory(PlanConfig(model=spec, parallel=ParallelConfig(tp=2, ep=8), cluster=cluster))
+    msg = "expert tensor parallel size 2: GPT-OSS's expert biases need expert TP 1 (parallel.etp=1)"
+    for par in (ParallelConfig(tp=2, ep=4), ParallelConfig(tp=2, ep=4, etp=2)):
+        assert msg in estimate_memory(PlanConfig(model=spec, parallel=par, cluster=cluster)).errors
+    plan = estimate_memory(PlanConfig(model=spec, parallel=ParallelConfig(tp=2, ep=8, etp=1), cluster=cluster))
     assert plan.errors == [] and plan.edp == 1
     assert plan.stage_expert_param_counts == [24 * 4 * (3 * 2880 * 2880 + 2 * 2880 + 2880)] == [2_389_616_640]
-    explicit = estimate_memory(PlanConfig(model=spec, parallel=ParallelConfig(tp=2, ep=8, etp=1), cluster=cluster))
-    assert explicit.train_peak == plan.train_peak and explicit.rollout_peak == plan.rollout_peak
-    bad = estimate_memory(PlanConfig(model=spec, parallel=ParallelConfig(tp=2, ep=4, etp=2), cluster=cluster))
-    assert "expert tensor parallel size 2: GPT-OSS's expert biases need expert TP 1 (parallel.etp=1)" in bad.errors
     plans = search_layouts(PlanConfig(model=spec, parallel=ParallelConfig(), cluster=cluster))
-    assert plans and {p.config.parallel.expert_tp for p in plans} == {1}
+    assert plans and {p.config.parallel.etp for p in plans} == {1}
     assert any(p.config.parallel.tp == 8 and p.config.parallel.ep == 8 for p in plans)  # 8 x 8 > 8 at expert TP 8
+    two_nodes = dataclasses.replace(cluster, nodes=2)
+    two = search_layouts(PlanConfig(model=spec, parallel=ParallelConfig(), cluster=two_nodes))
+    assert " etp=1 (fits" in format_search(two).splitlines()[-1]
