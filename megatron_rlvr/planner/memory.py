@@ -118,8 +118,10 @@ def validate_layout(model: ModelSpec, par: ParallelConfig, world_size: int, gpus
 
     Megatron-Core (TransformerConfig.__post_init__, core 0.16): num_attention_heads % tp == 0, and
     num_query_groups must be a multiple OR a divisor of tp; when kv_heads < tp each KV head is replicated on
-    tp / kv_heads ranks (the fused QKV output is all-gathered and sliced, attention.py). vLLM's
-    QKVParallelLinear applies the same rule to the rollout TP (replicas = rollout_tp / kv_heads).
+    tp / kv_heads ranks (the fused QKV output is all-gathered and sliced, attention.py). The trainer's weight mapping
+    does not replicate key/value heads, so the training TP must divide them (``config.run.check_layout``, same
+    words). vLLM's QKVParallelLinear replicates them: the rollout TP may also be a multiple (replicas =
+    rollout_tp / kv_heads).
     """
     errors: list[str] = []
     warnings: list[str] = []
@@ -133,7 +135,15 @@ def validate_layout(model: ModelSpec, par: ParallelConfig, world_size: int, gpus
     for axis, t in (("tp", par.tp), ("rollout_tp", par.rollout_tp)):
         if model.heads % t:
             errors.append(f"parallel.{axis}={t} does not divide the {model.heads} attention heads")
-        if model.kv_heads % t and t % model.kv_heads:
+        if axis == "tp" and model.kv_heads % t:
+            # the trainer's check (config.run.check_layout): models.mapping splits key/value heads over TP and never
+            # copies them, so the megatron-core rule that replicates them when tp % kv_heads == 0 is not available
+            errors.append(
+                f"parallel.tp={t} does not divide the model's num_key_value_heads={model.kv_heads}: choose a "
+                f"parallel.tp that divides {model.kv_heads} (parallel.rollout_tp may still be larger: vLLM "
+                "replicates key/value heads)"
+            )
+        elif model.kv_heads % t and t % model.kv_heads:
             errors.append(
                 f"parallel.{axis}={t} and the {model.kv_heads} KV heads: one must divide the other "
                 f"(KV heads are split when kv_heads % tp == 0, replicated when tp % kv_heads == 0)"
@@ -178,6 +188,8 @@ def expert_layout_errors(model: ModelSpec, par: ParallelConfig, world_size: int,
         errors.append(f"parallel.ep={par.ep} does not divide the {model.experts} routed experts")
     if model.expert_ffn % etp:
         errors.append(f"expert TP {etp} does not divide the experts' inner width {model.expert_ffn}")
+    if model.linear_bias and etp != 1:  # the model build's check (models.hf_config); etp unset means etp = tp
+        errors.append(f"expert tensor parallel size {etp}: GPT-OSS's expert biases need expert TP 1 (parallel.etp=1)")
     if world_size % (etp * par.ep * par.pp):
         errors.append(
             f"world size {world_size} is not divisible by etp x ep x pp = {etp} x {par.ep} x {par.pp} (the experts' "

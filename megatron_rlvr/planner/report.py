@@ -279,9 +279,13 @@ def search_layouts(cfg: PlanConfig) -> list[MemoryPlan]:
     # MoE: every expert-parallel size that divides the experts (expert TP as configured); dense: ep as configured
     eps = [e for e in (1, 2, 4, 8, 16, 32, 64) if m.experts % e == 0] if m.is_moe else [cfg.parallel.ep]
     plans = []
+    # GPT-OSS: megatron builds biased experts only at expert TP 1, so its layouts set parallel.etp=1 at every TP
+    etp = 1 if m.is_moe and m.linear_bias else cfg.parallel.etp
     for tp, cp, pp, rtp, ep in itertools.product(sizes, cps, (1, 2, 4, 8), sizes, eps):
         try:
-            par = dataclasses.replace(cfg.parallel, tp=tp, cp=cp, pp=pp, rollout_tp=rtp, ep=ep, sequence_parallel=None)
+            par = dataclasses.replace(
+                cfg.parallel, tp=tp, cp=cp, pp=pp, rollout_tp=rtp, ep=ep, etp=etp, sequence_parallel=None
+            )
         except ValueError:
             continue
         plan = estimate_memory(dataclasses.replace(cfg, parallel=par))
@@ -330,6 +334,7 @@ def format_search(plans: list[MemoryPlan]) -> str:
         lines.append(
             f"chosen: tp={par.tp}{f' cp={par.cp}' if par.cp > 1 else ''} pp={par.pp} rollout_tp={par.rollout_tp}"
             + (f" ep={par.ep}" if moe else "")
+            + (f" etp={par.etp}" if moe and m0.linear_bias else "")  # GPT-OSS: set it, etp unset means tp
             + " (fits"
             + (" with no context parallelism unless no cp=1 layout fits, then" if cp_col else "")
             + (" with the smallest tp x cp x pp, then the least cp" if cp_col else " with the smallest tp x pp")

@@ -1,6 +1,7 @@
 """Layout planner: parameter counts and memory terms against hand-computed closed forms, layout validation,
 config loading, and the CLI's exit codes. Pure Python, well under a second."""
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -203,10 +204,16 @@ def test_invalid_layouts_give_clear_errors():
     assert any("not divisible by rollout_tp=4" in e for e in errs)
     # KV heads: 12 query heads in 4 groups; TP=6 divides the heads but neither divides nor is divided by 4
     odd = ModelSpec(name="odd", hidden=768, ffn=3072, layers=4, heads=12, kv_heads=4, vocab=1000)
+    errs, _ = validate_layout(odd, ParallelConfig(tp=2, rollout_tp=6), world_size=6)
+    assert errs == ["parallel.rollout_tp=6 and the 4 KV heads: one must divide the other (KV heads are split when "
+                    "kv_heads % tp == 0, replicated when tp % kv_heads == 0)"]  # fmt: skip
     errs, _ = validate_layout(odd, ParallelConfig(tp=6), world_size=6)
-    assert any("4 KV heads: one must divide the other" in e for e in errs)
-    # Megatron replicates KV heads when tp is a multiple of them: Llama-3.1-70B (8 KV heads) at TP=16 is valid
+    assert any("parallel.tp=6 does not divide the model's num_key_value_heads=4" in e for e in errs), errs
+    # megatron-core would replicate KV heads when tp is a multiple of them, the trainer's mapping does not:
+    # Llama-3.1-70B (8 KV heads) at TP=16 is refused; DeepSeek-V3 (128 heads) at TP=16 is valid and spans nodes
     errs, warns = validate_layout(get_model_spec("llama-3.1-70b"), ParallelConfig(tp=16), world_size=16)
+    assert any("parallel.tp=16 does not divide the model's num_key_value_heads=8" in e for e in errs), errs
+    errs, warns = validate_layout(get_model_spec("deepseek-v3"), ParallelConfig(tp=16, rollout_tp=16), world_size=16)
     assert errs == [] and any("spans nodes" in w for w in warns)
     with pytest.raises(ValueError, match="parallel.tp must be a positive integer"):
         ParallelConfig(tp=0)
@@ -246,6 +253,7 @@ def test_configs_in_repo_fit_and_match_slurm_scripts():
         ("cpgd_qwen2_5_vl_7b", "cpgd_vl_7b", 2, 4, 1),
         ("long_qwen3_8b_32k", "long_qwen3_8b_32k", 2, 8, 1),
         ("long_qwen3_32b_64k", "long_qwen3_32b_64k", 8, 8, 4),
+        ("moonlight_16b_a3b", "moonlight_16b_a3b", 1, 2, 2),
     ):
         cfg = load_plan_config(REPO / "configs" / f"{name}.yaml")
         assert (cfg.cluster.nodes, cfg.parallel.tp, cfg.parallel.rollout_tp) == (nodes, tp, rtp)
@@ -581,3 +589,59 @@ def test_search_uses_context_parallelism_only_when_no_layout_fits_without():
     moe = load_plan_config(REPO / "configs" / "qwen3_30b_a3b.yaml", warn=lambda _: None)
     plans = search_layouts(moe)
     assert {p.config.parallel.cp for p in plans} == {1} and " cp " not in format_search(plans).splitlines()[0]
+
+
+def test_training_tp_above_the_kv_heads_is_refused_in_the_trainers_words(tmp_path):
+    """The trainer's weight mapping splits key/value heads over TP and never copies them, so `train` refuses a TP that
+    does not divide num_key_value_heads (config.run.check_layout); the planner refuses the same layouts with the same
+    line, and `plan --search` does not offer them. A Qwen3-style config of 8 heads / 2 KV heads: TP=4 and TP=8
+    (multiples of 2, which megatron-core alone would accept by replicating heads) are refused by both; TP=2 passes
+    both; the rollout TP may be 4 (vLLM replicates key/value heads)."""
+    from megatron_rlvr.config import ConfigError, load_run_config
+    from megatron_rlvr.config.run import check_layout
+    from megatron_rlvr.planner import search_layouts
+
+    hf = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 256, "intermediate_size": 512,
+          "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32,
+          "vocab_size": 1024, "tie_word_embeddings": True}  # fmt: skip
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(hf))
+    spec = model_spec_from_hf_config(path)
+    for tp in (4, 8):
+        run = load_run_config(None, [f"model.hf_path={tmp_path}", f"parallel.tp={tp}"], check_files=False)
+        with pytest.raises(ConfigError) as e:
+            check_layout(run, 8)
+        errs, _ = validate_layout(spec, ParallelConfig(tp=tp, rollout_tp=tp), world_size=8)
+        assert str(e.value) in errs, (str(e.value), errs)
+        assert str(e.value).startswith(f"parallel.tp={tp} does not divide the model's num_key_value_heads=2")
+    check_layout(load_run_config(None, [f"model.hf_path={tmp_path}", "parallel.tp=2"], check_files=False), 8)
+    assert validate_layout(spec, ParallelConfig(tp=2, rollout_tp=4), world_size=8)[0] == []
+    cfg = PlanConfig(model=spec, parallel=ParallelConfig(), cluster=ClusterConfig(nodes=1, gpus_per_node=8))
+    layouts = {(p.config.parallel.tp, p.config.parallel.rollout_tp) for p in search_layouts(cfg)}
+    assert {tp for tp, _ in layouts} == {1, 2} and {rtp for _, rtp in layouts} == {1, 2, 4, 8}
+    # GPT-OSS-20B (8 KV heads): every TP up to a node's 8 GPUs divides them
+    assert validate_layout(get_model_spec("gpt-oss-20b"), ParallelConfig(tp=8, ep=8, etp=1), world_size=8)[0] == []
+
+
+def test_gpt_oss_plans_experts_at_expert_tp_1_as_the_model_build_requires():
+    """GPT-OSS's experts carry biases, which megatron builds only at expert TP 1; the model build refuses any other
+    expert TP (models.hf_config), and the trainer passes parallel.etp, else tp. The planner refuses the same layouts
+    (TP=2 with etp unset, or etp=2), and `--search` sets etp=1 in every layout it offers (and says so in its chosen
+    line). At TP=2 x EP=8 x etp 1 on 8 GPUs a GPU holds 4 whole experts of each of the 24 layers, 24 x 4 x
+    (3 x 2880 x 2880 + 2 x 2880 + 2880) = 2,389,616,640 parameters (by hand)."""
+    from megatron_rlvr.planner import format_search, search_layouts
+
+    spec = get_model_spec("gpt-oss-20b")
+    cluster = ClusterConfig(nodes=1, gpus_per_node=8, gpu_mem_gb=80)
+    msg = "expert tensor parallel size 2: GPT-OSS's expert biases need expert TP 1 (parallel.etp=1)"
+    for par in (ParallelConfig(tp=2, ep=4), ParallelConfig(tp=2, ep=4, etp=2)):
+        assert msg in estimate_memory(PlanConfig(model=spec, parallel=par, cluster=cluster)).errors
+    plan = estimate_memory(PlanConfig(model=spec, parallel=ParallelConfig(tp=2, ep=8, etp=1), cluster=cluster))
+    assert plan.errors == [] and plan.edp == 1
+    assert plan.stage_expert_param_counts == [24 * 4 * (3 * 2880 * 2880 + 2 * 2880 + 2880)] == [2_389_616_640]
+    plans = search_layouts(PlanConfig(model=spec, parallel=ParallelConfig(), cluster=cluster))
+    assert plans and {p.config.parallel.etp for p in plans} == {1}
+    assert any(p.config.parallel.tp == 8 and p.config.parallel.ep == 8 for p in plans)  # 8 x 8 > 8 at expert TP 8
+    two_nodes = dataclasses.replace(cluster, nodes=2)
+    two = search_layouts(PlanConfig(model=spec, parallel=ParallelConfig(), cluster=two_nodes))
+    assert " etp=1 (fits" in format_search(two).splitlines()[-1]

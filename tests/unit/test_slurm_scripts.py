@@ -370,3 +370,45 @@ def test_free_port_is_below_the_ephemeral_range_and_binds():
             s.bind(("127.0.0.1", port))
             s.listen()
             assert free_port() != port
+
+
+def test_moonlight_renders_on_one_node_and_its_header_is_the_planners_table():
+    """slurm/moonlight_16b_a3b.sh (DeepSeek-V3 layout, the first MoE run of that family): 1 node x 8 tasks running
+    its config; the config validates with the trainer's loader; every row of the layout table in the header is a
+    row of `plan --search` on that config (same numbers, same verdict), the row marked chosen is the config's layout
+    and fits, and the refused rows are refused by the search."""
+    from megatron_rlvr.config import load_run_config
+    from megatron_rlvr.planner import format_search, load_plan_config, search_layouts
+
+    script = REPO / "slurm" / "moonlight_16b_a3b.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    d = sbatch_directives(script)
+    assert (d["nodes"], d["ntasks-per-node"], d["gpus-per-node"]) == ("1", "8", "8") and d["signal"] == "USR1@180"
+    assert "requeue" in d and d["output"] == "logs/%x-%j.out"
+    alloc = {"SLURM_JOB_ID": "9", "SLURM_JOB_NODELIST": "n1", "SLURM_JOB_NUM_NODES": "1", "SLURM_NTASKS": "8",
+             "SLURM_NTASKS_PER_NODE": "8"}  # fmt: skip
+    srun = dry_run(str(script), {**alloc, "RLVR_OVERRIDES": "train.moe_expert_bias_update_rate=1e-3"})["SRUN"].split()
+    assert srun[-4:] == [
+        "megatron-rlvr",
+        "train",
+        "configs/moonlight_16b_a3b.yaml",
+        "train.moe_expert_bias_update_rate=1e-3",
+    ]
+    assert "--nodes=1" in srun and "--ntasks=8" in srun
+    path = REPO / "configs" / "moonlight_16b_a3b.yaml"
+    run = load_run_config(str(path), check_files=False)
+    assert run.model.name == "moonlight-16b-a3b" and run.model.hf_path.endswith("/Moonlight-16B-A3B-Instruct")
+    cfg = load_plan_config(path, warn=lambda _: None)
+    assert cfg.model.name == "Moonlight-16B-A3B" and cfg.model.mla is not None
+    rows = [" ".join(line.split()) for line in format_search(search_layouts(cfg)).splitlines()]
+    header = [" ".join(line.lstrip("# ").split()) for line in script.read_text().splitlines() if line.startswith("#  ")]
+    start = header.index(rows[0].split(" (GiB")[0])  # the column names, then the rows
+    table = [r for r in header[start + 1 :] if r[0].isdigit()]
+    assert len(table) >= 6
+    searched = {r.removesuffix(" <- chosen") for r in rows}
+    for r in table:  # a fitting row may carry a note after "fits"
+        assert (r.split(" fits")[0] + " fits" if " fits" in r else r) in searched, r
+    chosen = [r for r in table if r.endswith("<- chosen")]
+    p = run.parallel
+    assert len(chosen) == 1 and chosen[0].split()[:5] == [str(x) for x in (p.tp, p.pp, p.rollout_tp, 8 // p.tp, p.ep)]
+    assert " fits" in chosen[0] and any(" no: " in r for r in table)
