@@ -276,7 +276,7 @@ def megatron_model_args(
         etp_size = 1  # megatron biases MoE experts only at expert TP 1
     elif fam.gpt_oss and etp_size != 1:
         raise ValueError(
-            f"expert tensor parallel size {etp_size}: GPT-OSS's expert biases need expert TP 1 (parallel.expert_tp=1)"
+            f"expert tensor parallel size {etp_size}: GPT-OSS's expert biases need expert TP 1 (set parallel.etp=1)"
         )
     etp_size = tp_size if etp_size is None else etp_size
     dims.check_ep(ep_size, etp_size if dims.is_moe else 1)
