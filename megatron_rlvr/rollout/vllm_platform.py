@@ -45,7 +45,9 @@ read from the vLLM source of both releases:
 
 Two more vision-language fixes are not platform differences but apply to both: :func:`restore_mm_input_norm` (the
 dummy start randomises the image-normalisation buffers) and the encoder-cache reset after every weight update
-(in the engine).
+(in the engine). So do GPT-OSS's: its attention sinks are written after the reload
+(:func:`take_direct_copy_weights`: vLLM's loader loses them in a layerwise reload), and :func:`check_gpt_oss_for_vllm`
+refuses the config values vLLM's GPT-OSS ignores.
 """
 
 from __future__ import annotations
