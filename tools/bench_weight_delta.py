@@ -28,6 +28,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -267,6 +268,8 @@ def main() -> int:
         return 0
     import torch
 
+    # a SIGTERM (e.g. from `timeout`) unwinds like an exception: the ranks are killed and the namespaces removed
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     torch.set_num_threads(args.threads)
     load = os.getloadavg()[0]
     print(f"bench_weight_delta model={args.model} lr={args.lr} dtype={args.dtype} steps={args.steps} "
