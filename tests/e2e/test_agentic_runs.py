@@ -131,10 +131,11 @@ def test_disaggregated_k1_multi_turn_run_resumes_exactly_after_sigterm(tmp_path)
     with the trajectories in flight; the resumed run repeats every non-volatile metric of the uninterrupted run and
     ends at its data position."""
     config = _config(tmp_path)
+    steps = 12  # a step takes ~0.06 s on an idle machine: enough of them that SIGTERM lands before the end
     k1 = ["launch.nproc=2", "parallel.rollout_ranks=1", "rollout.max_staleness=1", "checkpoint.save_every=0",
-          "checkpoint.save_at_end=true", "schedule.steps=5"]  # fmt: skip
+          "checkpoint.save_at_end=true", f"schedule.steps={steps}"]  # fmt: skip
     ref = _run(config, tmp_path / "ref", *k1)
-    assert sorted(ref) == [1, 2, 3, 4, 5]
+    assert sorted(ref) == list(range(1, steps + 1))
     assert sum(r["agent/observation_tokens_mean"] for r in ref.values()) > 0
     for rec in ref.values():
         assert rec["loss/num_tokens"] == rec["mismatch/tokens"]
@@ -147,16 +148,16 @@ def test_disaggregated_k1_multi_turn_run_resumes_exactly_after_sigterm(tmp_path)
         deadline = time.monotonic() + 300
         while not (os.path.isfile(run / "metrics.jsonl") and len(_records(run)) >= 2):
             assert proc.poll() is None and time.monotonic() < deadline, "no step 2"
-            time.sleep(0.2)
+            time.sleep(0.02)
         proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=120)[0].decode()
     assert proc.returncode == 0, out[-3000:]
     stopped_at = max(_records(run))
-    assert stopped_at < 5 and f"checkpoint of step {stopped_at} saved" in out, out[-3000:]
+    assert stopped_at < steps and f"checkpoint of step {stopped_at} saved" in out, out[-3000:]
     got = _run(os.path.join(run, "config.yaml"), run)
-    assert sorted(got) == [1, 2, 3, 4, 5]
-    assert _data_position(run, 5) == _data_position(tmp_path / "ref", 5)
-    for step in range(stopped_at + 1, 6):  # sync/verified: each process verifies its own first weight sync
+    assert sorted(got) == list(range(1, steps + 1))
+    assert _data_position(run, steps) == _data_position(tmp_path / "ref", steps)
+    for step in range(stopped_at + 1, steps + 1):  # sync/verified: each process verifies its own first weight sync
         # timings, and the rates made from them (the bridge's sync/gbps), differ between any two runs
         keys = {
             k for k in ref[step] if not k.startswith((*VOLATILE, "sync/verified")) and not k.endswith(("_s", "gbps"))
