@@ -20,8 +20,23 @@ Every run trains with one optimizer update per step (``train.mini_batch_prompts=
 whatever ``train.prompts_per_step`` is, so an extra ``train.prompts_per_step=24`` needs nothing else; an extra
 ``train.mini_batch_prompts=...`` comes later and wins).
 
-    PYTHONPATH=. python tools/bench_async.py [--rounds 3] [--steps 20] [--modes k0,k1,colocated] [overrides ...]
-    PYTHONPATH=. python tools/bench_async.py --rounds 1 --steps 5 --skip 2 --modes k0,k1   # the smallest run
+Workload mixes (``--mixes``, all three by default; each is the workload above plus its overrides, and the
+caller's overrides come after them):
+
+    generation  8 prompts x 8 samples, 56-token responses (the tiny model has 64 positions): generation dominates
+    balanced    16 prompts x 8 samples, 40-token responses: the workload above
+    training    24 prompts x 8 samples, 24-token responses: training dominates
+
+For each mix the k = 0 runs give the measured G (the rollout rank's generate time a step) and T (the training
+rank's update and log-prob time a step), so the ceiling of overlapping them is (G + T) / max(G, T); the mix's line
+gives that ceiling, ``async_speedup`` (k = 1 over k = 0), the share of the ceiling it reached (``of_ceiling``) and
+``k1_over_colocated``. With one mix the last line is ``async_speedup=``; with several it is each mix's speedup and
+``min_of_ceiling=``.
+
+    PYTHONPATH=. python tools/bench_async.py [--rounds 3] [--steps 20] [--mixes generation,balanced,training]
+        [--modes k0,k1,colocated] [overrides ...]
+    PYTHONPATH=. python tools/bench_async.py --rounds 1 --steps 5 --skip 2 --modes k0,k1 --mixes balanced
+        # the smallest run
 """
 
 from __future__ import annotations
@@ -64,15 +79,23 @@ MODES = {
 }
 
 
-def train_args(mode: str, steps: int, run_dir: str, extra: list[str]) -> list[str]:
-    """``megatron-rlvr train`` arguments of one run: the preset, the workload, the mode, then ``extra``."""
-    return [*WORKLOAD, *MODES[mode], f"schedule.steps={steps}", f"logging.run_dir={run_dir}", *extra]
+MIXES = {
+    "generation": ["train.prompts_per_step=8", "rollout.max_response_len=56"],
+    "balanced": [],
+    "training": ["train.prompts_per_step=24", "rollout.max_response_len=24"],
+}
+"""Overrides of each workload mix on top of WORKLOAD (see the module docstring)."""
 
 
-def run(mode: str, steps: int, skip: int, extra: list[str], root: str, i: int) -> dict:
-    run_dir = os.path.join(root, f"{mode}_{i}")
+def train_args(mode: str, steps: int, run_dir: str, extra: list[str], mix: str = "balanced") -> list[str]:
+    """``megatron-rlvr train`` arguments of one run: the preset, the workload, the mix, the mode, then ``extra``."""
+    return [*WORKLOAD, *MIXES[mix], *MODES[mode], f"schedule.steps={steps}", f"logging.run_dir={run_dir}", *extra]
+
+
+def run(mode: str, steps: int, skip: int, extra: list[str], root: str, i: int, mix: str = "balanced") -> dict:
+    run_dir = os.path.join(root, f"{mix}_{mode}_{i}")
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "megatron_rlvr.commands.cli", "train", *train_args(mode, steps, run_dir, extra)]
+    cmd = [sys.executable, "-m", "megatron_rlvr.commands.cli", "train", *train_args(mode, steps, run_dir, extra, mix)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"{mode} run failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
@@ -99,12 +122,32 @@ def run(mode: str, steps: int, skip: int, extra: list[str], root: str, i: int) -
     }
 
 
+def summarize(mix: str, runs: dict[str, list[dict]]) -> dict:
+    """Medians of one mix's runs by mode: rates, and from the k = 0 runs (no overlap) the measured G and T."""
+    out: dict = {"mix": mix}
+    for mode, rs in runs.items():
+        out[f"{mode}_steps_per_s"] = statistics.median(r["steps_per_s"] for r in rs)
+    if runs.get("k0"):
+        g = statistics.median(r["rollout_s"] for r in runs["k0"])
+        t = statistics.median(r["train_s"] for r in runs["k0"])
+        out.update(G=g, T=t, ceiling=(g + t) / max(g, t, 1e-9))
+        if runs.get("k1"):
+            out["async_speedup"] = out["k1_steps_per_s"] / out["k0_steps_per_s"]
+            out["of_ceiling"] = out["async_speedup"] / out["ceiling"]
+    if runs.get("k1") and runs.get("colocated"):
+        out["k1_over_colocated"] = out["k1_steps_per_s"] / out["colocated_steps_per_s"]
+    if runs.get("k0") and runs.get("colocated"):
+        out["colocated_over_k0"] = out["colocated_steps_per_s"] / out["k0_steps_per_s"]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--skip", type=int, default=4, help="steps left out of the rate (start-up, k = 1 head start)")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, among {', '.join(MODES)}")
+    ap.add_argument("--mixes", default=",".join(MIXES), help=f"comma-separated, among {', '.join(MIXES)}")
     ap.add_argument("extra", nargs="*", help="more config overrides")
     a = ap.parse_args()
     if a.steps - a.skip < 3:
@@ -113,29 +156,45 @@ def main() -> None:
     for m in modes:
         if m not in MODES:
             ap.error(f"--modes {m!r}: choose from {', '.join(MODES)}")
-    rates: dict[str, list[float]] = {m: [] for m in modes}
+    mixes = [m for m in a.mixes.split(",") if m]
+    for m in mixes:
+        if m not in MIXES:
+            ap.error(f"--mixes {m!r}: choose from {', '.join(MIXES)}")
     load0 = os.getloadavg()
     print(f"{os.cpu_count()} cores, load average at start {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}", flush=True)
+    results = []
     with tempfile.TemporaryDirectory() as root:
-        for i in range(a.rounds):
-            for mode in modes[i % len(modes) :] + modes[: i % len(modes)]:
-                r = run(mode, a.steps, a.skip, a.extra, root, i)
-                rates[mode].append(r["steps_per_s"])
-                print(
-                    f"round {i} {mode:>9}: {r['steps_per_s']:.3f} steps/s | rollout {r['rollout_s']:.3f} s, train "
-                    f"{r['train_s']:.3f} s per step | idle: trainer {r['trainer_wait_s']:.3f} s, rollout "
-                    f"{r['rollout_wait_s']:.3f} s | staleness {r['staleness_mean']:.2f} | load "
-                    f"{os.getloadavg()[0]:.2f}",
-                    flush=True,
-                )
-    med = {m: statistics.median(v) for m, v in rates.items()}
+        for mix in mixes:
+            runs: dict[str, list[dict]] = {m: [] for m in modes}
+            for i in range(a.rounds):
+                for mode in modes[i % len(modes) :] + modes[: i % len(modes)]:
+                    r = run(mode, a.steps, a.skip, a.extra, root, i, mix)
+                    runs[mode].append(r)
+                    print(
+                        f"{mix} round {i} {mode:>9}: {r['steps_per_s']:.3f} steps/s | rollout {r['rollout_s']:.3f} s, "
+                        f"train {r['train_s']:.3f} s per step | idle: trainer {r['trainer_wait_s']:.3f} s, rollout "
+                        f"{r['rollout_wait_s']:.3f} s | staleness {r['staleness_mean']:.2f} | load "
+                        f"{os.getloadavg()[0]:.2f}",
+                        flush=True,
+                    )
+            res = summarize(mix, runs)
+            results.append(res)
+            print(f"mix {mix}: " + " ".join(f"{k}={v:.3f}" for k, v in res.items() if k != "mix"), flush=True)
     load1 = os.getloadavg()
-    print(" ".join(f"{m}_steps_per_s={v:.3f}" for m, v in med.items()))
-    if "colocated" in med and "k0" in med:
-        print(f"colocated_over_k0={med['colocated'] / med['k0']:.2f} (the synchronous colocated schedule, same cores)")
     print(f"load average at end {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f} on {os.cpu_count()} cores")
-    if "k1" in med and "k0" in med:
-        print(f"async_speedup={med['k1'] / med['k0']:.2f}")
+    cols = ["G", "T", "ceiling", "async_speedup", "of_ceiling", "k1_over_colocated"]
+    print("| mix | " + " | ".join(cols) + " |")
+    print("|" + " --- |" * (len(cols) + 1))
+    for res in results:
+        print(f"| {res['mix']} | " + " | ".join(f"{res[c]:.3f}" if c in res else "-" for c in cols) + " |")
+    speedups = [r for r in results if "async_speedup" in r]
+    if len(results) == 1 and speedups:
+        print(f"async_speedup={speedups[0]['async_speedup']:.2f}")
+    elif speedups:
+        print(
+            " ".join(f"async_speedup_{r['mix']}={r['async_speedup']:.2f}" for r in speedups)
+            + f" min_of_ceiling={min(r['of_ceiling'] for r in speedups):.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ Both engines run in this one process on the same real model (SmolLM2-135M-Instru
 fp32), the same chat prompts and the same sampling settings (temperature 1, no top-k/top-p, ``ignore_eos`` so every
 sample has exactly ``--max-tokens`` tokens and the two engines generate the same number of tokens), with the same
 torch thread count (``--threads``, default: all cores). Each engine is warmed up once (vLLM's first call builds its
-scheduler state; the transformers engine's first call allocates), then the two are timed ALTERNATELY ``--repeats``
+scheduler state; the transformers engine's first call allocates), then the engines are timed ALTERNATELY ``--repeats``
 times so that load from other jobs on a shared machine hits both alike; the reported time is the best repeat
 (timeit's convention), all repeats are printed.
 
@@ -16,6 +16,12 @@ the same (name, tensor) pairs; its TP gathers are benchmarked by tools/bench_wei
 path (in place: rollout/vllm_refit.py; on CPU every linear weight and the LM head are re-packed for their GEMM) and
 the prefix-cache reset; against a plain ``copy_`` of the same bytes into preallocated tensors (the floor for any
 in-place update). tools/bench_refit.py compares the in-place path with vLLM's layerwise reload.
+
+Rollout overhead: the same vLLM engine instance is also called directly, as a user of plain vLLM would call it
+(``LLM.generate`` with ``TokensPrompt`` requests and one ``vllm.SamplingParams`` of the same settings: n,
+temperature, max tokens, ``ignore_eos``, a seed, the sampled token's log-prob), in the same alternation. What is
+left between the two is our wrapper: prompt validation, per-prompt seeds, the conversion of vLLM's outputs to our
+completions with their log-probs. ``ours_over_plain_vllm`` is our tokens/s over plain vLLM's (target >= 0.95).
 
 The last line is ``key=value`` pairs; ``vllm_over_hf_tokens_per_s`` > 1 means vLLM generates faster.
 """
@@ -47,6 +53,33 @@ def _timed_generate(engine, prompts, params) -> tuple[float, int]:
     outs = engine.generate(prompts, params)
     dt = time.perf_counter() - t0
     return dt, sum(len(c.token_ids) for o in outs for c in o.completions)
+
+
+class _PlainVLLM:
+    """The engine's own ``vllm.LLM`` called directly: the plain-vLLM baseline of the rollout-overhead figure."""
+
+    def __init__(self, engine, params):
+        from vllm import SamplingParams as VLLMSamplingParams
+
+        self.engine = engine
+        self.vparams = VLLMSamplingParams(
+            n=params.n, temperature=params.temperature, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
+            seed=params.seed, logprobs=0, detokenize=False,
+        )  # fmt: skip
+
+    def generate(self, prompts, params):
+        from vllm.inputs import TokensPrompt
+
+        with self.engine.platform.engine_call():  # the CPU platform's eager stance, which our engine also runs under
+            outs = self.engine.llm.generate(
+                [TokensPrompt(prompt_token_ids=p) for p in prompts], self.vparams, use_tqdm=False
+            )
+        return [_PlainOutput(o) for o in outs]
+
+
+class _PlainOutput:
+    def __init__(self, out):
+        self.completions = out.outputs
 
 
 def main(argv=None) -> int:
@@ -100,21 +133,23 @@ def main(argv=None) -> int:
         nbytes = sum(t.numel() * t.element_size() for _, t in pairs)
         vllm.update_weights(iter(pairs))  # the real weights (also the untimed first load)
 
-        for name, eng in (("hf", hf), ("vllm", vllm)):  # warm-up
+        plain = _PlainVLLM(vllm, params)
+        arms = [("hf", hf), ("vllm", vllm), ("plain", plain)]
+        for name, eng in arms:  # warm-up
             print(f"  warm-up {name}: {_timed_generate(eng, prompts, params)[0]:.2f} s", flush=True)
-        times = {"hf": [], "vllm": []}
+        times = {name: [] for name, _ in arms}
         tokens = {}
         for r in range(args.repeats):
-            for name, eng in (("hf", hf), ("vllm", vllm)) if r % 2 == 0 else (("vllm", vllm), ("hf", hf)):
+            for name, eng in arms[r % len(arms) :] + arms[: r % len(arms)]:  # each arm leads a round in turn
                 dt, n_tok = _timed_generate(eng, prompts, params)
                 times[name].append(dt)
                 tokens[name] = n_tok
                 print(f"  repeat {r} {name}: {n_tok} tokens in {dt:.2f} s", flush=True)
-        if tokens["hf"] != tokens["vllm"]:
+        if len(set(tokens.values())) != 1:
             raise RuntimeError(f"the engines generated different token counts: {tokens}")
         tps = {k: tokens[k] / min(v) for k, v in times.items()}
         for k, v in times.items():
-            print(f"generate {k:4s}: {tokens[k]} tokens; repeats {', '.join(f'{t:.2f}' for t in v)} s; "
+            print(f"generate {k:5s}: {tokens[k]} tokens; repeats {', '.join(f'{t:.2f}' for t in v)} s; "
                   f"best {tps[k]:.1f} tokens/s")  # fmt: skip
 
         sync, copy = [], []
@@ -140,7 +175,9 @@ def main(argv=None) -> int:
         f"vllm_start_s={start_s:.1f} sync_s={min(sync):.3f} copy_s={min(copy):.3f} "
         f"sync_over_copy={min(sync) / max(min(copy), 1e-9):.1f} "
         f"median_vllm_over_hf={statistics.median(times['hf']) / statistics.median(times['vllm']):.2f} "
-        f"vllm_over_hf_tokens_per_s={tps['vllm'] / tps['hf']:.2f}"
+        f"vllm_over_hf_tokens_per_s={tps['vllm'] / tps['hf']:.2f} plain_vllm_tokens_per_s={tps['plain']:.1f} "
+        f"median_ours_over_plain={statistics.median(times['plain']) / statistics.median(times['vllm']):.3f} "
+        f"ours_over_plain_vllm={tps['vllm'] / tps['plain']:.3f}"
     )
     return 0
 

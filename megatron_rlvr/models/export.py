@@ -206,18 +206,22 @@ def _discard_partial_export(out_dir: str, created: bool) -> None:
 
 
 def _prepare_out_dir(out_dir: str, overwrite: bool) -> str | None:
-    """Rank 0: refuse a folder that holds an HF checkpoint unless ``overwrite`` (then its weight files go); the error
-    text, or None."""
-    existing = glob.glob(os.path.join(out_dir, "model*.safetensors*"))
+    """Rank 0: refuse a folder that holds an HF checkpoint unless ``overwrite``; the error text, or None. A previous
+    checkpoint there stays whole until the new one's shards are all written (``_finalise`` replaces it then), so an
+    export that fails part way (a full disk at the end of a run) leaves the previous export as it was."""
+    existing = _weight_files(out_dir)
     if existing and not overwrite:
         return (
             f"{out_dir} already holds an HF checkpoint ({os.path.basename(existing[0])}); pass overwrite=True "
             "(--overwrite for megatron-rlvr convert)"
         )
-    for f in existing:
-        os.remove(f)
     os.makedirs(out_dir, exist_ok=True)
     return None
+
+
+def _weight_files(out_dir: str) -> list[str]:
+    """The HF weight files of ``out_dir`` (shards, single file, index), sorted."""
+    return sorted(glob.glob(os.path.join(out_dir, "model*.safetensors*")))
 
 
 def _write_temp_shards(
@@ -279,6 +283,16 @@ def _finalise(files, out_dir, args: MegatronModelArgs, dtype, source_dir) -> Non
     if sorted(written) != sorted(expected):
         missing, extra = sorted(expected - set(written)), sorted(set(written) - expected)
         raise RuntimeError(f"export wrote the wrong tensor set: missing {missing[:5]}, unexpected {extra[:5]}")
+    # every new shard is on disk now: the previous export's weight files that the new ones will not replace go first
+    # (each rename below replaces a file of the same name in one step)
+    finals = (
+        {SAFE_SINGLE}
+        if len(files) == 1
+        else {SAFE_INDEX} | {f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))}
+    )
+    for old in _weight_files(out_dir):
+        if os.path.basename(old) not in finals:
+            os.remove(old)
     if len(files) == 1:
         os.replace(files[0][0], os.path.join(out_dir, SAFE_SINGLE))
     else:

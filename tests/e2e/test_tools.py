@@ -225,6 +225,32 @@ def test_bench_async_configs_are_valid(tmp_path):
     k0, k1, colocated = (_validate(bench.train_args(m, 5, run, [])) for m in ("k0", "k1", "colocated"))
     assert (k0.parallel.rollout_ranks, k0.rollout.max_staleness, k1.rollout.max_staleness) == (1, 0, 1)
     assert (colocated.parallel.rollout_ranks, colocated.launch.nproc) == (0, 2)
+    for mix, (prompts, response_len) in {"generation": (8, 56), "balanced": (16, 40), "training": (24, 24)}.items():
+        for mode in bench.MODES:
+            cfg = _validate(bench.train_args(mode, 5, run, [], mix))
+            assert (cfg.train.prompts_per_step, cfg.rollout.max_response_len) == (prompts, response_len), (mix, mode)
+            assert cfg.train.num_mini_batches == 1, (mix, mode)
+
+
+def test_bench_async_summary_by_hand():
+    """bench_async.py's per-mix summary on hand-made runs: G and T are the k = 0 runs' medians, the ceiling
+    (G + T) / max(G, T), the speedup k1 / k0 of the median rates and its share of the ceiling."""
+    bench = _load("tools/bench_async.py")
+
+    def r(rate, g=0.0, t=0.0):
+        return {"steps_per_s": rate, "rollout_s": g, "train_s": t}
+
+    runs = {
+        "k0": [r(4.0, 0.10, 0.05), r(5.0, 0.12, 0.06), r(6.0, 0.30, 0.04)],
+        "k1": [r(6.0), r(7.5), r(9.0)],
+        "colocated": [r(5.0), r(6.0), r(2.0)],
+    }
+    res = bench.summarize("x", runs)
+    assert (res["G"], res["T"]) == (0.12, 0.05)
+    assert res["ceiling"] == pytest.approx(0.17 / 0.12)
+    assert res["async_speedup"] == pytest.approx(7.5 / 5.0)
+    assert res["of_ceiling"] == pytest.approx(1.5 / (0.17 / 0.12))
+    assert res["k1_over_colocated"] == pytest.approx(7.5 / 5.0)
 
 
 def test_gpu_check_configs_are_valid(tmp_path):
@@ -277,7 +303,11 @@ def test_profile_step_smallest_run(tmp_path):
 def test_bench_async_smallest_run():
     """bench_async.py at k = 0 and k = 1, one round of 5 steps: both disaggregated runs finish and the speedup line
     comes last."""
-    out = _run(["tools/bench_async.py", "--rounds", "1", "--steps", "5", "--skip", "2", "--modes", "k0,k1"], 600)
+    out = _run(
+        ["tools/bench_async.py", "--rounds", "1", "--steps", "5", "--skip", "2", "--modes", "k0,k1"]
+        + ["--mixes", "balanced"],
+        600,
+    )
     kv = _last_kv(out.stdout)
     assert float(kv["async_speedup"]) > 0, out.stdout[-2000:]
     assert re.search(r"k0_steps_per_s=[\d.]+ k1_steps_per_s=[\d.]+", out.stdout), out.stdout[-2000:]
@@ -375,8 +405,10 @@ def test_bench_refit_smallest_run():
 @_SMOLLM2
 def test_bench_rollout_smallest_run():
     """bench_rollout.py --quick (4 prompts x 2 samples x 16 tokens, SmolLM2-135M in vLLM and transformers): both
-    engines generate the same token count and the last line carries both rates and the sync ratio."""
+    engines (and vLLM called plainly) generate the same token count and the last line carries the rates, the sync
+    ratio and our wrapper's rate over plain vLLM's."""
     out = _run(["tools/bench_rollout.py", "--quick", "--threads", "2"], timeout=900).stdout
     kv = _last_kv(out)
     assert float(kv["hf_tokens_per_s"]) > 0 and float(kv["vllm_tokens_per_s"]) > 0, out[-2000:]
     assert float(kv["sync_over_copy"]) > 0 and int(kv["rows"]) == 8, out[-2000:]
+    assert float(kv["ours_over_plain_vllm"]) > 0 and float(kv["plain_vllm_tokens_per_s"]) > 0, out[-2000:]

@@ -164,3 +164,67 @@ def test_a_safetensors_full_disk_error_is_a_user_error(monkeypatch, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "No space left on device (os error 28); free space" in err[0], err
     assert "traceback" not in err[0] and err[0].count("No space left") == 1, err
+
+
+def test_an_hf_export_over_a_previous_one_keeps_it_until_the_new_shards_are_all_written(tmp_path, monkeypatch):
+    """The run's final HF export overwrites the previous one (``overwrite=True``). A full disk while the new shards
+    are written leaves the previous export byte for byte (the old code deleted its weight files before writing, so a
+    full disk at the end of a run lost both). Once every new shard is written, the new export replaces the old one
+    whole: the old shards that no new file replaces (3 shards before, 2 after) and its index are gone."""
+    import safetensors.torch
+    from transformers import LlamaConfig
+
+    from megatron_rlvr.models import export
+    from megatron_rlvr.models.hf_config import megatron_model_args
+    from megatron_rlvr.models.hf_loading import SAFE_INDEX
+    from megatron_rlvr.models.mapping import WeightMapping, checkpoint_names
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                      architectures=["LlamaForCausalLM"])  # fmt: skip
+    args = megatron_model_args(cfg.to_dict())
+    names = sorted(checkpoint_names(WeightMapping(args.dims).hf_names()))
+    out = tmp_path / "hf"
+    out.mkdir()
+    for i in range(3):  # the previous export: 3 shards, an index, a config
+        safetensors.torch.save_file(
+            {f"old{i}": torch.full((2,), float(i))}, str(out / f"model-{i + 1:05d}-of-00003.safetensors")
+        )
+    (out / SAFE_INDEX).write_text("{}")
+    (out / "config.json").write_text("{}")
+    before = _tree(out)
+
+    assert export._prepare_out_dir(str(out), overwrite=False).startswith(f"{out} already holds an HF checkpoint")
+    assert export._prepare_out_dir(str(out), overwrite=True) is None
+    assert _tree(out) == before
+
+    def stream(value):
+        return ((n, torch.full((4,), value)) for n in names)
+
+    real_save = safetensors.torch.save_file
+    writes = []
+
+    def full_after_one_shard(tensors, path, metadata=None):
+        writes.append(path)
+        if len(writes) == 1:
+            return real_save(tensors, path, metadata=metadata)
+        return _full_disk_after_64_bytes(tensors, path, metadata)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_after_one_shard)
+    shard_bytes = 16 * (len(names) // 2 + 1)  # two shards
+    files, err = export._write_temp_shards(stream(1.0), str(out), 0, torch.float32, shard_bytes, writer=True)
+    assert err and "No space left on device" in err
+    export._discard_partial_export(str(out), created=False)
+    assert _tree(out) == before
+
+    monkeypatch.setattr(safetensors.torch, "save_file", real_save)
+    files, err = export._write_temp_shards(stream(2.0), str(out), 0, torch.float32, shard_bytes, writer=True)
+    assert err is None and len(files) == 2
+    export._finalise(files, str(out), args, torch.float32, None)
+    weights = sorted(f for f in os.listdir(out) if f.startswith("model"))
+    assert weights == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", SAFE_INDEX], weights
+    got = {}
+    for f in weights[:2]:
+        got.update(safetensors.torch.load_file(str(out / f)))
+    assert sorted(got) == names and all(torch.equal(t, torch.full((4,), 2.0)) for t in got.values())
+    assert sorted(json.loads((out / SAFE_INDEX).read_text())["weight_map"]) == names
