@@ -252,7 +252,7 @@ def build_gpt_model(
     rope = args.rope
     cls, extra = GPTModel, {"position_embedding_type": "rope"}
     yarn = yarn_attributes(rope, mla=getattr(cfg, "multi_latent_attention", False))
-    if yarn:  # GPT-OSS: megatron's YaRN embedding reads its settings from config attributes (not fields)
+    if yarn:  # GPT-OSS, dense YaRN: megatron's YaRN embedding reads its settings from config attributes (not fields)
         for name, value in yarn.items():
             setattr(cfg, name, value)
         extra = {"position_embedding_type": "yarn"}
