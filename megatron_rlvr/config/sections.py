@@ -391,7 +391,9 @@ class TrainConfig:
     attention mask, so the forward and backward cost follows the real tokens instead of rows x the longest sequence
     (the loss is unchanged up to float rounding). Used where the model's attention takes such a mask: megatron's
     local attention without the fused softmax kernel (CPU runs, GPUs without Transformer Engine). With Transformer
-    Engine rows stay one sequence each (its THD packed format is not wired up yet)."""
+    Engine at ``parallel.cp`` > 1 and ``parallel.pp`` = 1 the sequences are packed end to end instead (THD, each
+    split into its own zig-zag chunks: trainer/context_split.py); elsewhere with Transformer Engine rows stay one
+    sequence each."""
 
     routing_replay: str = "none"
     """Mixture-of-experts routing replay. ``none``: every forward routes tokens itself. ``r2``: the behaviour

@@ -39,15 +39,19 @@ def gathered_positions(seq_len: int, cp_size: int) -> torch.Tensor:
     return torch.cat([zigzag_positions(seq_len, cp_size, r) for r in range(cp_size)])
 
 
-def thd_cu_seqlens(lengths: list[int], cp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def thd_cu_seqlens(lengths: list[int], cp_size: int, total_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """(cu_seqlens, cu_seqlens_padded), each [n + 1] int32: the cumulative real lengths of ``n`` sequences packed
     end to end (THD), and the cumulative lengths with every sequence padded to a multiple of 2 x cp_size (each
-    sequence is split into 2 x cp chunks by itself; Transformer Engine's THD attention reads both)."""
-    if cp_size < 1 or any(n < 1 for n in lengths):
+    sequence is split into 2 x cp chunks by itself; Transformer Engine's THD attention reads both). The last
+    sequence is padded further so the whole stream is a multiple of ``total_multiple`` x (2 x cp_size) (sequence
+    parallelism splits each rank's tokens over TP: ``total_multiple`` = TP)."""
+    if cp_size < 1 or total_multiple < 1 or not lengths or any(n < 1 for n in lengths):
         raise ValueError(f"thd_cu_seqlens: lengths {lengths} must be >= 1 and cp {cp_size} >= 1")
     m = 2 * cp_size if cp_size > 1 else 1
     real = torch.tensor([0, *lengths], dtype=torch.long)
     padded = torch.tensor([0, *(-(-n // m) * m for n in lengths)], dtype=torch.long)
+    whole = m * total_multiple
+    padded[-1] += -int(padded.sum()) % whole
     return real.cumsum(0).to(torch.int32), padded.cumsum(0).to(torch.int32)
 
 

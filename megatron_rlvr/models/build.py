@@ -314,6 +314,13 @@ def takes_block_attention_mask(model) -> bool:
     return all(type(c) in local or getattr(type(c), "applies_given_mask", False) for c in cores)
 
 
+def uses_te_attention(model) -> bool:
+    """True when every attention layer of ``model`` is Transformer Engine's (``TEDotProductAttention``): the
+    attention that takes packed sequences (THD, megatron's ``PackedSeqParams``) at any context-parallel size."""
+    cores = [m.core_attention for m in unwrap(model).modules() if hasattr(m, "core_attention")]
+    return bool(cores) and all(type(c).__name__ == "TEDotProductAttention" for c in cores)
+
+
 def gather_vocab_parallel(logits: torch.Tensor, tp_group, vocab_size: int | None = None) -> torch.Tensor:
     """[..., V_pad/tp] on each TP rank -> [..., V_pad] (or [..., vocab_size] with the padding dropped)."""
     if tp_group.size() > 1:

@@ -72,7 +72,9 @@ def split_for_context_parallel(mb: MicroBatch, cp_size: int, cp_rank: int) -> Co
     )
 
 
-def split_thd_for_context_parallel(mb: MicroBatch, lengths: list[int], cp_size: int, cp_rank: int):
+def split_thd_for_context_parallel(
+    mb: MicroBatch, lengths: list[int], cp_size: int, cp_rank: int, total_multiple: int = 1
+) -> ContextParallelMicroBatch:
     """This CP rank's part of ``mb`` (one sequence per row, [n, s], row i holding ``lengths[i]`` real tokens) as
     packed sequences (THD) for Transformer Engine's attention: the rows' real tokens laid end to end, each sequence
     padded to a multiple of 2 x cp_size (``thd_cu_seqlens``), and every sequence split into its own 2 x cp zig-zag
@@ -81,7 +83,8 @@ def split_thd_for_context_parallel(mb: MicroBatch, lengths: list[int], cp_size: 
     the loss inputs stay [n, s] and ``unpack`` / ``held`` map each (sequence, position) to this rank's model output,
     exactly as :func:`split_for_context_parallel`, so advantages, old / reference / rollout log-probs and masks
     follow the tokens. Work per rank is balanced per sequence, and no attention is spent on padding beyond 2 x cp - 1
-    tokens per sequence."""
+    tokens per sequence. ``total_multiple``: the stream is padded to a multiple of it x 2 x cp (TP under sequence
+    parallelism)."""
     if mb.pixel_values is not None or mb.position_ids.dim() != 2:
         raise ValueError("context parallelism does not split micro-batches with images (M-RoPE positions)")
     if mb.unpack is not None or mb.attention_mask is not None:
@@ -89,7 +92,7 @@ def split_thd_for_context_parallel(mb: MicroBatch, lengths: list[int], cp_size: 
     n, s = mb.tokens.shape
     if len(lengths) != n or any(not 1 <= L <= s for L in lengths):
         raise ValueError(f"split_thd_for_context_parallel: lengths {lengths} for {n} rows of {s}")
-    cu, cu_padded = thd_cu_seqlens(lengths, cp_size)
+    cu, cu_padded = thd_cu_seqlens(lengths, cp_size, total_multiple)
     total = int(cu_padded[-1])
     starts = cu_padded[:-1].to(torch.long)
     # packed index of every (sequence, position), -1 for positions past the sequence's real length

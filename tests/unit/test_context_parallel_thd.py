@@ -51,6 +51,7 @@ def test_thd_partition_hand_worked_case():
     assert thd_partition_indices(cu_padded, 20, 2, 0).tolist() == [0, 1, 6, 7, 8, 9, 14, 15, 16, 19]
     assert thd_partition_indices(cu_padded, 20, 2, 1).tolist() == [2, 3, 4, 5, 10, 11, 12, 13, 17, 18]
     assert thd_cu_seqlens([5, 8, 2], 1)[1].tolist() == [0, 5, 13, 15]  # no CP: no padding
+    assert thd_cu_seqlens([5, 8, 2], 2, total_multiple=3)[1].tolist() == [0, 8, 16, 24]  # the last one takes it
     with pytest.raises(ValueError, match="not multiples of 2 x cp = 4"):
         thd_partition_indices(torch.tensor([0, 6]), 6, 2, 0)
     with pytest.raises(ValueError, match="context parallel rank 2 of 2"):
@@ -75,10 +76,7 @@ def test_thd_partition_is_te_kernel_and_per_sequence_zigzag(cp):
                 cu_padded.tolist(), tail, cp, r
             )
             want = torch.cat(
-                [
-                    int(cu_padded[i]) + _zigzag(int(cu_padded[i + 1] - cu_padded[i]), cp, r)
-                    for i in range(len(lengths))
-                ]
+                [int(cu_padded[i]) + _zigzag(int(cu_padded[i + 1] - cu_padded[i]), cp, r) for i in range(len(lengths))]
             )
             assert torch.equal(part, want)
         assert torch.equal(torch.cat(parts).sort().values, torch.arange(total))
@@ -114,11 +112,13 @@ def test_thd_split_keeps_every_loss_input_with_its_token(cp):
     real = torch.arange(s)[None, :] < torch.tensor(lengths)[:, None]
     held_total = torch.zeros(mb.mask.shape, dtype=torch.long)
     for r in range(cp):
-        part = split_thd_for_context_parallel(mb, lengths, cp, r)
+        part = split_thd_for_context_parallel(mb, lengths, cp, r, total_multiple=3)
         total = int(part.cu_seqlens_padded[-1])
         assert part.tokens.shape == part.labels.shape == part.position_ids.shape == (1, total // cp)
+        assert total % (3 * 2 * cp if cp > 1 else 3) == 0
         assert part.cu_seqlens.tolist() == [0, *torch.tensor(lengths).cumsum(0).tolist()]
-        assert part.attention_mask is None and part.max_seqlen == max(-(-n // (2 * cp)) * 2 * cp for n in lengths)
+        assert part.attention_mask is None
+        assert part.max_seqlen == int((part.cu_seqlens_padded[1:] - part.cu_seqlens_padded[:-1]).max())
         got = unpack_values(model(part.tokens, part.labels, part.position_ids), part)
         assert torch.equal(got[part.held], whole[part.held])
         assert torch.equal(part.mask, mb.mask & part.held)
@@ -134,3 +134,50 @@ def test_thd_split_keeps_every_loss_input_with_its_token(cp):
     assert torch.equal(held_total[real], torch.ones_like(held_total[real])) and int(held_total[~real].max()) == 0
     with pytest.raises(ValueError, match="lengths"):
         split_thd_for_context_parallel(mb, lengths[:-1], cp, 0)
+
+
+class _Group:
+    def __init__(self, size: int, rank: int = 0):
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+@pytest.mark.parametrize("budget", [None, 24, 40])
+def test_trainer_thd_microbatches_and_packed_seq_params(budget):
+    """The update's THD plan at CP = 2 (UpdateSettings.thd): every sequence in exactly one micro-batch, each
+    micro-batch's padded lengths within ``micro_batch_tokens`` (one sequence each without a budget), split into this
+    rank's THD part; the schedule's PackedSeqParams carry its real and padded boundaries and longest padded length;
+    a [b, s] micro-batch gets none."""
+    from types import SimpleNamespace
+
+    from megatron_rlvr.algorithms import preset
+    from megatron_rlvr.megatron.schedule import thd_params
+    from megatron_rlvr.rollout.mismatch import MismatchCorrectionConfig
+    from megatron_rlvr.trainer import update
+    from megatron_rlvr.trainer.context_split import ContextParallelMicroBatch
+
+    seqs = _seqs()
+    for rank in range(2):
+        pg = SimpleNamespace(cp=_Group(2, rank), pp=_Group(1), dp=_Group(1), tp=_Group(1))
+        ctx = update.UpdateSettings(
+            algo=preset("grpo"), spec=None, pg=pg, device=torch.device("cpu"), pad_id=0, micro_batch_tokens=budget,
+            seq_multiple=4, n_per_group=5, num_mini_batches=1, ppo_epochs=1,
+            correction=MismatchCorrectionConfig(tis_cap=None), skip_nonfinite=False, thd=True,
+        )  # fmt: skip
+        mbs, members = update._microbatches(ctx, seqs, list(range(len(seqs))))
+        assert sorted(i for m in members for i in m) == list(range(len(seqs)))
+        for mb, chosen in zip(mbs, members):
+            assert isinstance(mb, ContextParallelMicroBatch) and mb.cu_seqlens is not None
+            padded = (mb.cu_seqlens_padded[1:] - mb.cu_seqlens_padded[:-1]).tolist()
+            assert padded == [-(-seqs[i].length // 4) * 4 for i in chosen]
+            assert len(chosen) == 1 if budget is None else (sum(padded) <= budget or len(chosen) == 1)
+            p = thd_params(mb, torch.device("cpu"))
+            assert p.qkv_format == "thd" and torch.equal(p.cu_seqlens_q, mb.cu_seqlens)
+            assert torch.equal(p.cu_seqlens_kv_padded, mb.cu_seqlens_padded) and p.max_seqlen_q == max(padded)
+            assert p.cu_seqlens_q.dtype == torch.int32
+    assert thd_params(build_microbatch(seqs, len(seqs), 16, pad_id=0), torch.device("cpu")) is None
