@@ -95,11 +95,10 @@ def run_microbatches(
             routing.before_forward(mb)
         # vision-language policies: the micro-batch's images, image mask and 3-D positions
         vision = mb.vision_kwargs(device) if hasattr(mb, "vision_kwargs") else {}
-        thd = thd_params(mb, device)
-        if thd is not None:  # packed sequences (THD): Transformer Engine's attention takes them as they are
-            vision["packed_seq_params"] = thd
+        thd = thd_params(mb, device)  # packed sequences (THD): Transformer Engine's attention takes them as they are
+        packed = {} if thd is None else {"packed_seq_params": thd}
         with native_torch():  # the model forward makes no CUDA call (cpu_shims: causal masks): skip the redirect
-            output = model_chunk(tokens, position_ids, mask, **vision)
+            output = model_chunk(tokens, position_ids, mask, **vision, **packed)
         if routing is not None:
             routing.after_forward(mb)
         return output, functools.partial(adapter, mb)
