@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Qwen3-32B, MCPO with 64k-token responses, 8 nodes x 8 GPUs (80 GB), context parallelism CP=4: one srun task per
-# GPU running `megatron-rlvr train`. The model needs YaRN rope scaling past 40960 positions: see the config's header.
+# GPU running `megatron-rlvr train`. YaRN rope scaling past 40960 positions: model.rope_scaling in the config.
 #
 #   mkdir -p logs && sbatch slurm/long_qwen3_32b_64k.sh      # from the repo root (Slurm does not create logs/)
 #   RLVR_DRY_RUN=1 bash slurm/long_qwen3_32b_64k.sh          # (with SLURM_* set) print the srun line, run nothing

@@ -167,7 +167,18 @@ def check_teacher(cfg: RunConfig, hf: dict, check_files: bool = True) -> None:
 
 
 def model_hf_config(cfg: ModelConfig) -> dict:
-    """The HF config (dict) of the configured model, without loading weights or megatron."""
+    """The HF config (dict) of the configured model, without loading weights or megatron (``model.rope_scaling``
+    applied)."""
+    hf = _model_hf_config_file(cfg)
+    if cfg.rope_scaling is None:
+        return hf
+    try:
+        return cfg.rope_scaling.apply(hf)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _model_hf_config_file(cfg: ModelConfig) -> dict:
     if cfg.is_tiny:
         return tiny_hf_config(name=cfg.name)
     if cfg.gguf:

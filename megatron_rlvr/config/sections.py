@@ -36,6 +36,74 @@ def _positive_int(name: str, v: Any) -> None:
         raise ValueError(f"{name} must be a positive integer, got {v!r}")
 
 
+ROPE_SCALING_TYPES = ("yarn",)
+"""``model.rope_scaling.rope_type`` values the override takes."""
+
+
+@dataclass
+class RopeScalingConfig:
+    """Rotary-embedding scaling laid over the model's HF config (``model.rope_scaling``), as a user adds
+    ``rope_scaling`` to config.json for a longer context: Qwen's documented way past Qwen3's 40960 positions is
+    ``{rope_type: yarn, factor: 4.0, original_max_position_embeddings: 32768}``. The trainer, the rollout engines
+    (vLLM, transformers) and the exported config.json then all see the same scaling, and the model's
+    ``max_position_embeddings`` becomes ``factor x original_max_position_embeddings`` (the reach YaRN gives; the
+    length checks read it)."""
+
+    rope_type: str = "yarn"
+    """Scaling method: ``yarn`` (YaRN, arXiv:2309.00071: per-frequency interpolation and the attention factor
+    0.1 ln(factor) + 1 on cos / sin, as transformers computes it)."""
+    factor: float = 1.0
+    """Context extension factor (> 1)."""
+    original_max_position_embeddings: int = 0
+    """Context length the model was pre-trained at (Qwen3: 32768)."""
+    beta_fast: float = 32.0
+    """Rotations over the original context above which a frequency is kept as it is (extrapolated)."""
+    beta_slow: float = 1.0
+    """Rotations below which a frequency is divided by ``factor`` (interpolated); < beta_fast."""
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ROPE_SCALING_TYPES:
+            raise ValueError(
+                f"model.rope_scaling.rope_type must be one of {ROPE_SCALING_TYPES}, got {self.rope_type!r}"
+            )
+        if isinstance(self.factor, bool) or not isinstance(self.factor, (int, float)) or not self.factor > 1:
+            raise ValueError(f"model.rope_scaling.factor must be a number > 1, got {self.factor!r}")
+        _positive_int("model.rope_scaling.original_max_position_embeddings", self.original_max_position_embeddings)
+        for name in ("beta_fast", "beta_slow"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"model.rope_scaling.{name} must be a number > 0, got {v!r}")
+        if self.beta_slow >= self.beta_fast:
+            raise ValueError(f"model.rope_scaling.beta_slow={self.beta_slow} must be below beta_fast={self.beta_fast}")
+
+    def as_hf(self) -> dict:
+        """The HF ``rope_scaling`` / ``rope_parameters`` entries."""
+        return {
+            "rope_type": self.rope_type,
+            "factor": float(self.factor),
+            "original_max_position_embeddings": int(self.original_max_position_embeddings),
+            "beta_fast": float(self.beta_fast),
+            "beta_slow": float(self.beta_slow),
+        }
+
+    def apply(self, hf: dict) -> dict:
+        """A copy of the HF config ``hf`` with this scaling: ``rope_scaling`` set, ``rope_parameters`` (transformers
+        >= 5) keeping its ``rope_theta`` under the new entries, ``max_position_embeddings`` the scaled reach.
+        Vision-language configs (the language model in ``text_config``) are refused."""
+        if isinstance(hf.get("text_config"), dict):
+            raise ValueError(
+                "model.rope_scaling: not supported for vision-language models (their rotary embedding is M-RoPE)"
+            )
+        out = dict(hf)
+        scaling = self.as_hf()
+        out["rope_scaling"] = dict(scaling)
+        if isinstance(hf.get("rope_parameters"), dict):
+            keep = {k: v for k, v in hf["rope_parameters"].items() if k in ("rope_theta", "partial_rotary_factor")}
+            out["rope_parameters"] = {**keep, **scaling}
+        out["max_position_embeddings"] = int(self.factor * self.original_max_position_embeddings)
+        return out
+
+
 @dataclass
 class ModelConfig:
     """Which policy model to train."""
@@ -62,6 +130,9 @@ class ModelConfig:
     freeze_vision: bool = False
     """Vision-language policies: keep the vision tower at its start weights (only the language model trains; the
     tower still reaches the engines). False: the tower trains too, its gradients reduced over data parallel."""
+    rope_scaling: RopeScalingConfig | None = None
+    """Rotary scaling laid over the HF config for a longer context than it allows (``RopeScalingConfig``; e.g.
+    Qwen3's YaRN factor 4 over 32768 positions). None: the config's own RoPE."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -320,7 +391,9 @@ class TrainConfig:
     attention mask, so the forward and backward cost follows the real tokens instead of rows x the longest sequence
     (the loss is unchanged up to float rounding). Used where the model's attention takes such a mask: megatron's
     local attention without the fused softmax kernel (CPU runs, GPUs without Transformer Engine). With Transformer
-    Engine rows stay one sequence each (its THD packed format is not wired up yet)."""
+    Engine at ``parallel.cp`` > 1 and ``parallel.pp`` = 1 the sequences are packed end to end instead (THD, each
+    split into its own zig-zag chunks: trainer/context_split.py); elsewhere with Transformer Engine rows stay one
+    sequence each."""
 
     routing_replay: str = "none"
     """Mixture-of-experts routing replay. ``none``: every forward routes tokens itself. ``r2``: the behaviour

@@ -39,6 +39,48 @@ def gathered_positions(seq_len: int, cp_size: int) -> torch.Tensor:
     return torch.cat([zigzag_positions(seq_len, cp_size, r) for r in range(cp_size)])
 
 
+def thd_cu_seqlens(lengths: list[int], cp_size: int, total_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cu_seqlens, cu_seqlens_padded), each [n + 1] int32: the cumulative real lengths of ``n`` sequences packed
+    end to end (THD), and the cumulative lengths with every sequence padded to a multiple of 2 x cp_size (each
+    sequence is split into 2 x cp chunks by itself; Transformer Engine's THD attention reads both). The last
+    sequence is padded further so the whole stream is a multiple of ``total_multiple`` x (2 x cp_size) (sequence
+    parallelism splits each rank's tokens over TP: ``total_multiple`` = TP)."""
+    if cp_size < 1 or total_multiple < 1 or not lengths or any(n < 1 for n in lengths):
+        raise ValueError(f"thd_cu_seqlens: lengths {lengths} must be >= 1 and cp {cp_size} >= 1")
+    m = 2 * cp_size if cp_size > 1 else 1
+    real = torch.tensor([0, *lengths], dtype=torch.long)
+    padded = torch.tensor([0, *(-(-n // m) * m for n in lengths)], dtype=torch.long)
+    whole = m * total_multiple
+    padded[-1] += -int(padded.sum()) % whole
+    return real.cumsum(0).to(torch.int32), padded.cumsum(0).to(torch.int32)
+
+
+def thd_partition_indices(cu_seqlens_padded: torch.Tensor, total_tokens: int, cp_size: int, cp_rank: int):
+    """[total_tokens / cp_size] long: the packed (THD) token indices CP rank ``cp_rank`` holds, in its local order:
+    for every sequence in turn, chunk ``cp_rank`` then chunk 2 cp_size - 1 - cp_rank of that sequence's 2 x cp_size
+    chunks (its zig-zag, ``zigzag_positions``, offset to where the sequence starts). This is Transformer Engine's
+    ``thd_get_partitioned_indices`` (a CUDA kernel; megatron-core's ``get_thd_batch_on_this_cp_rank``), written in
+    torch so the layout is computed and tested anywhere. Every padded length must be a multiple of 2 x cp_size;
+    tokens past the last sequence (``total_tokens`` > cu_seqlens_padded[-1]) continue the last one, as TE's do."""
+    cu = cu_seqlens_padded.to(torch.long).cpu()
+    if cp_size < 1 or not 0 <= cp_rank < cp_size:
+        raise ValueError(f"context parallel rank {cp_rank} of {cp_size}")
+    if cp_size == 1:  # no split: the stream as it is
+        return torch.arange(total_tokens, dtype=torch.long)
+    if bool((cu % (2 * cp_size)).any()) or total_tokens % cp_size:
+        raise ValueError(
+            f"THD lengths {cu.tolist()} / total {total_tokens} are not multiples of 2 x cp = {2 * cp_size}"
+        )
+    local_cu = cu // cp_size  # where each sequence's tokens start in a rank's local order
+    token = torch.arange(total_tokens // cp_size, dtype=torch.long)
+    seq = (torch.searchsorted(local_cu[1:-1], token, right=True)).clamp_max(len(cu) - 2)
+    half = (local_cu[seq + 1] - local_cu[seq]) // 2  # chunk length of the token's sequence
+    index = token - local_cu[seq]
+    early = index < half
+    chunk = torch.where(early, torch.full_like(index, cp_rank), torch.full_like(index, 2 * cp_size - 1 - cp_rank))
+    return cu[seq] + chunk * half + torch.where(early, index, index - half)
+
+
 def sequence_sum(cp_group) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """The completion of per-sequence sums over the CP group (None without CP): ``f(x_B)`` is the SUM over the CP
     ranks of their ``x_B`` (each rank's sum over the tokens it holds), so every rank gets the whole sequence's.

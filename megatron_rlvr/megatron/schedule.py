@@ -23,6 +23,28 @@ import torch
 from megatron_rlvr.megatron.cpu_shims import native_torch
 
 
+def thd_params(mb, device: torch.device):
+    """megatron's ``PackedSeqParams`` of a micro-batch of packed sequences (THD: ``cu_seqlens`` /
+    ``cu_seqlens_padded`` set by trainer.context_split.split_thd_for_context_parallel), None for [b, s] rows. The
+    rotary embedding and TE's attention read the padded boundaries (each sequence a multiple of 2 x cp, split into
+    its own zig-zag chunks) and the real ones (padding attends to nothing and is attended by nothing)."""
+    cu = getattr(mb, "cu_seqlens", None)
+    if cu is None:
+        return None
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu, padded = cu.to(device, torch.int32), mb.cu_seqlens_padded.to(device, torch.int32)
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=padded,
+        cu_seqlens_kv_padded=padded,
+        max_seqlen_q=int(mb.max_seqlen),
+        max_seqlen_kv=int(mb.max_seqlen),
+    )
+
+
 def run_microbatches(
     model,
     microbatches: list,
@@ -73,8 +95,10 @@ def run_microbatches(
             routing.before_forward(mb)
         # vision-language policies: the micro-batch's images, image mask and 3-D positions
         vision = mb.vision_kwargs(device) if hasattr(mb, "vision_kwargs") else {}
+        thd = thd_params(mb, device)  # packed sequences (THD): Transformer Engine's attention takes them as they are
+        packed = {} if thd is None else {"packed_seq_params": thd}
         with native_torch():  # the model forward makes no CUDA call (cpu_shims: causal masks): skip the redirect
-            output = model_chunk(tokens, position_ids, mask, **vision)
+            output = model_chunk(tokens, position_ids, mask, **vision, **packed)
         if routing is not None:
             routing.after_forward(mb)
         return output, functools.partial(adapter, mb)

@@ -252,7 +252,7 @@ def build_gpt_model(
     rope = args.rope
     cls, extra = GPTModel, {"position_embedding_type": "rope"}
     yarn = yarn_attributes(rope, mla=getattr(cfg, "multi_latent_attention", False))
-    if yarn:  # GPT-OSS: megatron's YaRN embedding reads its settings from config attributes (not fields)
+    if yarn:  # GPT-OSS, dense YaRN: megatron's YaRN embedding reads its settings from config attributes (not fields)
         for name, value in yarn.items():
             setattr(cfg, name, value)
         extra = {"position_embedding_type": "yarn"}
@@ -312,6 +312,13 @@ def takes_block_attention_mask(model) -> bool:
     # the context-parallel core attention (megatron_rlvr.megatron.context_parallel) re-indexes a given mask's key
     # columns and applies it as the parent does
     return all(type(c) in local or getattr(type(c), "applies_given_mask", False) for c in cores)
+
+
+def uses_te_attention(model) -> bool:
+    """True when every attention layer of ``model`` is Transformer Engine's (``TEDotProductAttention``): the
+    attention that takes packed sequences (THD, megatron's ``PackedSeqParams``) at any context-parallel size."""
+    cores = [m.core_attention for m in unwrap(model).modules() if hasattr(m, "core_attention")]
+    return bool(cores) and all(type(c).__name__ == "TEDotProductAttention" for c in cores)
 
 
 def gather_vocab_parallel(logits: torch.Tensor, tp_group, vocab_size: int | None = None) -> torch.Tensor:

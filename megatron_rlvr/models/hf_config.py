@@ -49,7 +49,8 @@ class RopeSpec:
     """Base period (HF rope_theta)."""
     kind: str = "default"
     """'default', 'linear' (position interpolation), 'llama3', or 'yarn' (multi-latent attention: its settings are
-    in the MLA config, see ``mla_settings``; GPT-OSS: megatron's ``YarnRotaryEmbedding``, see ``yarn_attributes``)."""
+    in the MLA config, see ``mla_settings``; GPT-OSS and the dense families: megatron's ``YarnRotaryEmbedding``, see
+    ``yarn_attributes``)."""
     factor: float = 1.0
     """Scaling factor for 'linear' / 'llama3' / 'yarn'."""
     low_freq_factor: float = 1.0
@@ -62,16 +63,16 @@ class RopeSpec:
     """Share of each head's dims that RoPE rotates (HF ``partial_rotary_factor``, megatron's ``rotary_percent``):
     the first ``percent * head_dim`` dims in the rotate-half layout, the rest pass through (GLM-4.5: 0.5)."""
     beta_fast: float = 32.0
-    """yarn (GPT-OSS) only: rotations above which a frequency is kept (extrapolated)."""
+    """yarn (not MLA) only: rotations above which a frequency is kept (extrapolated)."""
     beta_slow: float = 1.0
-    """yarn (GPT-OSS) only: rotations below which a frequency is divided by ``factor`` (interpolated)."""
+    """yarn (not MLA) only: rotations below which a frequency is divided by ``factor`` (interpolated)."""
     truncate: bool = True
-    """yarn (GPT-OSS) only: the correction range is rounded to whole dims (HF ``truncate``; GPT-OSS: false)."""
+    """yarn (not MLA) only: the correction range is rounded to whole dims (HF ``truncate``; GPT-OSS: false)."""
     mscale: float | None = None
-    """yarn (GPT-OSS) only: with ``mscale_all_dim``, the attention factor is get_mscale(f, mscale) /
+    """yarn (not MLA) only: with ``mscale_all_dim``, the attention factor is get_mscale(f, mscale) /
     get_mscale(f, mscale_all_dim); None: 0.1 ln(factor) + 1 (transformers' rule)."""
     mscale_all_dim: float | None = None
-    """yarn (GPT-OSS) only: see ``mscale``."""
+    """yarn (not MLA) only: see ``mscale``."""
 
 
 @dataclass
@@ -151,7 +152,43 @@ def _rope_spec(cfg: dict) -> RopeSpec:
             high_freq_factor=float(params.get("high_freq_factor", 4.0)),
             original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
         )
-    raise ValueError(f"HF config: rope type {kind!r} is not supported (supported: default, linear, llama3)")
+    if kind == "yarn":
+        return dense_yarn_spec(cfg, params, theta)
+    raise ValueError(f"HF config: rope type {kind!r} is not supported (supported: default, linear, llama3, yarn)")
+
+
+def dense_yarn_spec(cfg: dict, params: dict, theta: float) -> RopeSpec:
+    """YaRN (Peng et al. 2023, arXiv:2309.00071) of a dense Llama / Qwen2 / Qwen3 config, in megatron's
+    ``YarnRotaryEmbedding`` terms (``yarn_attributes``; GPTModel's ``position_embedding_type="yarn"``).
+
+    Per frequency, a ramp between the original (extrapolated) and the ``factor``-divided (interpolated) inverse
+    frequency over the dims whose wavelength fits between ``beta_fast`` and ``beta_slow`` rotations of the original
+    context; cos / sin times the attention factor 0.1 ln(factor) + 1, or mscale's ratio when both ``mscale`` and
+    ``mscale_all_dim`` are set: transformers' ``_compute_yarn_parameters`` for every setting accepted here. Refused
+    by name: an explicit ``attention_factor`` (megatron derives it) and a missing original context length."""
+    if params.get("attention_factor") is not None:
+        raise ValueError(
+            "HF config: rope_scaling.attention_factor is not supported with yarn (megatron derives it from factor)"
+        )
+    orig = params.get("original_max_position_embeddings")
+    if not orig:
+        raise ValueError("HF config: yarn rope scaling needs rope_scaling.original_max_position_embeddings")
+    factor = params.get("factor") or cfg["max_position_embeddings"] / orig
+    if float(factor) < 1.0:
+        raise ValueError(f"HF config: yarn rope_scaling.factor={factor} must be >= 1")
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    both = bool(mscale and mscale_all_dim)  # transformers uses the pair only when both are set and non-zero
+    return RopeSpec(
+        theta=theta,
+        kind="yarn",
+        factor=float(factor),
+        original_max_position_embeddings=int(orig),
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
+        truncate=bool(params.get("truncate", True)),
+        mscale=float(mscale) if both else None,
+        mscale_all_dim=float(mscale_all_dim) if both else None,
+    )
 
 
 def mla_settings(cfg: dict, mla: MlaFields) -> tuple[dict[str, Any], RopeSpec]:
@@ -302,6 +339,10 @@ def megatron_model_args(
         if rope.kind != "default":
             raise ValueError(f"HF config: partial_rotary_factor with rope type {rope.kind!r} is not supported")
         rope = dataclasses.replace(rope, percent=rotary_percent)
+    if yarn_attributes(rope, mla=mla is not None):
+        # TE's fused RoPE drops YaRN's attention factor on packed (THD) inputs (megatron-core's
+        # rope_utils.apply_rotary_pos_emb passes no mscale to fused_apply_rotary_pos_emb_thd): the unfused one has it
+        config_overrides = {"apply_rope_fusion": False, **config_overrides}
     kwargs = _transformer_kwargs(cfg, dims, fusions, tp_size, pp_size, dtype, sequence_parallel, perform_initialization)
     config = config_cls(**{**kwargs, **moe_kwargs, **mla_kwargs, **config_overrides})
     for name, value in yarn_attributes(rope, mla=mla is not None).items():

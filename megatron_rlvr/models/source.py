@@ -31,7 +31,15 @@ class ModelSource:
 
 
 def resolve_model_source(cfg: ModelConfig) -> ModelSource:
-    """HF config, weights folder and tokenizer folder of the configured model (converts a GGUF file once, cached)."""
+    """HF config, weights folder and tokenizer folder of the configured model (converts a GGUF file once, cached);
+    ``model.rope_scaling`` is laid over the HF config, so the trainer, the engines and the export all see it."""
+    source = _resolve_model_source(cfg)
+    if cfg.rope_scaling is not None:
+        source.hf_config = cfg.rope_scaling.apply(source.hf_config)
+    return source
+
+
+def _resolve_model_source(cfg: ModelConfig) -> ModelSource:
     if cfg.is_tiny:
         return ModelSource(tiny_hf_config(name=cfg.name), None, cfg.tokenizer, True)
     if cfg.gguf:

@@ -12,7 +12,7 @@ from megatron_rlvr.config import RunConfig, teacher_model_config
 from megatron_rlvr.megatron.parallel import DistInfo, all_reduce_max
 from megatron_rlvr.megatron.policy import build_model, build_optimizer, current_lr, model_args_for, wrap_ddp
 from megatron_rlvr.megatron.routing import RoutingReplay
-from megatron_rlvr.models.build import takes_block_attention_mask
+from megatron_rlvr.models.build import takes_block_attention_mask, uses_te_attention
 from megatron_rlvr.models.hf_config import MegatronModelArgs
 from megatron_rlvr.models.lora import BaseModelView
 from megatron_rlvr.models.source import ModelSource, load_image_processor, load_tokenizer, resolve_model_source
@@ -162,6 +162,8 @@ def update_settings(cfg: RunConfig, d: DistInfo, args: MegatronModelArgs, tokeni
         skip_nonfinite=cfg.train.skip_nonfinite,
         pack_rows=pack_rows_on(cfg, model, ref_model, teacher),
         routing=routing,
+        thd=thd_on(cfg, d, model, ref_model, teacher),
+        thd_multiple=d.tp_size if args.config.sequence_parallel else 1,
     )
 
 
@@ -185,9 +187,21 @@ def pack_rows_on(cfg: RunConfig, model, *frozen) -> bool:
     return all_reduce_max(0.0 if ok else 1.0) == 0.0
 
 
+def thd_on(cfg: RunConfig, d: DistInfo, model, *frozen) -> bool:
+    """Packed sequences (THD) for ``train.pack_sequences`` at context parallelism > 1 where every rank's models run
+    Transformer Engine's attention (which ignores a block-diagonal mask but takes ``cu_seqlens``) and PP = 1 (the
+    packed stream's length varies by micro-batch); ranks agree."""
+    if not cfg.train.pack_sequences or cfg.train.micro_batch_tokens is None or d.cp_size == 1 or d.pp_size > 1:
+        return False
+    ok = all(uses_te_attention(m) for m in (model, *frozen) if m is not None)
+    return all_reduce_max(0.0 if ok else 1.0) == 0.0
+
+
 def describe(policy: PolicySide) -> str:
     """The layout line of the start-up message."""
     d = policy.dist
     rows = "packed rows" if policy.settings.pack_rows else "one sequence per row"
+    if policy.settings.thd:
+        rows = "packed sequences (THD)"
     cp = f", cp {d.cp_size}" if d.cp_size > 1 else ""
     return f"world {d.world_size} (tp {d.tp_size}{cp}, pp {d.pp_size}, dp {d.dp_size}) | {d.backend} | {rows}"

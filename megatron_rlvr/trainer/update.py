@@ -25,7 +25,7 @@ from megatron_rlvr.megatron.router_loss import expert_bias_metrics, reset_router
 from megatron_rlvr.megatron.schedule import run_microbatches
 from megatron_rlvr.rollout.mismatch import MismatchCorrectionConfig
 from megatron_rlvr.trainer.batch import TrainBatch
-from megatron_rlvr.trainer.context_split import split_for_context_parallel
+from megatron_rlvr.trainer.context_split import split_for_context_parallel, split_thd_for_context_parallel
 from megatron_rlvr.trainer.loss_metrics import LossMetrics
 from megatron_rlvr.trainer.microbatch import MicroBatch, Sequence, build_microbatch, pack, pack_packed, response_values
 from megatron_rlvr.trainer.token_loss import StatsSpec, logprob_fn, policy_loss_fn
@@ -55,6 +55,11 @@ class UpdateSettings:
     attention takes such a mask). Needs ``micro_batch_tokens``."""
     routing: object | None = None
     """The policy's megatron.routing.RoutingReplay (``train.routing_replay`` r2 or r3), else None."""
+    thd: bool = False
+    """Context parallelism with Transformer Engine's attention and ``train.pack_sequences``: each micro-batch's
+    sequences are packed end to end (THD, trainer.context_split.split_thd_for_context_parallel) instead of rows."""
+    thd_multiple: int = 1
+    """THD: the packed stream is a multiple of this x 2 x cp (TP under sequence parallelism)."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,8 @@ def _microbatches(ctx: UpdateSettings, seqs, ids: list[int], old=None, ref=None,
         dummy = Sequence(tokens=[ctx.pad_id, ctx.pad_id], prompt_len=2, train=False)
         s = max(2, ctx.seq_multiple)
         mbs = [build_microbatch([dummy], 1, s, ctx.pad_id)]
+        if ctx.thd:
+            return [split_thd_for_context_parallel(mbs[0], [2], cp, ctx.pg.cp.rank(), ctx.thd_multiple)], [[]]
         return ([split_for_context_parallel(mbs[0], cp, ctx.pg.cp.rank())] if cp > 1 else mbs), [[]]
     mbs: list[MicroBatch] = []
     members = []
@@ -96,6 +103,12 @@ def _microbatches(ctx: UpdateSettings, seqs, ids: list[int], old=None, ref=None,
             )
         )
         members.append(chosen)
+    if ctx.thd:  # packed sequences, each split into its own zig-zag chunks (trainer.context_split)
+        rank = ctx.pg.cp.rank()
+        return [
+            split_thd_for_context_parallel(mb, [seqs[i].length for i in chosen], cp, rank, ctx.thd_multiple)
+            for mb, chosen in zip(mbs, members)
+        ], members
     if cp > 1:  # this context-parallel rank's part of each (trainer.context_split)
         mbs = [split_for_context_parallel(mb, cp, ctx.pg.cp.rank()) for mb in mbs]
     return mbs, members
@@ -106,6 +119,9 @@ def _plan(ctx: UpdateSettings, seqs, ids: list[int]):
     that id list of each model row's sequences."""
     uniform = ctx.pg.pp.size() > 1
     lengths = [seqs[i].length for i in ids]
+    if ctx.thd:
+        yield from _plan_thd(ctx, lengths, ids)
+        return
     if not (ctx.pack_rows and ctx.micro_batch_tokens is not None):
         for local_idx, b, s in pack(lengths, ctx.micro_batch_tokens, uniform, ctx.seq_multiple):
             yield [ids[j] for j in local_idx], b, s, None
@@ -114,6 +130,29 @@ def _plan(ctx: UpdateSettings, seqs, ids: list[int]):
         chosen = [ids[j] for row in rows for j in row]
         position = iter(range(len(chosen)))
         yield chosen, b, s, [[next(position) for _ in row] for row in rows]
+
+
+def _plan_thd(ctx: UpdateSettings, lengths: list[int], ids: list[int]):
+    """Packed-sequence (THD) micro-batches: the longest sequences first, each micro-batch filled while its sequences'
+    lengths padded to the 2 x cp multiple fit ``micro_batch_tokens`` (None: one sequence each); (ids, n, s, None)
+    with s the longest padded length (the loss inputs' [n, s] layout)."""
+    m = ctx.seq_multiple
+
+    def padded(n: int) -> int:
+        return -(-n // m) * m
+
+    order = sorted(range(len(ids)), key=lambda j: -lengths[j])
+    budget = ctx.micro_batch_tokens
+    group: list[int] = []
+    used = 0
+    for j in order:
+        if group and (budget is None or used + padded(lengths[j]) > budget):
+            yield [ids[k] for k in group], len(group), padded(lengths[group[0]]), None
+            group, used = [], 0
+        group.append(j)
+        used += padded(lengths[j])
+    if group:
+        yield [ids[k] for k in group], len(group), padded(lengths[group[0]]), None
 
 
 def my_sequence_ids(ctx: UpdateSettings, num_seqs: int, mini_batch: int | None = None) -> list[int]:

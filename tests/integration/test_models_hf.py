@@ -261,7 +261,7 @@ def test_llama3_inv_freq_matches_transformers():
         ({}, dict(padded_vocab_size=200), "padded_vocab_size=200 < vocab_size=300"),
         (dict(hidden_act="gelu"), {}, "hidden_act"),
         (dict(attention_bias=True), {}, "attention_bias"),
-        (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}), {}, "rope type 'yarn'"),
+        (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}), {}, "original_max_position"),
         ({}, dict(vocab_multiple=0), "vocab padding multiple"),
     ],
 )
