@@ -119,8 +119,11 @@ def judge_role(cfg: RunConfig, roles: Roles) -> int:
         roles.barrier("model_source")
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     judge = build_judge(cfg.reward, device, cfg.train.seed)
+    where = f"judge rank {roles.role_rank} (global rank {roles.rank})"
+    print(f"megatron-rlvr: {where}: serving reward.judge to {len(roles.scorer_ranks)} engine leader(s)", flush=True)
     try:
-        serve_judge(judge, roles.judge_links, roles.scorer_ranks)
+        served = serve_judge(judge, roles.judge_links, roles.scorer_ranks)
+        print(f"megatron-rlvr: {where}: stopped after {served} requests", flush=True)
     finally:
         signals.uninstall()
         judge.close()
