@@ -3,8 +3,9 @@
 ``serve_judge``, over pair groups as ``megatron.roles`` makes them. Checked against the same judge built in the
 scorer's own process on the same items (exact equality: the judge rank runs the same code on the same weights), the
 last-token judge's hand-known verdicts, a judge that answers past its wall-clock limit (its items are timeouts, the
-next batch is scored, the late reply is dropped), and a batch split over two judge ranks (each rank judges its
-contiguous share; the results come back in the batch's order)."""
+next batch is scored, the late reply is dropped), a batch split over two judge ranks (each rank judges its
+contiguous share; the results come back in the batch's order), and a judge rank that dies while judging (the scorer
+raises PeerLost naming it within seconds)."""
 
 import time
 
@@ -167,3 +168,43 @@ def test_a_judge_rank_past_the_limit_counts_timeouts_and_the_next_batch_is_score
     assert second == [1.0, 0.0, 0.25] and n_timeout2 == 0
     assert late == 1
     assert results[1] == [3, 3]
+
+
+def _dead_judge(report: str):
+    """The judge rank exits (status 3) once it has the request; the scorer writes what its score call raised, and
+    how long it took, to ``report``."""
+    import os
+
+    import torch.distributed as dist
+
+    from megatron_rlvr.rewards.judge_config import JudgeConfig
+    from megatron_rlvr.rollout.bridge import recv_object
+    from megatron_rlvr.rollout.judge_ranks import RemoteJudge
+
+    links = _pairs(0, [1])
+    if dist.get_rank() == 1:
+        recv_object(links[0], 0)  # the request arrives; the rank dies while judging it
+        os._exit(3)
+    remote = RemoteJudge(JudgeConfig(model="unused", timeout_s=60.0), links, [1])
+    t0 = time.monotonic()
+    try:
+        remote.score(QUESTIONS, RESPONSES, REFERENCES)
+        what = "no error"
+    except Exception as e:  # noqa: BLE001 - the test reads it
+        what = f"{type(e).__name__}: {e}"
+    with open(report, "w") as f:
+        f.write(f"{time.monotonic() - t0:.3f}\n{what}")
+
+
+def test_a_dead_judge_rank_ends_the_scorer_with_a_line_naming_it(tmp_path):
+    """A judge rank whose process exits while judging: the scorer's score call raises PeerLost naming the judge rank
+    (judge rank 0, global rank 1) within seconds, not after the judge's 60 s limit: the scorer's rank exits and the
+    job ends, as for a dead rollout rank."""
+    from megatron_rlvr.testing.distributed import DistributedError
+
+    report = tmp_path / "scorer.txt"
+    with pytest.raises(DistributedError, match="died without reporting"):
+        run_distributed(_dead_judge, 2, args=(str(report),), timeout=120)
+    took, what = report.read_text().split("\n", 1)
+    assert what.startswith("PeerLost: the channel to judge rank 0 (global rank 1) failed"), what
+    assert float(took) < 20.0
