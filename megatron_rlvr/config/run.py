@@ -210,7 +210,8 @@ def default_world_size(cfg: RunConfig) -> int:
             return torch.cuda.device_count()
     except ImportError:  # pragma: no cover
         pass
-    return cfg.parallel.tp * cfg.parallel.cp * cfg.parallel.pp + cfg.parallel.rollout_ranks
+    par = cfg.parallel
+    return par.tp * par.cp * par.pp + par.rollout_ranks + par.judge_ranks
 
 
 def check_layout(cfg: RunConfig, world_size: int) -> None:
@@ -218,6 +219,9 @@ def check_layout(cfg: RunConfig, world_size: int) -> None:
     model's heads (and KV heads), PP into its layers; CP only for text models without experts."""
     par = cfg.parallel
     mp = par.tp * par.cp * par.pp
+    if par.judge_ranks:
+        check_judge_ranks(cfg, world_size)
+        world_size -= par.judge_ranks  # below: the trainer's and the rollout ranks' layout
     if par.rollout_ranks:
         check_disaggregated_layout(cfg, world_size)
         world_size -= par.rollout_ranks  # below: the training ranks' layout
@@ -331,6 +335,28 @@ def check_disaggregated_layout(cfg: RunConfig, world_size: int) -> None:
         raise ConfigError(
             f"parallel.rollout_tp={par.rollout_tp} does not divide parallel.rollout_ranks={par.rollout_ranks}: each "
             "engine spans rollout_tp rollout ranks"
+        )
+
+
+def check_judge_use(cfg: RunConfig) -> None:
+    """parallel.judge_ranks > 0 needs a reward that uses a judge."""
+    if cfg.parallel.judge_ranks and not cfg.reward.uses_judge:
+        raise ConfigError(
+            f"parallel.judge_ranks={cfg.parallel.judge_ranks} needs a reward that uses a judge (reward.fn: judge, or "
+            f"a judge term of reward.mix); reward.fn={cfg.reward.fn!r} uses none (set parallel.judge_ranks=0)"
+        )
+
+
+def check_judge_ranks(cfg: RunConfig, world_size: int) -> None:
+    """parallel.judge_ranks > 0: the reward uses a judge, and the world holds the judge ranks, the rollout ranks and
+    at least one training rank."""
+    par = cfg.parallel
+    check_judge_use(cfg)
+    if world_size - par.rollout_ranks - par.judge_ranks < 1:
+        raise ConfigError(
+            f"parallel.judge_ranks={par.judge_ranks} + parallel.rollout_ranks={par.rollout_ranks} leaves no training "
+            f"rank in a world of {world_size}: the world must hold the training, rollout and judge ranks (raise "
+            "launch.nproc or lower parallel.judge_ranks)"
         )
 
 
@@ -491,6 +517,7 @@ def validate_cross_section(cfg: RunConfig, hf: dict) -> None:
             "(a rollout's advantage is its reward minus its group's baseline), so groups of one sample have advantage "
             "0 and the run would train on nothing; set rollout.n >= 2"
         )
+    check_judge_use(cfg)
     if cfg.rollout.max_staleness and not cfg.parallel.rollout_ranks:
         raise ConfigError(
             f"rollout.max_staleness={cfg.rollout.max_staleness} needs the disaggregated layout: the colocated schedule "

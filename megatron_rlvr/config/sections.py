@@ -197,6 +197,11 @@ class ParallelConfig:
     rollout_ranks: int = 0
     """Disaggregated layout: the LAST this-many ranks of the world run only rollout engines (and rewards) and the
     others only Megatron training (``megatron_rlvr.trainer.disaggregated``). 0: colocated (every rank does both)."""
+    judge_ranks: int = 0
+    """The LAST this-many ranks of the world (after the rollout ranks) only serve the reward judge of
+    ``reward.judge`` (generative or scalar), which the scorers (the engine leaders) reach over point-to-point
+    messages (``megatron_rlvr.rollout.judge_ranks``); they are in no Megatron group. 0: the judge is served on the
+    engine leaders themselves. Works with both schedules (colocated and ``rollout_ranks > 0``)."""
     sequence_parallel: bool | None = None
     """Megatron sequence parallelism (shards norm/residual activations over TP). None: on when tp > 1 on GPUs (the
     planner plans for GPUs); off on CPU, where it works through the CPU shims but only adds communication."""
@@ -223,6 +228,8 @@ class ParallelConfig:
             raise ValueError(f"parallel.moe_dispatcher must be one of {MOE_DISPATCHERS}, got {self.moe_dispatcher!r}")
         if isinstance(self.rollout_ranks, bool) or not isinstance(self.rollout_ranks, int) or self.rollout_ranks < 0:
             raise ValueError(f"parallel.rollout_ranks must be an int >= 0, got {self.rollout_ranks!r}")
+        if isinstance(self.judge_ranks, bool) or not isinstance(self.judge_ranks, int) or self.judge_ranks < 0:
+            raise ValueError(f"parallel.judge_ranks must be an int >= 0, got {self.judge_ranks!r}")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("parallel.sequence_parallel needs parallel.tp > 1")
 

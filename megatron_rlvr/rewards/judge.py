@@ -20,12 +20,14 @@ import re
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from megatron_rlvr.rewards.judge_config import JudgeConfig
 from megatron_rlvr.rewards.pool import ItemResult, ScoringStopped
 
 __all__ = [
     "GenerativeJudge",
+    "Judge",
     "ScalarRewardModel",
     "parse_verdict",
     "question_text",
@@ -35,6 +37,28 @@ __all__ = [
 GenerateFn = Callable[[list[list[int]], Callable[[], bool]], list[str] | None]
 """``generate(prompt_ids, should_stop)``: one reply text per prompt, in order, from ONE engine call; None when the
 engine was interrupted because ``should_stop()`` returned True."""
+
+
+class Judge(Protocol):
+    """What the reward manager needs of a judge, wherever it runs: :class:`GenerativeJudge` and
+    :class:`ScalarRewardModel` in the rank's process, or the scorer side of a judge on ranks of its own
+    (``rollout.judge_ranks.RemoteJudge``)."""
+
+    def score(
+        self,
+        questions: Sequence[str],
+        responses: Sequence[str],
+        references: Sequence[str],
+        should_stop: Callable[[], bool] | None = None,
+    ) -> list[ItemResult]:
+        """One result per item, in order; failures are results (status timeout / error / unparsed / nonfinite),
+        never exceptions, except ScoringStopped when ``should_stop()`` says so."""
+        ...
+
+    def close(self) -> None:
+        """Free what the judge holds; idempotent."""
+        ...
+
 
 _VERDICT = re.compile(r"verdict\s*[:=]\s*\**\s*(correct|incorrect)\b", re.IGNORECASE)
 _SCORE = re.compile(r"score\s*[:=]\s*\**\s*([-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?)", re.IGNORECASE)

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from megatron_rlvr.rewards.builtin import REWARD_FNS
+from megatron_rlvr.rewards.judge import Judge
 from megatron_rlvr.rewards.pool import ItemResult, ScoringPool, ScoringStopped, score_inline
 from megatron_rlvr.rewards.reward_config import RewardConfig
 from megatron_rlvr.rewards.scorers import build_scorer
@@ -71,7 +72,7 @@ class RewardManager:
     one rank, or on disjoint shards) and share the rewards, rather than scoring the same batch on every rank.
     """
 
-    def __init__(self, cfg: RewardConfig, report=None, report_now: bool | None = None, judge=None):
+    def __init__(self, cfg: RewardConfig, report=None, report_now: bool | None = None, judge: Judge | None = None):
         self.cfg = cfg
         if cfg.uses_judge and judge is None:
             raise ValueError(
@@ -79,7 +80,7 @@ class RewardManager:
                 "(rollout.judge_engine.build_judge); this command does not build it"
             )
         self.judge = judge
-        """The judge (``GenerativeJudge`` or ``ScalarRewardModel``; anything with their ``score``), or None."""
+        """The judge (``rewards.judge.Judge``: in the rank's process, or on judge ranks of its own), or None."""
         self.report_now = os.environ.get("RANK", "0") == "0" if report_now is None else report_now
         """Print a first failure at once (global rank 0, or one process); else keep it for :meth:`take_pending`, so
         that rank 0 prints each kind once for the whole job."""
@@ -271,9 +272,8 @@ class RewardManager:
         self._closed = True
         if self._pool is not None:
             self._pool.close()
-        close_judge = getattr(self.judge, "close", None)
-        if callable(close_judge):
-            close_judge()
+        if self.judge is not None:
+            self.judge.close()
 
     def __enter__(self) -> RewardManager:
         return self

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_rlvr.config import RunConfig
+from megatron_rlvr.megatron.roles import Roles
 from megatron_rlvr.models.source import resolve_on_node
 from megatron_rlvr.rollout.groups import RolloutStopped
 from megatron_rlvr.rundir.lock import RunLock
@@ -63,9 +64,10 @@ def rl_step(t: Colocated, step: int) -> dict[str, float]:
     return m
 
 
-def setup(cfg: RunConfig, run_dir: str | None, lock: RunLock | None = None) -> Colocated:
+def setup(cfg: RunConfig, run_dir: str | None, lock: RunLock | None = None, roles: Roles | None = None) -> Colocated:
     """Build this rank's parts, resume from the newest checkpoint when there is one, and give the engine the
-    policy's weights. ``lock``: the run directory's lock when this process already holds it."""
+    policy's weights. ``lock``: the run directory's lock when this process already holds it. ``roles``: the layout
+    with judge ranks (parallel.judge_ranks), whose pair groups reach the judge."""
     signals = StopSignals().install()
     d = start_rank(cfg)
     life = build_run_life(cfg, d, run_dir, lock, signals)
@@ -73,7 +75,8 @@ def setup(cfg: RunConfig, run_dir: str | None, lock: RunLock | None = None) -> C
     try:
         source = resolve_on_node(cfg.model, d.local_rank, torch.distributed.barrier)
         policy = build_policy_side(cfg, d, source)
-        side = build_rollout_side(cfg, source, d.rank, d.world_size, should_stop=lambda: signals.code != 0)
+        links, judges = (roles.judge_links, roles.judge_global_ranks) if roles is not None else (None, None)
+        side = build_rollout_side(cfg, source, d.rank, d.world_size, lambda: signals.code != 0, links, judges)
         side.policy_version = life.resume(policy.state, side.loader)
         sink = EngineSink(side.engine, side.adapter_sync, cfg.rollout.sleep_level, cfg.rollout.verify_sync)
         t = Colocated(side, policy, life, sink)
@@ -92,10 +95,20 @@ def teardown(t: Colocated) -> None:
     t.rollout.close()
 
 
-def train(cfg: RunConfig, run_dir: str | None = None, lock: RunLock | None = None) -> int:
+def train(cfg: RunConfig, run_dir: str | None = None, lock: RunLock | None = None, roles: Roles | None = None) -> int:
     """Run (or resume) training on this rank; returns the process exit code (0 done, else a signal's code).
-    ``lock``: the run directory's lock when this process already holds it (a single-process run prepared it)."""
-    t = setup(cfg, run_dir, lock)
+    ``lock``: the run directory's lock when this process already holds it (a single-process run prepared it).
+    ``roles``: the layout with judge ranks; after a clean end (the judge ranks told to stop by the rollout side's
+    close) every rank meets at Roles.close."""
+    code = train_steps(cfg, run_dir, lock, roles)
+    if roles is not None:  # not reached after an exception: the launcher ends the job then
+        roles.close(cfg.launch.collective_timeout_s)
+    return code
+
+
+def train_steps(cfg: RunConfig, run_dir: str | None, lock: RunLock | None, roles: Roles | None) -> int:
+    """The steps of :func:`train` and their teardown."""
+    t = setup(cfg, run_dir, lock, roles)
     life = t.life
     try:
         for step in range(life.start_step + 1, cfg.schedule.steps + 1):

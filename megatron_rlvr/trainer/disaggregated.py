@@ -56,9 +56,11 @@ from megatron_rlvr.trainer.stages import learn, publish, rollout
 from megatron_rlvr.trainer.weights import BridgeSink, verify_engine
 
 
-def train(cfg: RunConfig, run_dir: str | None = None, lock: RunLock | None = None) -> int:
-    """Run (or resume) the disaggregated schedule on this rank; returns the process exit code."""
-    roles = init_roles(cfg.parallel.rollout_ranks, cfg.launch.backend, cfg.launch.collective_timeout_s)
+def train(cfg: RunConfig, run_dir: str | None = None, lock: RunLock | None = None, roles: Roles | None = None) -> int:
+    """Run (or resume) the disaggregated schedule on this rank; returns the process exit code. ``roles``: made
+    already (a layout with judge ranks, whose ranks never come here)."""
+    if roles is None:
+        roles = init_roles(cfg.parallel.rollout_ranks, cfg.launch.backend, cfg.launch.collective_timeout_s)
     if roles.role == TRAIN:
         return train_role(cfg, run_dir, lock, roles)
     if lock is not None:  # a launcher's lock is held by the launcher; a rollout rank never writes the run dir
@@ -227,7 +229,8 @@ def rollout_role(cfg: RunConfig, roles: Roles) -> int:
     signals = StopSignals().install()  # the training ranks decide when to stop (and tell us)
     set_cpu_threads(cfg, roles.world_size)
     source = resolve_on_node(cfg.model, roles.local_rank, model_barrier(roles))  # as the training ranks do
-    side = build_rollout_side(cfg, source, roles.role_rank, roles.role_size)
+    links, judges = roles.judge_links, roles.judge_global_ranks  # parallel.judge_ranks: the judge is there
+    side = build_rollout_side(cfg, source, roles.role_rank, roles.role_size, judge_links=links, judge_ranks=judges)
     side.policy_version = -1
     receiver = None
     clean = False  # stopped by the training ranks (not an error): every rank reaches Roles.close

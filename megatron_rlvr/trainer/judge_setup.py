@@ -1,6 +1,8 @@
 """Build the reward judge of ``reward.judge`` on the rollout side of an engine leader: a generative judge served by
 the transformers rollout engine in the rank's process, or by the transformers or vLLM engine in a judge process of
-its own (rollout/judge_process.py), or a scalar reward model, on the rank's device beside the policy's engine."""
+its own (rollout/judge_process.py), or a scalar reward model, on the rank's device beside the policy's engine. With
+``parallel.judge_ranks`` the same judge is built on each judge rank instead, which serves the engine leaders
+(:func:`judge_role`, over rollout/judge_ranks.py)."""
 
 from __future__ import annotations
 
@@ -10,14 +12,19 @@ import os
 
 import torch
 
+from megatron_rlvr.config import RunConfig
+from megatron_rlvr.megatron.roles import Roles
 from megatron_rlvr.rewards.judge import GenerativeJudge, ScalarRewardModel
 from megatron_rlvr.rewards.judge_config import JudgeConfig
 from megatron_rlvr.rewards.reward_config import RewardConfig
 from megatron_rlvr.rollout.engine import GenerationStopped, RolloutEngine, SamplingParams
 from megatron_rlvr.rollout.hf_engine import HFEngineConfig, HFRolloutEngine
 from megatron_rlvr.rollout.judge_process import JudgeProcess
+from megatron_rlvr.rollout.judge_ranks import serve_judge
+from megatron_rlvr.rundir.signals import StopSignals
+from megatron_rlvr.trainer.run_life import set_cpu_threads
 
-__all__ = ["build_judge", "engine_judge", "process_judge"]
+__all__ = ["build_judge", "engine_judge", "judge_role", "process_judge"]
 
 
 def engine_judge(cfg: JudgeConfig, engine: RolloutEngine, tokenizer, seed: int = 0) -> GenerativeJudge:
@@ -99,3 +106,26 @@ def build_judge(cfg: RewardConfig, device: torch.device, seed: int = 0):
     engine_cfg = HFEngineConfig(max_batch_rows=j.max_batch_rows, device=str(device))
     engine = HFRolloutEngine(model, tokenizer, config=engine_cfg)
     return engine_judge(j, engine, tokenizer, seed)
+
+
+def judge_role(cfg: RunConfig, roles: Roles) -> int:
+    """A judge rank (``parallel.judge_ranks``): build the judge of ``reward.judge`` on this rank's device, answer the
+    engine leaders' requests until each has said stop, then meet every rank at Roles.close; returns 0. Stop signals
+    are the training ranks' to act on: a judge rank keeps serving until the scorers stop it. A scorer that dies
+    raises PeerLost here (the rank exits with an error and the launcher ends the job)."""
+    signals = StopSignals().install()
+    set_cpu_threads(cfg, roles.world_size)
+    if roles.rollout_ranks:  # the disaggregated roles resolve the policy's source together (a whole-job barrier)
+        roles.barrier("model_source")
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    judge = build_judge(cfg.reward, device, cfg.train.seed)
+    where = f"judge rank {roles.role_rank} (global rank {roles.rank})"
+    print(f"megatron-rlvr: {where}: serving reward.judge to {len(roles.scorer_ranks)} engine leader(s)", flush=True)
+    try:
+        served = serve_judge(judge, roles.judge_links, roles.scorer_ranks)
+        print(f"megatron-rlvr: {where}: stopped after {served} requests", flush=True)
+    finally:
+        signals.uninstall()
+        judge.close()
+    roles.close(cfg.launch.collective_timeout_s)
+    return 0

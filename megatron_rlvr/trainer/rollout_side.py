@@ -19,6 +19,7 @@ from megatron_rlvr.models.source import ModelSource, load_image_processor, load_
 from megatron_rlvr.rewards import RewardManager
 from megatron_rlvr.rollout.engine import RolloutEngine
 from megatron_rlvr.rollout.groups import EngineInfo, Generator, engine_info
+from megatron_rlvr.rollout.judge_ranks import RemoteJudge
 from megatron_rlvr.rollout.lora_sync import AdapterSync
 from megatron_rlvr.rollout.multiturn import MultiTurn
 from megatron_rlvr.trainer.engine_setup import build_engine
@@ -93,11 +94,19 @@ def build_loader(cfg: RunConfig) -> tuple[PromptLoader, int]:
 
 
 def build_rollout_side(
-    cfg: RunConfig, source: ModelSource, rank: int, ranks: int, should_stop: Callable[[], bool] | None = None
+    cfg: RunConfig,
+    source: ModelSource,
+    rank: int,
+    ranks: int,
+    should_stop: Callable[[], bool] | None = None,
+    judge_links: list | None = None,
+    judge_ranks: list[int] | None = None,
 ) -> RolloutSide:
     """The rollout side of ``rank`` among the ``ranks`` that roll out (the world when colocated, the rollout ranks
     when disaggregated). The engine starts with random weights: the policy's arrive by the first publish.
-    ``should_stop``: RolloutSide.should_stop."""
+    ``should_stop``: RolloutSide.should_stop. ``judge_links``: with ``parallel.judge_ranks``, this engine leader's
+    pair groups to the judge ranks (global ranks ``judge_ranks``): the reward judge is reached there instead of
+    built here."""
     tokenizer = load_tokenizer(source)
     info = engine_info(rank, ranks, cfg.parallel.rollout_tp)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -106,7 +115,10 @@ def build_rollout_side(
     try:
         lora = cfg.model.lora
         adapter_sync = AdapterSync(engine) if lora is not None and lora.sync == "adapter" else None
-        judge = build_judge(cfg.reward, device, cfg.train.seed) if info.leader else None
+        if info.leader and judge_links:
+            judge = RemoteJudge(cfg.reward.judge, judge_links, judge_ranks)
+        elif info.leader:
+            judge = build_judge(cfg.reward, device, cfg.train.seed)
         reward_manager = RewardManager(cfg.reward, judge=judge) if info.leader else None
         loader, n_malformed = build_loader(cfg)
         multi_turn = build_multi_turn(cfg, tokenizer)
