@@ -184,9 +184,14 @@ def _report(command: str, e: BaseException) -> None:
     from megatron_rlvr.rundir.checkpointer import CheckpointSaveError, ResumeError
     from megatron_rlvr.rundir.lock import RunDirLocked
 
-    # raised identically on every rank: rank 0 says it
+    # raised identically on every rank: rank 0 says it (a reward failure: the rank that scoring named, which in a
+    # disaggregated run is a rollout rank; rank 0, a training rank, then only sees its channel close)
     collective = (RewardFailure, ResumeError, RunDirLocked, CheckpointSaveError)
-    if isinstance(e, collective) and os.environ.get("RANK", "0") != "0":
+    speaker = e.speaker if isinstance(e, RewardFailure) else None
+    if speaker is not None:
+        if not speaker:
+            return
+    elif isinstance(e, collective) and os.environ.get("RANK", "0") != "0":
         return
     if isinstance(e, _user_errors()):
         print(f"megatron-rlvr {command}: error: {msg}", file=sys.stderr, flush=True)

@@ -32,6 +32,11 @@ STATUS_COUNTERS = {
 class RewardFailure(RuntimeError):
     """Too many rewards of one step could not be computed (reward.max_error_frac)."""
 
+    speaker: bool | None = None
+    """Every rank that scored the step raises it alike, and one of them says it: None means global rank 0 (the
+    colocated schedule, where every rank scores); True / False mark the one rank of the scoring ranks that says it
+    (the disaggregated schedule scores on the rollout ranks only, where rank 0 is a training rank)."""
+
 
 def check_failure_fraction(stats: dict[str, float], max_frac: float, fn: str) -> None:
     """Raise RewardFailure when errors + timeouts + non-finite rewards exceed ``max_frac`` of ``reward/n_items``,

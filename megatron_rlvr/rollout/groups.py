@@ -22,7 +22,7 @@ from typing import Any
 from megatron_rlvr.data import Example, render, shard_range
 from megatron_rlvr.rewards import RewardManager
 from megatron_rlvr.rewards.judge import question_text
-from megatron_rlvr.rewards.manager import check_failure_fraction
+from megatron_rlvr.rewards.manager import RewardFailure, check_failure_fraction
 from megatron_rlvr.rewards.pool import ScoringStopped
 from megatron_rlvr.rollout.engine import GenerationStopped, RolloutEngine, SamplingParams, sample_seed
 from megatron_rlvr.rollout.multiturn import MultiTurn, Trajectory, roll_out
@@ -225,7 +225,11 @@ def generate_groups(gen: Generator, rnd: Round) -> tuple[list[Group], dict[str, 
     groups = [g for part, *_ in everything for g in part]
     merged = _merge_stats(everything)
     if rnd.reward_max_error_frac is not None:  # every rank sees the same merged counts: all raise together
-        check_failure_fraction(merged, rnd.reward_max_error_frac, rnd.reward_fn)
+        try:
+            check_failure_fraction(merged, rnd.reward_max_error_frac, rnd.reward_fn)
+        except RewardFailure as e:
+            e.speaker = gen.info.index == 0 and gen.info.leader  # the first engine's leader says it
+            raise
     return groups, merged
 
 

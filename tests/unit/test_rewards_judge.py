@@ -388,3 +388,24 @@ def test_rollout_side_hands_the_question_to_the_judge_and_sums_unparsed_over_eng
     assert seen == ["3=7", "3=x", "5=7", "5=x"]
     assert [g.rewards for g in groups] == [[1.0, 0.0], [1.0, 0.0]] * 2
     assert stats["reward/n_judge_unparsed"] == 2 * 2 and stats["reward/n_items"] == 2 * 4
+
+
+def test_a_reward_failure_is_said_once_by_the_scoring_rank_that_scoring_named(monkeypatch, capsys):
+    """Every scoring rank raises a step's RewardFailure alike and one line says it. Colocated (no speaker set):
+    global rank 0 says it. Disaggregated: the rollout ranks score, and global rank 0 is a training rank that only
+    sees its data channel close; the first engine's leader (``speaker``) says it. Before, every rollout rank kept
+    quiet (RANK != 0) and the run ended with the channel error alone."""
+    from megatron_rlvr.commands import cli
+
+    def said(rank: str, speaker) -> bool:
+        monkeypatch.setenv("RANK", rank)
+        e = RewardFailure("reward fn 'judge': 3 of 4 rewards of this step failed")
+        if speaker is not None:
+            e.speaker = speaker
+        cli._report("train", e)
+        err = capsys.readouterr().err
+        assert err in ("", "megatron-rlvr train: error: reward fn 'judge': 3 of 4 rewards of this step failed\n"), err
+        return bool(err)
+
+    assert said("0", None) and not said("1", None)
+    assert said("1", True) and not said("2", False) and not said("0", False)
