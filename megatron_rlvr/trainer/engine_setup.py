@@ -90,7 +90,10 @@ def _vllm_engine(cfg, source, tokenizer, device: torch.device):
                 max_model_len=r.max_prompt_len + r.max_response_len,
                 max_num_seqs=r.max_batch_rows,
                 seed=cfg.train.seed,
-                extra_llm_kwargs=adapter_engine_kwargs(cfg.model.lora),
+                extra_llm_kwargs={
+                    **adapter_engine_kwargs(cfg.model.lora),
+                    **({"trust_remote_code": True} if source.trust_remote_code else {}),
+                },
             ),
         )
     except ValueError as e:  # vLLM names its own flags: say which keys of the run to change
