@@ -10,6 +10,7 @@ import os
 
 import torch
 
+from megatron_rlvr.data.harmony import harmony_stop_ids
 from megatron_rlvr.families.vl_processor import vl_processor
 from megatron_rlvr.models.hf_config import hf_config_object
 from megatron_rlvr.models.source import load_image_processor, vl_kind
@@ -37,7 +38,7 @@ def choose_engine(name: str) -> str:
 
 def _eos_ids(source, tokenizer) -> list[int]:
     """EOS ids: the model's generation_config.json (chat models end turns with their own token), else the config's,
-    plus the tokenizer's."""
+    plus the tokenizer's, plus a harmony (GPT-OSS) tokenizer's ``<|return|>`` and ``<|call|>``."""
     ids: list[int] = []
 
     def add(x):
@@ -52,6 +53,7 @@ def _eos_ids(source, tokenizer) -> list[int]:
             add(json.load(f).get("eos_token_id"))
     add(source.hf_config.get("eos_token_id"))
     add(getattr(tokenizer, "eos_token_id", None))
+    add(harmony_stop_ids(tokenizer))  # GPT-OSS: a reply ends at <|return|> (answer) or <|call|> (tool call)
     return ids
 
 
