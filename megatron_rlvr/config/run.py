@@ -403,11 +403,13 @@ def check_lora(cfg: RunConfig, hf: dict) -> None:
         )
 
 
-GATE_WEIGHT_FAMILIES = ("qwen2_moe", "qwen3_moe", "deepseek_v3")
+GATE_WEIGHT_FAMILIES = ("qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss")
 """HF model types whose transformers ``*TopKRouter`` returns, as its second output, the weights the experts' outputs
 are multiplied by (softmax, top-k, optional renormalisation; no factor applied outside the router). DeepSeek-V3's
-``DeepseekV3TopkRouter``: the unbiased sigmoid scores at the experts chosen with the bias, renormalised and times
-``routed_scaling_factor``, which megatron's probabilities also include."""
+``DeepseekV3TopkRouter`` and GLM-4.5's ``Glm4MoeTopkRouter``: the unbiased sigmoid scores at the experts chosen with
+the bias, renormalised and times ``routed_scaling_factor``, which megatron's probabilities also include. GPT-OSS's
+``GptOssTopKRouter``: the softmax over the k largest logits (router bias included), megatron's
+``moe_router_pre_softmax=False`` (tests/unit/test_routing_replay_families.py)."""
 
 
 def check_routing_replay(cfg: RunConfig, hf: dict) -> None:

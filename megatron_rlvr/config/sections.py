@@ -133,6 +133,10 @@ class ModelConfig:
     rope_scaling: RopeScalingConfig | None = None
     """Rotary scaling laid over the HF config for a longer context than it allows (``RopeScalingConfig``; e.g.
     Qwen3's YaRN factor 4 over 32768 positions). None: the config's own RoPE."""
+    trust_remote_code: bool = False
+    """Let transformers (and vLLM) run the Python code a model folder ships for its tokenizer (``auto_map`` in
+    tokenizer_config.json, e.g. Moonlight's tiktoken tokenizer). It executes that folder's code: only for folders you
+    trust. The model itself is always built by the trainer's own code."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -142,6 +146,8 @@ class ModelConfig:
             raise ValueError(f"model: give at most one of hf_path, hf_config, gguf (got {sources})")
         if not isinstance(self.freeze_vision, bool):
             raise ValueError(f"model.freeze_vision must be true or false, got {self.freeze_vision!r}")
+        if not isinstance(self.trust_remote_code, bool):
+            raise ValueError(f"model.trust_remote_code must be true or false, got {self.trust_remote_code!r}")
         if self.hf_config and not self.tokenizer:
             raise ValueError("model.hf_config (random init) needs model.tokenizer (a tokenizer folder)")
 

@@ -28,6 +28,8 @@ class ModelSource:
     """Tokenizer folder; None for the built-in tiny tokenizer."""
     is_tiny: bool
     """A built-in tiny model (random init with its own vision-tower scale, built-in tokenizer)."""
+    trust_remote_code: bool = False
+    """Run the tokenizer folder's own code (``model.trust_remote_code``)."""
 
 
 def resolve_model_source(cfg: ModelConfig) -> ModelSource:
@@ -42,13 +44,14 @@ def resolve_model_source(cfg: ModelConfig) -> ModelSource:
 def _resolve_model_source(cfg: ModelConfig) -> ModelSource:
     if cfg.is_tiny:
         return ModelSource(tiny_hf_config(name=cfg.name), None, cfg.tokenizer, True)
+    remote = cfg.trust_remote_code
     if cfg.gguf:
         path = gguf.smollm2_gguf_path() if cfg.gguf == "smollm2" else cfg.gguf
         folder = gguf.cached_hf_folder(path)
-        return ModelSource(load_hf_config(folder), folder, cfg.tokenizer or folder, False)
+        return ModelSource(load_hf_config(folder), folder, cfg.tokenizer or folder, False, remote)
     if cfg.hf_path:
-        return ModelSource(load_hf_config(cfg.hf_path), cfg.hf_path, cfg.tokenizer or cfg.hf_path, False)
-    return ModelSource(load_hf_config(cfg.hf_config), None, cfg.tokenizer, False)
+        return ModelSource(load_hf_config(cfg.hf_path), cfg.hf_path, cfg.tokenizer or cfg.hf_path, False, remote)
+    return ModelSource(load_hf_config(cfg.hf_config), None, cfg.tokenizer, False, remote)
 
 
 def resolve_on_node(cfg: ModelConfig, local_rank: int, barrier: Callable[[], None]) -> ModelSource:
@@ -76,7 +79,7 @@ def load_tokenizer(source: ModelSource):
         return tiny_tokenizer_for(source.hf_config)
     from transformers import AutoTokenizer  # transformers' import is seconds: only for a tokenizer folder
 
-    return AutoTokenizer.from_pretrained(source.tokenizer_dir)
+    return AutoTokenizer.from_pretrained(source.tokenizer_dir, trust_remote_code=source.trust_remote_code)
 
 
 def load_image_processor(source: ModelSource):

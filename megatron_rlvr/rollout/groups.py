@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_rlvr.data import Example, render, shard_range
+from megatron_rlvr.data.harmony import reply_text
 from megatron_rlvr.rewards import RewardManager
 from megatron_rlvr.rewards.judge import question_text
 from megatron_rlvr.rewards.manager import RewardFailure, check_failure_fraction
@@ -285,7 +286,7 @@ def _group(rnd: Round, i: int, out, expanded: bool, tokenizer) -> Group:
         if c.versions is not None:
             g.token_versions.append(list(c.versions))
         g.versions.append(min(c.versions) if c.versions else rnd.version)
-        g.texts.append(c.text if c.text is not None else tokenizer.decode(c.token_ids, skip_special_tokens=True))
+        g.texts.append(reply_text(tokenizer, c.token_ids, c.text))  # harmony: the final channel only
     return g
 
 

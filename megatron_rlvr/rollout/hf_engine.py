@@ -155,7 +155,8 @@ class HFRolloutEngine(RolloutEngine):
         order. The engine's own choice is recorded, not a top-k recomputed from logits (ties could resolve
         differently)."""
         # Qwen2/3-MoE: *TopKRouter; DeepSeek-V3: DeepseekV3TopkRouter (indices chosen with the expert bias, weights
-        # from the unbiased sigmoid scores, renormalised and scaled)
+        # from the unbiased sigmoid scores, renormalised and scaled); GLM-4.5: Glm4MoeTopkRouter (the same);
+        # GPT-OSS: GptOssTopKRouter (top-k of the logits with the router bias, softmax over the k)
         routers = [m for m in self.model.modules() if type(m).__name__.lower().endswith("topkrouter")]
         if not routers:
             raise ValueError("HFEngineConfig.return_routes: the model has no mixture-of-experts router")

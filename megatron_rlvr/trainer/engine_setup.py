@@ -10,6 +10,7 @@ import os
 
 import torch
 
+from megatron_rlvr.data.harmony import harmony_stop_ids
 from megatron_rlvr.families.vl_processor import vl_processor
 from megatron_rlvr.models.hf_config import hf_config_object
 from megatron_rlvr.models.source import load_image_processor, vl_kind
@@ -37,7 +38,7 @@ def choose_engine(name: str) -> str:
 
 def _eos_ids(source, tokenizer) -> list[int]:
     """EOS ids: the model's generation_config.json (chat models end turns with their own token), else the config's,
-    plus the tokenizer's."""
+    plus the tokenizer's, plus a harmony (GPT-OSS) tokenizer's ``<|return|>`` and ``<|call|>``."""
     ids: list[int] = []
 
     def add(x):
@@ -52,6 +53,7 @@ def _eos_ids(source, tokenizer) -> list[int]:
             add(json.load(f).get("eos_token_id"))
     add(source.hf_config.get("eos_token_id"))
     add(getattr(tokenizer, "eos_token_id", None))
+    add(harmony_stop_ids(tokenizer))  # GPT-OSS: a reply ends at <|return|> (answer) or <|call|> (tool call)
     return ids
 
 
@@ -90,7 +92,10 @@ def _vllm_engine(cfg, source, tokenizer, device: torch.device):
                 max_model_len=r.max_prompt_len + r.max_response_len,
                 max_num_seqs=r.max_batch_rows,
                 seed=cfg.train.seed,
-                extra_llm_kwargs=adapter_engine_kwargs(cfg.model.lora),
+                extra_llm_kwargs={
+                    **adapter_engine_kwargs(cfg.model.lora),
+                    **({"trust_remote_code": True} if source.trust_remote_code else {}),
+                },
             ),
         )
     except ValueError as e:  # vLLM names its own flags: say which keys of the run to change
