@@ -73,6 +73,7 @@ class RolloutSide:
             all_gather_objects,
             self.should_stop,
             self.multi_turn,
+            self.cfg.algorithm.advantage.correct_threshold if self.cfg.agent.guidance != "off" else None,
         )
 
     def close(self) -> None:
