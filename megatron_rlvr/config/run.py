@@ -421,12 +421,12 @@ def check_guidance(cfg: RunConfig) -> None:
     line): they come from a multi-turn environment, have no engine log-probs (the trainer's recomputed ones are the
     behaviour log-probs, and no correction may weigh by the engine's) and no engine routes."""
     mode = cfg.agent.guidance
-    if mode == "off":
+    if mode == "none":
         return
     if not cfg.agent.multi_turn:
         raise ConfigError(
             f"agent.guidance={mode} needs agent.environment (demonstrations come from the environment); set "
-            "agent.guidance=off for single-turn rollouts"
+            "agent.guidance=none for single-turn rollouts"
         )
     if cfg.rollout.old_logprobs != "recompute":
         raise ConfigError(

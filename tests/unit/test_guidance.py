@@ -196,5 +196,5 @@ def test_guidance_refuses_what_cannot_train_a_demonstration_in_one_line(kw, msg)
 
 def test_guidance_mode_is_validated():
     """An unknown agent.guidance is one line naming the field and the modes."""
-    with pytest.raises(ValueError, match=r"agent.guidance must be one of \('off', 'all_wrong'\), got 'always'"):
+    with pytest.raises(ValueError, match=r"agent.guidance must be one of \('none', 'all_wrong'\), got 'always'"):
         AgentConfig(environment="tools", tools=["calculator"], guidance="always")
