@@ -12,6 +12,10 @@ BUILTIN_ENVIRONMENTS = ("", "tools", "arithmetic_tools")
 with shaping terms for terse arithmetic (megatron_rlvr.agentic.arithmetic_env)."""
 
 
+GUIDANCE_MODES = ("none", "all_wrong")
+"""``agent.guidance`` values."""
+
+
 def _positive_int(name: str, v) -> None:
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -41,6 +45,14 @@ class AgentConfig:
     finish reason 'length'."""
     max_calls_per_turn: int = 4
     """Most tool calls run per assistant turn (later ones in the same turn are ignored)."""
+    guidance: str = "none"
+    """Off-policy guidance with the environment's demonstrations (``Environment.demonstration``; LUFFY, Yan et al.
+    2025). ``none`` (not ``off``: YAML reads that as false): on-policy samples only. ``all_wrong``: a group whose
+    samples all score below ``algorithm.advantage.correct_threshold`` gets its last sample replaced by the
+    demonstration of its prompt (where the environment has one), and the group's advantages are computed with it.
+    Its behaviour log-probs come from the trainer (``rollout.old_logprobs: recompute``); ``reward/mean``,
+    ``reward/accuracy`` and ``agent/*`` count the policy's samples only, ``guidance/demos`` the demonstrations
+    (docs/algorithms.md)."""
     sandbox: SandboxLimits = field(default_factory=SandboxLimits)
     """What one tool call may use (time, memory, output, processes, network; docs/agentic.md, "The sandbox")."""
 
@@ -62,6 +74,9 @@ class AgentConfig:
             )
         if self.tool_format not in TOOL_FORMATS:
             raise ValueError(f"agent.tool_format must be one of {TOOL_FORMATS}, got {self.tool_format!r}")
+        if self.guidance not in GUIDANCE_MODES:
+            hint = " (YAML reads off as false: write none)" if self.guidance in (False, "False") else ""
+            raise ValueError(f"agent.guidance must be one of {GUIDANCE_MODES}, got {self.guidance!r}{hint}")
         _positive_int("agent.max_turns", self.max_turns)
         _positive_int("agent.max_calls_per_turn", self.max_calls_per_turn)
         if self.max_turn_tokens is not None:

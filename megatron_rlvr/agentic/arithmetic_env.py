@@ -14,6 +14,9 @@ exact reward):
 - ``answer_copy`` (``ANSWER_BONUS`` x the same fraction against the result): the answer turn (a turn without a
   call) after a first call that was exactly the question's expression, scored against that call's result.
 
+``demonstration``: the tool path itself (the call of exactly the question's expression, then the calculator's
+result), for off-policy guidance (``agent.guidance``).
+
 Why graded: from random weights the exact protocol (call marker, expression, close marker, then the result and
 EOS) is never sampled (~23^-12 for ``37*58`` and the tiny vocabulary), and an all-or-nothing bonus per stage is
 not sampled either. The terms reward only the tool protocol: what to call (the question as written) and copying
@@ -29,7 +32,7 @@ from __future__ import annotations
 
 from megatron_rlvr.agentic.environment import Action, Episode, Observation
 from megatron_rlvr.agentic.tool_env import ToolEnvironment
-from megatron_rlvr.agentic.tool_format import CALL_OPEN, parse_calls
+from megatron_rlvr.agentic.tool_format import CALL_CLOSE, CALL_OPEN, ParsedCall, parse_calls
 from megatron_rlvr.data.records import Example
 
 CALL_BONUS = 0.05
@@ -110,3 +113,13 @@ class ArithmeticToolEnvironment(ToolEnvironment):
 
     def start(self, example: Example) -> Episode:
         return ArithmeticToolEpisode(self, question_expression(example))
+
+    def demonstration(self, example: Example) -> tuple[str, ...] | None:
+        """The tool path for ``example`` (off-policy guidance): the call of exactly the question's expression, then
+        the calculator's result for it as the answer (the tool is run here; the replay runs it again for the
+        observation). None when the tool does not answer it (an expression the calculator refuses)."""
+        expression = question_expression(example)
+        text, record = self.run(ParsedCall("", expression, None))
+        if record.status != "ok":
+            return None
+        return (f"{CALL_OPEN}{expression}{CALL_CLOSE}", text.strip())

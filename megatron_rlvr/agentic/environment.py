@@ -92,6 +92,15 @@ class Environment(abc.ABC):
     def start(self, example: Example) -> Episode:
         """A fresh episode for one sample of ``example``."""
 
+    def demonstration(self, example: Example) -> tuple[str, ...] | None:
+        """A demonstration for ``example`` (off-policy guidance, ``agent.guidance``): the assistant turns of a right
+        trajectory, each as the policy would write it (stop string included), or None when this environment has
+        none (the default). The rollout replays them through the same token-in / token-out path as sampled turns
+        (``megatron_rlvr.rollout.multiturn.demonstrate``): each turn tokenized on its own, the last one ended by the
+        tokenizer's EOS, the observations this environment answers them with appended, so ids and loss masks are
+        what a sampled trajectory of the same text would have."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - most environments hold nothing to release
         """Release what the environment holds (the run is over)."""
 

@@ -26,7 +26,7 @@ from megatron_rlvr.rewards.judge import question_text
 from megatron_rlvr.rewards.manager import RewardFailure, check_failure_fraction
 from megatron_rlvr.rewards.pool import ScoringStopped
 from megatron_rlvr.rollout.engine import GenerationStopped, RolloutEngine, SamplingParams, sample_seed
-from megatron_rlvr.rollout.multiturn import MultiTurn, Trajectory, roll_out
+from megatron_rlvr.rollout.multiturn import MultiTurn, Trajectory, demonstrate, roll_out
 
 
 class RolloutStopped(Exception):
@@ -71,6 +71,9 @@ class Group:
     reward_terms: list[dict[str, float]] = field(default_factory=list)
     """Multi-turn only: per sample, the environment's per-turn reward terms summed over its turns (already added to
     ``rewards``)."""
+    demos: list[bool] = field(default_factory=list)
+    """Off-policy guidance (``agent.guidance``) only, else empty: per sample, True where it is the environment's
+    demonstration (not sampled by the policy: its ``logprobs`` are 0.0 placeholders)."""
 
 
 @dataclass
@@ -169,6 +172,10 @@ class Generator:
     steps; when it returns True on any rank every rank raises RolloutStopped after the all-gather. None: never."""
     multi_turn: MultiTurn | None = None
     """Multi-turn rollouts: the environment and limits (``agent`` section); None: one completion per sample."""
+    guidance_threshold: float | None = None
+    """Off-policy guidance (``agent.guidance: all_wrong``, multi-turn only): a group whose every sample's reward is
+    below this (algorithm.advantage.correct_threshold) gets its last sample replaced by the environment's
+    demonstration (:func:`guide`); None: off."""
 
 
 @dataclass(frozen=True)
@@ -211,6 +218,8 @@ def generate_groups(gen: Generator, rnd: Round) -> tuple[list[Group], dict[str, 
                 mine = [_group(rnd, i, out, images is not None, gen.tokenizer) for i, out in zip(share, outputs)]
             t0 = time.perf_counter()
             reward_stats = _score(gen.reward_manager, mine, rnd.reward_max_error_frac, gen.should_stop)
+            if gen.guidance_threshold is not None and gen.multi_turn is not None:
+                guide(mine, gen.multi_turn, gen.tokenizer, gen.reward_manager, gen.guidance_threshold)
             stats["time/reward_s"] = time.perf_counter() - t0
     except (GenerationStopped, ScoringStopped):
         stopped, mine, reward_stats = True, [], {}
@@ -313,6 +322,36 @@ def _trajectory_group(rnd: Round, i: int, trajs: list[Trajectory]) -> Group:
         if t.routes is not None:
             g.routes.append(t.routes)
     return g
+
+
+def guide(groups: list[Group], multi: MultiTurn, tokenizer, reward_manager, threshold: float) -> None:
+    """Off-policy guidance where the policy fails (LUFFY, Yan et al. 2025, "Learning to Reason under Off-Policy
+    Guidance"; demonstrations only for the prompts the policy gets all wrong, as in SRFT / ReLIFT): in every group
+    whose samples all scored below ``threshold``, the last sample is replaced by the environment's demonstration
+    (:func:`~megatron_rlvr.rollout.multiturn.demonstrate`), scored by the same verifier plus its reward terms. The
+    group's advantages are then computed with it. A demonstration that does not itself score at least
+    ``threshold`` is not used (it would teach a wrong answer). Every group gets ``demos`` (one flag per sample).
+    A group that has routes (routing replay R3) is refused: a demonstration has none."""
+    for g in groups:
+        g.demos = [False] * len(g.rewards)
+        if not g.rewards or max(g.rewards) >= threshold:
+            continue
+        if g.routes:
+            raise ValueError("agent.guidance: demonstrations carry no engine routes (train.routing_replay=r3)")
+        t = demonstrate(multi, g.example, tokenizer, lambda ids: decode_action(tokenizer, ids))
+        if t is None:
+            continue
+        demo = Group(example=g.example, prompt_ids=g.prompt_ids)
+        demo.texts, demo.finish_reasons, demo.reward_terms = [t.final_text], [t.finish_reason], [dict(t.reward_terms)]
+        _score(reward_manager, [demo], None)
+        if demo.rewards[0] < threshold:
+            continue
+        j = len(g.rewards) - 1
+        g.response_ids[j], g.logprobs[j], g.finish_reasons[j] = list(t.response_ids), list(t.logprobs), t.finish_reason
+        g.texts[j], g.rewards[j], g.turns[j] = t.final_text, demo.rewards[0], t.turns
+        g.loss_masks[j] = list(t.loss_mask)
+        g.tool_calls[j], g.cuts[j], g.reward_terms[j] = list(t.tool_calls), t.cut, dict(t.reward_terms)
+        g.demos[j] = True
 
 
 def _score(reward_manager, groups: list[Group], max_error_frac: float | None, should_stop=None) -> dict[str, float]:

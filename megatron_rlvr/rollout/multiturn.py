@@ -145,6 +145,39 @@ def roll_out(
     return out
 
 
+def demonstrate(multi: MultiTurn, example: Example, tokenizer, decode: Callable[[list[int]], str]) -> Trajectory | None:
+    """The environment's demonstration for ``example`` (``Environment.demonstration``) as a trajectory, or None when
+    it has none. Each demonstrated turn is tokenized on its own (the last one ended by the tokenizer's EOS) and goes
+    through the same step as a sampled turn (:func:`_after_action`): the environment's episode answers it, its
+    observation ids are appended with loss mask 0, its limits apply. So ids, loss mask, reward terms and tool calls
+    are exactly those of a sampled trajectory with the same text. The log-probs are 0.0 placeholders: no engine
+    sampled these tokens (the trainer computes their behaviour log-probs). ValueError when the demonstration does not
+    end its episode at its last turn (within the limits)."""
+    turns = multi.environment.demonstration(example)
+    if turns is None:
+        return None
+    r = _Running([], Trajectory(), multi.environment.start(example), 0)
+    running = True
+    try:
+        for k, text in enumerate(turns):
+            ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+            if k == len(turns) - 1:
+                ids.append(tokenizer.eos_token_id)
+            running = _after_action(multi, r, Completion(ids, [0.0] * len(ids), "stop"), decode)
+            if not running and k < len(turns) - 1:
+                break
+    finally:
+        if running:
+            r.episode.close()
+    t = r.traj
+    if running or t.turns != len(turns) or t.cut:
+        raise ValueError(
+            f"agent.guidance: the environment's demonstration for example {example.id!r} ({len(turns)} turns) ended "
+            f"after turn {t.turns} (limit: {t.cut or 'none'}); it must end its episode exactly at its last turn"
+        )
+    return t
+
+
 def _turn(params: SamplingParams, multi: MultiTurn, **kw) -> SamplingParams:
     """The sampling parameters of one assistant turn: the run's, with the environment's stops added."""
     return dataclasses.replace(

@@ -182,6 +182,7 @@ def _sequences(groups: list[Group], adv_rows, mastered_rows, algo: AlgorithmConf
                     engine_route_weights=g.route_weights[j] if g.route_weights else None,
                     vision=images,
                     loss_mask=list(g.loss_masks[j]) if g.loss_masks else None,
+                    demo=bool(g.demos and g.demos[j]),
                 )
             )
     return seqs
@@ -214,7 +215,47 @@ def batch_metrics(groups: list[Group], rewards: GroupRewards, group_metrics: dic
         m[f"accuracy/level_{lvl}"] = sum(cs) / len(cs)
     if any(g.turns for g in groups):
         m.update(agent_metrics(groups))
+    if any(g.demos for g in groups):
+        m.update(on_policy_metrics(groups, rewards))
     return m
+
+
+def on_policy_metrics(groups: list[Group], rewards: GroupRewards) -> dict[str, float]:
+    """Off-policy guidance (``agent.guidance``): the curves that report the policy's performance (``reward/mean``,
+    ``reward/raw_mean``, ``reward/accuracy``, ``agent/*``) over the samples the policy drew only (a demonstration
+    replaced one sample of a group the policy got all wrong), and ``guidance/demos`` (demonstrations trained on this
+    step) with ``guidance/demo_frac`` (their share of the samples). The ``groups/*`` and the bucketed ``reward/*``
+    curves stay those of the trained groups (demonstrations included)."""
+    demo_G_n = torch.tensor([g.demos or [False] * len(g.rewards) for g in groups], dtype=torch.bool)
+    onp = ~demo_G_n
+    n_on = max(int(onp.sum()), 1)
+    raw = torch.tensor([g.rewards for g in groups], dtype=torch.float64)
+    m = {
+        "reward/mean": float(rewards.shaped_G_n[onp].sum()) / n_on,
+        "reward/raw_mean": float(raw[onp].sum()) / n_on,
+        "reward/accuracy": float(rewards.correct_G_n[onp].double().sum()) / n_on,
+        "guidance/demos": float(demo_G_n.sum()),
+        "guidance/demo_frac": float(demo_G_n.double().mean()),
+    }
+    policy_only = [_drop_demos(g) for g in groups]
+    if any(g.turns for g in policy_only):
+        m.update(agent_metrics([g for g in policy_only if g.turns]))
+    return m
+
+
+def _drop_demos(g: Group) -> Group:
+    """The group's multi-turn records of its sampled trajectories only (for ``agent_metrics``)."""
+    keep = [j for j in range(len(g.rewards)) if not (g.demos and g.demos[j])]
+    pick = lambda xs: [xs[j] for j in keep] if xs else []  # noqa: E731
+    return Group(
+        example=g.example,
+        prompt_ids=g.prompt_ids,
+        response_ids=pick(g.response_ids),
+        turns=pick(g.turns),
+        tool_calls=pick(g.tool_calls),
+        loss_masks=pick(g.loss_masks),
+        cuts=pick(g.cuts),
+    )
 
 
 SANDBOX_LIMITS = ("timeout", "memory", "output_limit", "process_limit")

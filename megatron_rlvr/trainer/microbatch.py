@@ -76,6 +76,10 @@ class Sequence:
     loss_mask: list[int] | None = None
     """Multi-turn trajectories: per response token (length R), 1 where the policy sampled it, 0 at observation
     tokens, which then carry no loss and count in no statistic; None: every response token carries loss."""
+    demo: bool = False
+    """An environment's demonstration (off-policy guidance, ``agent.guidance``), not sampled by the engine: its
+    ``rollout_logprobs`` are placeholders (its behaviour log-probs come from the trainer; the train/inference
+    mismatch skips it)."""
 
     def __post_init__(self) -> None:
         if self.loss_mask is not None and len(self.loss_mask) != self.response_len:

@@ -74,6 +74,7 @@ class RolloutSide:
             all_gather_objects,
             self.should_stop,
             self.multi_turn,
+            self.cfg.algorithm.advantage.correct_threshold if self.cfg.agent.guidance != "none" else None,
         )
 
     def close(self) -> None:

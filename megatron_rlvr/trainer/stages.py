@@ -211,7 +211,8 @@ def update_mismatch_metrics(policy: PolicySide, batch: TrainBatch, result: Updat
 def mismatch_metrics(policy: PolicySide, seqs, old) -> dict[str, float]:
     """Train/inference mismatch of the behaviour policy (megatron_rlvr.rollout.mismatch definitions) over this
     data-parallel rank's response tokens, combined over ranks (means weighted by tokens)."""
-    pairs = [(lp, seqs[i].rollout_logprobs, seqs[i].loss_mask) for i, lp in old.items()]
+    # a demonstration (off-policy guidance) has no engine log-probs to compare with
+    pairs = [(lp, seqs[i].rollout_logprobs, seqs[i].loss_mask) for i, lp in old.items() if not seqs[i].demo]
     pairs = [(a, b, m) for a, b, m in pairs if len(a) == len(b) and len(a) > 0]
     local = None
     # one rank per data-parallel rank: the TP ranks and the context-parallel ranks all hold the same log-probs

