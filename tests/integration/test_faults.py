@@ -1098,7 +1098,9 @@ def test_a_vllm_kv_cache_error_names_the_runs_keys(monkeypatch):
 
     monkeypatch.setattr(engine_setup, "VLLMRolloutEngine", TooSmall)
     cfg = load_run_config(None, ["rollout.kv_cache_gb=0.01"])
-    source = SimpleNamespace(hf_config={}, tokenizer_dir=None, weights_dir=None)
+    from megatron_rlvr.models.source import ModelSource
+
+    source = ModelSource(hf_config={}, weights_dir=None, tokenizer_dir=None, is_tiny=True)
     with pytest.raises(ValueError) as e:
         engine_setup.ENGINE_BUILDERS["vllm"](cfg, source, None, None)
     msg = str(e.value)
