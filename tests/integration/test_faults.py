@@ -803,8 +803,10 @@ def test_sigterm_during_a_hanging_rewards_scoring_checkpoints_the_last_step_with
     """A SIGTERM (scancel, a pre-emption's grace period) waited for the scoring of the whole step: with a reward
     function that hangs, 674 s at the defaults, and the step then failed with no checkpoint. Now the ranks abandon
     the step's scoring within a fraction of a second, agree, checkpoint the last completed step with the data
-    position of that step (the interrupted step's prompts are drawn again on resume) and exit 0, within 60 s of the
-    signal on a loaded machine (reward.timeout_s is 600 s, so nothing times out meanwhile)."""
+    position of that step (the interrupted step's prompts are drawn again on resume) and exit 0. The bound is half of
+    reward.timeout_s (600 s; nothing times out meanwhile): waiting for the scoring takes at least that long, while
+    abandoning it took under 60 s in earlier CI runs and 115 s at load 36 (the checkpoint's write and the
+    ranks' exit are what a loaded machine slows)."""
     run, hang = tmp_path / "run", tmp_path / "hang"
     cmd = [
         sys.executable, "-m", "megatron_rlvr.commands.cli", "train", f"logging.run_dir={run}", "schedule.steps=50",
@@ -830,7 +832,7 @@ def test_sigterm_during_a_hanging_rewards_scoring_checkpoints_the_last_step_with
     assert code == 0, text[-3000:]
     assert f"SIGTERM: checkpoint of step {last} saved" in text, text[-3000:]
     assert f"(step {last + 1} was stopped during its rollout and runs again on resume)" in text, text[-3000:]
-    assert took < 60, took
+    assert took < 300, took
     with open(run / "checkpoints" / f"step_{last:09d}" / "trainer_state.json") as f:
         position = json.load(f)["data"]["position"]
     assert position == 32 * last  # train.prompts_per_step of the tiny preset, per completed step
