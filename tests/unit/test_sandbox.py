@@ -75,11 +75,12 @@ def test_memory_hog_gets_memory_error():
 
 
 def test_100mb_of_output_is_cut_at_the_cap():
-    """The program is killed at the cap: the parent holds at most output_bytes, long before 100 MB are written."""
+    """The program is killed at the cap: the parent holds at most output_bytes, long before 100 MB are written (and
+    long before the wall limit: a bound of half of it, as the machine may be loaded; 1.7 s was seen at load ~5)."""
     out = _run("import sys\nfor _ in range(1600):\n    sys.stdout.write('x' * 65536)")
     assert out.status == "output_limit" and out.truncated
     assert len(out.stdout) == LIMITS.output_bytes and set(out.stdout) == {"x"}
-    assert out.seconds < SHORT.wall_s
+    assert out.seconds < LIMITS.wall_s / 2
 
 
 def test_writing_outside_its_directory(tmp_path):
