@@ -458,7 +458,8 @@ def check_routing_replay(cfg: RunConfig, hf: dict) -> None:
 def check_guidance(cfg: RunConfig) -> None:
     """Off-policy guidance (``agent.guidance``) where its demonstrations can be trained on (each refused in one
     line): they come from a multi-turn environment, have no engine log-probs (the trainer's recomputed ones are the
-    behaviour log-probs, and no correction may weigh by the engine's) and no engine routes."""
+    behaviour log-probs; a train/inference or staleness correction weighs a demonstration by 1) and no engine
+    routes."""
     mode = cfg.agent.guidance
     if mode == "none":
         return
@@ -471,11 +472,6 @@ def check_guidance(cfg: RunConfig) -> None:
         raise ConfigError(
             f"agent.guidance={mode} needs rollout.old_logprobs=recompute: a demonstration has no engine log-probs, "
             "its behaviour log-probs come from the trainer"
-        )
-    if cfg.rollout.tis_cap is not None or cfg.rollout.max_staleness > 0:
-        raise ConfigError(
-            f"agent.guidance={mode} with rollout.tis_cap or rollout.max_staleness > 0: the train/inference "
-            "correction weighs by engine log-probs, which a demonstration does not have; unset both"
         )
     if cfg.train.routing_replay == "r3":
         raise ConfigError(f"agent.guidance={mode} with train.routing_replay=r3: a demonstration has no engine routes")

@@ -143,6 +143,9 @@ class MicroBatch:
     """[b, s] bool: the image tokens of the model rows (prompt positions only)."""
     teacher_logp: torch.Tensor | None = None
     """[n, s] float32: the distillation teacher's log-probs of the response tokens (0 elsewhere); None: none given."""
+    demo: torch.Tensor | None = None
+    """[n] bool: the sequence is an environment's demonstration (off-policy guidance): it has no engine log-probs, so
+    its correction weight (train/inference or staleness, :func:`engine_weights`) is 1 (None: no demonstration)."""
 
     def vision_kwargs(self, device) -> dict[str, torch.Tensor]:
         """The model's image inputs on ``device`` (empty without images)."""
@@ -287,9 +290,10 @@ def build_microbatch(
     mask_t = torch.tensor(mask + [[False] * s] * dummy, dtype=torch.bool).reshape(b, s)
     rollout_t = torch.tensor(rollout + [zeros] * dummy, dtype=torch.float32).reshape(b, s)
     old_t = torch.tensor(old + [zeros] * dummy, dtype=torch.float32).reshape(b, s)
+    demo_t = torch.tensor([bool(q.demo) for q in seqs] + [False] * dummy, dtype=torch.bool)
     weight = None
     if correction is not None and correction.enabled and old_logp is not None:
-        weight = importance_weights(old_t, rollout_t, mask_t, correction)
+        weight = engine_weights(old_t, rollout_t, mask_t, demo_t, correction)
     mb = MicroBatch(
         tokens=torch.tensor(tokens + [[pad_id] * s] * dummy, dtype=torch.long).reshape(b, s),
         position_ids=vision.pop(
@@ -306,6 +310,7 @@ def build_microbatch(
             ([-1] * len(seqs) if ids is None else [int(i) for i in ids[: len(seqs)]]) + [-1] * dummy, dtype=torch.long
         ),
         is_weight=weight,
+        demo=demo_t if bool(demo_t.any()) else None,
         **vision,
     )
     return _with_teacher(mb, seqs, b, s, teacher_logp)
@@ -408,6 +413,22 @@ def importance_weights(
     here is positively homogeneous in A, so w * loss(A) == loss(w * A))."""
     w, _, _ = correction_weights(old_bs, rollout_bs, mask_bs, correction)
     return torch.where(mask_bs, w.float(), torch.ones_like(w, dtype=torch.float32))
+
+
+def engine_weights(
+    old_bs: torch.Tensor,
+    rollout_bs: torch.Tensor,
+    mask_bs: torch.Tensor,
+    demo_b: torch.Tensor | None,
+    correction: MismatchCorrectionConfig,
+) -> torch.Tensor:
+    """:func:`importance_weights` of sampled sequences, 1 at every token of a demonstration (``demo_b`` [b] bool):
+    nothing sampled a demonstration, so its behaviour policy is taken to be the proximal one (``old_bs``), as in the
+    synchronous schedule where the trainer's recomputed log-probs are its behaviour log-probs (LUFFY, Yan et al.
+    2025, weighs an off-policy demonstration by the current policy only). Its placeholder engine log-probs never
+    enter a weight or the weights' statistics."""
+    sampled_bs = mask_bs if demo_b is None else mask_bs & ~demo_b.to(mask_bs.device)[:, None]
+    return importance_weights(old_bs, rollout_bs, sampled_bs, correction)
 
 
 def response_values(values_bs: torch.Tensor, seqs: list[Sequence]) -> list[torch.Tensor]:

