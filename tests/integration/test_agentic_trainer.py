@@ -106,5 +106,8 @@ def test_observation_tokens_carry_no_loss_at_tp2_with_packing(dist_pool, tmp_pat
         for s in ("unmasked", "assistant"):
             _, g, _ = out[s]
             assert any(not torch.equal(a, b) for a, b in zip(g, g0)), f"{s}: the control changed nothing"
+        diff = {s: max(float((a - b).abs().max()) for a, b in zip(out[s][1], g0)) for s in ("garbage", "unmasked")}
+        diff["assistant"] = max(float((a - b).abs().max()) for a, b in zip(out["assistant"][1], g0))
+        print(f"masked means no gradient (TP=2, packed): max |grad - grad(no change)| {diff}")
         # every trajectory trains here (no truncation masking in grpo): the loss counts exactly the mask's ones
         assert m0["loss/num_tokens"] == float(sum(sum(m) for m in every_mask)), (len(every_mask), every_mask)

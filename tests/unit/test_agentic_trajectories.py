@@ -143,6 +143,7 @@ def test_trajectories_are_the_engine_ids_and_observations_never_re_encoded():
         full = prompt_of[i] + t.response_ids
         if tok(tok.decode(full), add_special_tokens=False)["input_ids"] != full:
             re_encoded_differs += 1
+    print(f"token fidelity: {len(flat)} trajectories are the engine's ids; re-encoding changes {re_encoded_differs}")
     assert re_encoded_differs >= 1, "the constructed case must show that re-encoding would change the ids"
     assert sum(t.turns for t in flat) == sum(len(c[0]) for c in rec.calls[1:]) + 8
 
@@ -165,6 +166,7 @@ def test_engine_logprobs_of_sampled_tokens_match_a_full_fp64_forward():
                 if m:
                     worst = max(worst, abs(float(lp[P + k - 1, tokn]) - t.logprobs[k]))
                     checked += 1
+    print(f"engine vs fp64 forward: {checked} sampled tokens, max |log-prob diff| {worst:.2e}")
     assert checked > 50
     assert worst < 1e-5, worst
 
