@@ -4,8 +4,9 @@ checkpoint into a merged HF folder and a PEFT folder.
 
 The base is the tiny architecture drawn with transformers' init at initializer_range 0.2: at the preset's 0.02 the
 frozen LM head's rows are so short that no adapter can give a logit margin above ~2 (reward stays near chance
-whatever the adapters learn); full fine-tuning trains the head, LoRA cannot. The mean training reward of the last
-5 of 40 steps must reach 0.8 (a random policy is right ~6% of the time)."""
+whatever the adapters learn); full fine-tuning trains the head, LoRA cannot. The run is the recipe docs/lora.md shows
+(lr 5e-3 with a cosine decay, a 0.01 entropy bonus, 150 steps: final reward >= 0.998 at seeds 1-5): the mean training
+reward of the last 5 steps must reach 0.95 (a random policy is right ~6% of the time)."""
 
 import json
 import os
@@ -16,7 +17,7 @@ import torch
 import trainer_helpers
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-STEPS = 40
+STEPS = 150
 
 
 def _cmd(*args):
@@ -49,8 +50,10 @@ def test_tiny_lora_run_learns_and_converts(tmp_path):
             f"model.tokenizer={tok}",
             "model.lora.rank=16",
             "model.lora.alpha=32",
-            "optimizer.lr=1e-2",
             *trainer_helpers.DENSE_TINY,  # the task this run was sized for (the preset's exact_stop is sparser)
+            "optimizer.lr=5e-3",
+            "schedule.lr_decay=cosine",
+            "algorithm.entropy.coef=0.01",
         ),
         cwd=REPO,
         env=_env(),
@@ -62,7 +65,7 @@ def test_tiny_lora_run_learns_and_converts(tmp_path):
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["reward/mean"] for r in recs]
     assert len(rewards) == STEPS
-    assert sum(rewards[-5:]) / 5 >= 0.8, rewards
+    assert sum(rewards[-5:]) / 5 >= 0.95, rewards
     assert all(r["mismatch/abs_prob_diff_max"] < 1e-4 for r in recs)  # the engine runs the merged adapters
     ckpt = run / "checkpoints" / f"step_{STEPS:09d}"
     meta = json.loads((ckpt / "rlvr_meta.json").read_text())
