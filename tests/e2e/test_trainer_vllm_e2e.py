@@ -133,8 +133,12 @@ def test_tiny_moe_learns_with_the_vllm_engine_at_ep2(tmp_path):
         "rollout.engine=vllm",
         f"logging.run_dir={run}",
         f"schedule.steps={MOE_STEPS}",
-        "schedule.warmup_steps=0",  # the preset's loop before its warm-up and entropy bonus: the one 50 steps fit
-        "algorithm.entropy.coef=0",
+        "schedule.warmup_steps=0",  # the preset's first loop (16 prompts, one update, lr 3e-3 constant, no warm-up
+        "algorithm.entropy.coef=0",  # or entropy bonus): the one 50 steps fit
+        "train.prompts_per_step=16",
+        "train.mini_batch_prompts=null",
+        "optimizer.lr=3e-3",
+        "schedule.lr_decay=constant",
         "checkpoint.save_every=0",
         "checkpoint.save_at_end=false",
         "checkpoint.export_hf=false",

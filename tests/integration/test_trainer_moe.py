@@ -10,7 +10,16 @@ import trainer_helpers
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(REPO, "configs", "tiny_moe.yaml")
-NO_WARMUP = ["schedule.warmup_steps=0", "algorithm.entropy.coef=0"]
+# the preset's first loop (16 prompts in one update, lr 3e-3 constant, no warm-up or entropy bonus): the one 50 steps
+# were sized for
+NO_WARMUP = [
+    "schedule.warmup_steps=0",
+    "algorithm.entropy.coef=0",
+    "train.prompts_per_step=16",
+    "train.mini_batch_prompts=null",
+    "optimizer.lr=3e-3",
+    "schedule.lr_decay=constant",
+]
 
 
 @pytest.mark.slow
