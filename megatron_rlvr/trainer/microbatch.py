@@ -145,7 +145,7 @@ class MicroBatch:
     """[n, s] float32: the distillation teacher's log-probs of the response tokens (0 elsewhere); None: none given."""
     demo: torch.Tensor | None = None
     """[n] bool: the sequence is an environment's demonstration (off-policy guidance): it has no engine log-probs, so
-    its correction weight (train/inference or staleness, :func:`engine_weights`) is 1 (None: no demonstration)."""
+    its correction weight (train/inference or staleness, :func:`importance_weights`) is 1 (None: no demonstration)."""
 
     def vision_kwargs(self, device) -> dict[str, torch.Tensor]:
         """The model's image inputs on ``device`` (empty without images)."""
@@ -293,7 +293,7 @@ def build_microbatch(
     demo_t = torch.tensor([bool(q.demo) for q in seqs] + [False] * dummy, dtype=torch.bool)
     weight = None
     if correction is not None and correction.enabled and old_logp is not None:
-        weight = engine_weights(old_t, rollout_t, mask_t, demo_t, correction)
+        weight = importance_weights(old_t, rollout_t, mask_t, correction, demo_t)
     mb = MicroBatch(
         tokens=torch.tensor(tokens + [[pad_id] * s] * dummy, dtype=torch.long).reshape(b, s),
         position_ids=vision.pop(
@@ -406,29 +406,25 @@ def unpack_values(values_bs: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
 
 
 def importance_weights(
-    old_bs: torch.Tensor, rollout_bs: torch.Tensor, mask_bs: torch.Tensor, correction: MismatchCorrectionConfig
-) -> torch.Tensor:
-    """[b, s] float32 weights of the train/inference mismatch correction (megatron_rlvr.rollout.mismatch: truncated
-    IS min(pi_old / pi_rollout, C), Yao et al. 2025), 1 off the mask, folded into the advantage (every policy loss
-    here is positively homogeneous in A, so w * loss(A) == loss(w * A))."""
-    w, _, _ = correction_weights(old_bs, rollout_bs, mask_bs, correction)
-    return torch.where(mask_bs, w.float(), torch.ones_like(w, dtype=torch.float32))
-
-
-def engine_weights(
     old_bs: torch.Tensor,
     rollout_bs: torch.Tensor,
     mask_bs: torch.Tensor,
-    demo_b: torch.Tensor | None,
     correction: MismatchCorrectionConfig,
+    demo_b: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """:func:`importance_weights` of sampled sequences, 1 at every token of a demonstration (``demo_b`` [b] bool):
-    nothing sampled a demonstration, so its behaviour policy is taken to be the proximal one (``old_bs``), as in the
-    synchronous schedule where the trainer's recomputed log-probs are its behaviour log-probs (LUFFY, Yan et al.
-    2025, weighs an off-policy demonstration by the current policy only). Its placeholder engine log-probs never
-    enter a weight or the weights' statistics."""
-    sampled_bs = mask_bs if demo_b is None else mask_bs & ~demo_b.to(mask_bs.device)[:, None]
-    return importance_weights(old_bs, rollout_bs, sampled_bs, correction)
+    """[b, s] float32 weights of the train/inference mismatch correction (megatron_rlvr.rollout.mismatch: truncated
+    IS min(pi_old / pi_rollout, C), Yao et al. 2025), 1 off the mask, folded into the advantage (every policy loss
+    here is positively homogeneous in A, so w * loss(A) == loss(w * A)).
+
+    ``demo_b`` [b] bool: the rows that are an environment's demonstration (off-policy guidance) get 1 at every token:
+    nothing sampled them, so their behaviour policy is taken to be the proximal one (``old_bs``), as in the
+    synchronous schedule where the trainer's recomputed log-probs are their behaviour log-probs (LUFFY, Yan et al.
+    2025, weighs an off-policy demonstration by the current policy only); their placeholder engine log-probs never
+    enter a weight."""
+    if demo_b is not None:
+        mask_bs = mask_bs & ~demo_b.to(mask_bs.device)[:, None]
+    w, _, _ = correction_weights(old_bs, rollout_bs, mask_bs, correction)
+    return torch.where(mask_bs, w.float(), torch.ones_like(w, dtype=torch.float32))
 
 
 def response_values(values_bs: torch.Tensor, seqs: list[Sequence]) -> list[torch.Tensor]:

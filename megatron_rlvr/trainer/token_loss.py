@@ -16,7 +16,7 @@ from megatron_rlvr.ops import vocab_parallel_token_stats
 from megatron_rlvr.rollout.mismatch import MismatchCorrectionConfig
 from megatron_rlvr.trainer.context_split import ContextParallelMicroBatch
 from megatron_rlvr.trainer.diagnostics import ratio_quantile_metrics
-from megatron_rlvr.trainer.microbatch import MicroBatch, engine_weights, unpack_values
+from megatron_rlvr.trainer.microbatch import MicroBatch, importance_weights, unpack_values
 
 
 @dataclass
@@ -216,7 +216,7 @@ def policy_loss_fn(
             # zeros off the mask, as the recompute path's scatter leaves them (padding is masked anyway)
             old_BT = torch.where(mask, logp.detach().float(), torch.zeros((), dtype=torch.float32, device=dev))
             corrected = correction is not None and correction.enabled
-            is_BT = engine_weights(old_BT, rollout_BT, mask, mb.demo, correction) if corrected else None
+            is_BT = importance_weights(old_BT, rollout_BT, mask, correction, mb.demo) if corrected else None
         else:
             old_BT = mb.old_logp.to(dev)
             is_BT = None if mb.is_weight is None else mb.is_weight.to(dev)

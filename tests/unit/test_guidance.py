@@ -23,7 +23,7 @@ from megatron_rlvr.rollout.groups import Round, _score, _trajectory_group, decod
 from megatron_rlvr.rollout.mismatch import MismatchCorrectionConfig
 from megatron_rlvr.rollout.multiturn import MultiTurn, demonstrate, roll_out
 from megatron_rlvr.trainer.batch import GroupRewards, batch_metrics
-from megatron_rlvr.trainer.microbatch import Sequence, build_microbatch, engine_weights
+from megatron_rlvr.trainer.microbatch import Sequence, build_microbatch, importance_weights
 
 TOK = tiny_tokenizer("tiny_tools")
 THRESHOLD = AdvantageConfig().correct_threshold
@@ -221,10 +221,10 @@ def test_a_correction_by_engine_log_probs_weighs_a_demonstration_by_one():
     mask = torch.tensor([[False, True, True, False]] * 2)
     rollout = torch.tensor([[0.0, -1.0, -1.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
     old_bs = torch.tensor([[0.0, -0.5, -2.0, 0.0], [0.0, -3.0, -0.2, 0.0]])
-    w = engine_weights(old_bs, rollout, mask, torch.tensor([False, True]), correction)
+    w = importance_weights(old_bs, rollout, mask, correction, torch.tensor([False, True]))
     assert w[0].tolist() == pytest.approx(want_sampled) and w[1].tolist() == [1.0] * 4
     # without the demonstration flag the placeholder would have weighed it by pi_old: the case the flag prevents
-    assert engine_weights(old_bs, rollout, mask, None, correction)[1, 1:3].tolist() == pytest.approx(
+    assert importance_weights(old_bs, rollout, mask, correction)[1, 1:3].tolist() == pytest.approx(
         [math.exp(-3.0), math.exp(-0.2)]
     )
 
