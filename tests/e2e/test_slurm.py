@@ -6,7 +6,7 @@
    within 60 s; SIGUSR1 makes the ranks checkpoint and exit 75, the job requeues itself and resumes.
    Skipped when no Slurm is running, unless MEGATRON_RLVR_REQUIRE_SLURM=1 (CI), which turns the skip into a
    failure.
-3. The same scenarios with the real trainer (`megatron-rlvr train configs/tiny.yaml`, 30 steps): a job preempted
+3. The same scenarios with the real trainer (`megatron-rlvr train configs/tiny.yaml`, 150 steps): a job preempted
    with SIGUSR1 checkpoints, is requeued (Restarts=1), resumes from that checkpoint and COMPLETES with the reward
    far above chance; SIGKILL of rank 1's trainer process ends its job FAILED within 60 s.
 """
@@ -128,12 +128,15 @@ def test_slurm_preempt_checkpoint_requeue_resume(slurm, tmp_path):
 # ------------------------------------------------------------------------------------------------------------
 # Two jobs (each trainer start costs ~20-40 s on 2 cores, so the checks share them):
 #   * one preempted job: SIGUSR1 after step 3 -> checkpoint -> exit 75 -> requeue -> resume -> COMPLETED. It proves
-#     both "the job trains" (30 steps, reward rises far above chance) and "preemption resumes from the checkpoint";
+#     both "the job trains" (the reward rises far above chance) and "preemption resumes from the checkpoint";
 #   * one job whose rank 1 is SIGKILLed mid-training: FAILED within 60 s.
 # checkpoint.save_every=0: the only checkpoints are the signal's and the final one, so "resumed from step k" can
 # only come from the checkpoint the signal wrote.
 
-TRAIN_STEPS = 30
+# Enough steps that the signal, sent once "step 3/" reaches the job's log, always lands before the run ends: on an
+# idle machine a step takes ~0.1 s, and 30 steps once finished before the log line, scancel and the signal's delivery
+# had gone through (the job then completed without a checkpoint to resume from).
+TRAIN_STEPS = 150
 TRAIN_CMD = (
     f"megatron-rlvr train configs/tiny.yaml schedule.steps={TRAIN_STEPS} checkpoint.save_every=0 "
     "checkpoint.export_hf=false logging.plot_at_end=false logging.tensorboard=off"
@@ -154,7 +157,15 @@ def preempted_trainer_job(slurm, tmp_path_factory):
         r = subprocess.run(["scancel", "--signal=USR1", job], env=slurm, capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
         wait_state(slurm, job, DONE, timeout=360)
-    lines = (r"restart=", r"SIGUSR1", r"exit code", r"requeueing", r"resumed from", r"^step ([1-8]|30)/", r"finished")
+    lines = (
+        r"restart=",
+        r"SIGUSR1",
+        r"exit code",
+        r"requeueing",
+        r"resumed from",
+        rf"^step ([1-8]|{TRAIN_STEPS})/",
+        r"finished",
+    )
     info = show_job("preempt", slurm, job, log, lines)
     print(f"[preempt] wall time {time.monotonic() - t0:.1f} s")
     return job, info, log.read_text(), tmp / "run"

