@@ -463,7 +463,9 @@ def _backward(plan: _Plan, logits, other, ids, saved, grads, need_gz: bool, need
         fast_chunks, fast_A, fast_B, fast_G = _fast_factors(plan, co, saved, T)
     if co["lp"] is not None:  # the target tokens this shard owns, and where each chunk's start in that list
         t_rows, t_cols = _owned_targets(ids, plan)
-        t_start = torch.searchsorted(t_rows, torch.arange(0, T + plan.chunk_rows, plan.chunk_rows)).tolist()
+        t_start = torch.searchsorted(
+            t_rows, torch.arange(0, T + plan.chunk_rows, plan.chunk_rows, device=t_rows.device)
+        ).tolist()
     # general path: log2 p / log2 q buffers (coefficients take the ln2); q when kl_rev flows to z or for grad_w
     beta2 = co["beta"] * _LN2 if co["beta"] is not None else None
     gamma2 = co["gamma"] * _LN2 if co["gamma"] is not None else None

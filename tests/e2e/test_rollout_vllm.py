@@ -458,6 +458,7 @@ def test_smollm2_through_vllm_matches_transformers(vllm_pool):
 
 
 @pytest.mark.gpu
+@pytest.mark.vllm
 def test_vllm_sleep_frees_gpu_memory_and_wakes_with_new_weights():
     cfg = _configs()["qwen2"]
     w1, w2 = _random_hf_state(cfg, 1), _random_hf_state(cfg, 2)
@@ -482,6 +483,7 @@ def test_vllm_sleep_frees_gpu_memory_and_wakes_with_new_weights():
 
 
 @pytest.mark.gpu
+@pytest.mark.vllm
 def test_vllm_in_place_update_writes_the_captured_storage_and_matches_the_reload():
     """CUDA, CUDA graphs on (the platform default): an in-place update leaves every parameter in the storage the
     engine captured (data pointers unchanged), the new weights are what generation uses (log-probs of an fp64
