@@ -57,6 +57,28 @@ def check_paths(engine, pairs, prompts: list[list[int]]) -> tuple[bool, float]:
     return same, diff
 
 
+def generation_ab(engine, pairs, prompts: list[list[int]], rounds: int) -> dict[str, float]:
+    """Generation speed of the packed GEMMs (after a reload, which re-packs every layer) against the plain ones
+    (after a plain in-place update), alternating on the one engine: 8 prompts x 4 samples x 64 tokens a round."""
+    from megatron_rlvr.rollout.engine import SamplingParams
+
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=64, ignore_eos=True, seed=5)
+    batch = (prompts * 4)[:8]
+    tok = {"packed": [], "plain": []}
+    for r in range(rounds):
+        for gemm in ("packed", "plain") if r % 2 == 0 else ("plain", "packed"):
+            engine.update_weights(iter(pairs), path="reload" if gemm == "packed" else "inplace")
+            engine.generate(batch[:1], params)  # warm
+            t0 = time.perf_counter()
+            out = engine.generate(batch, params)
+            dt = time.perf_counter() - t0
+            tok[gemm].append(sum(len(c.token_ids) for o in out for c in o.completions) / dt)
+        print(f"generation round {r}: packed {tok['packed'][-1]:.0f} tok/s, plain {tok['plain'][-1]:.0f} tok/s")
+    best = {k: max(v) for k, v in tok.items()}
+    return {"gen_packed_tok_s": best["packed"], "gen_plain_tok_s": best["plain"],
+            "gen_plain_over_packed": best["plain"] / best["packed"]}  # fmt: skip
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds (each: reload, in place, copy)")
@@ -64,6 +86,13 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--check-tol", type=float, default=0.0, help="largest allowed log-prob difference of the paths")
     ap.add_argument("--no-check", action="store_true", help="skip the reload-vs-in-place generation check")
+    ap.add_argument(
+        "--cpu-gemm",
+        default="packed",
+        choices=("packed", "plain"),
+        help="VLLMEngineConfig.cpu_gemm; with plain the rounds time in place and copy only (a reload would repack "
+        "and make the next in-place update the first again)",
+    )
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
@@ -83,7 +112,9 @@ def main(argv=None) -> int:
     tok = AutoTokenizer.from_pretrained(folder)
     prompts = [tok(f"What is {3 + i} + {4 * i}?").input_ids for i in range(2)]
     engine = VLLMRolloutEngine(
-        folder, tokenizer=folder, config=VLLMEngineConfig(dtype=args.dtype, max_model_len=64, max_num_seqs=4)
+        folder,
+        tokenizer=folder,
+        config=VLLMEngineConfig(dtype=args.dtype, max_model_len=128, max_num_seqs=32, cpu_gemm=args.cpu_gemm),
     )
     load0 = os.getloadavg()
     print(
@@ -113,31 +144,37 @@ def main(argv=None) -> int:
             "inplace": lambda: engine.update_weights(iter(pairs), path="inplace"),
             "copy": copy,
         }
+        if args.cpu_gemm == "plain":
+            del runs["reload"]
+            engine.update_weights(iter(pairs), path="inplace")  # the plain weights exist from here on
         copy()  # first touch of the destination
         times: dict[str, list[float]] = {k: [] for k in runs}
         order = list(runs)
         for r in range(args.rounds):
-            for name in order[r % 3 :] + order[: r % 3]:
+            for name in order[r % len(order) :] + order[: r % len(order)]:
                 t0 = time.perf_counter()
                 runs[name]()
                 times[name].append(time.perf_counter() - t0)
-            print(
-                f"round {r}: reload {times['reload'][-1]:.3f} s, in place {times['inplace'][-1]:.3f} s, copy "
-                f"{times['copy'][-1]:.3f} s; load {os.getloadavg()[0]:.2f}",
-                flush=True,
-            )
+            print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.3f} s" for k, v in times.items()), end="", flush=True)
+            print(f"; load {os.getloadavg()[0]:.2f}", flush=True)
+        gen = generation_ab(engine, pairs, prompts, args.rounds) if args.cpu_gemm == "plain" else {}
     finally:
         engine.close()
     best = {k: _best(v) for k, v in times.items()}
+    reload = (
+        f"reload_s={best['reload']:.3f} reload_over_copy={best['reload'] / best['copy']:.2f} "
+        if "reload" in best
+        else ""
+    )
     for k, v in times.items():
         print(f"{k:8s} rounds {_fmt(v)} s; best {best[k]:.3f} s")
     load1 = os.getloadavg()
     print(f"load average at end {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f} on {os.cpu_count()} cores")
     print(
         f"bench_refit platform={engine.platform.name} model=SmolLM2-135M dtype={args.dtype} mb={nbytes / 1e6:.0f} "
-        f"threads={args.threads} {check}reload_s={best['reload']:.3f} inplace_s={best['inplace']:.3f} "
-        f"copy_s={best['copy']:.3f} reload_over_copy={best['reload'] / best['copy']:.2f} "
-        f"sync_over_copy={best['inplace'] / best['copy']:.2f}"
+        f"threads={args.threads} cpu_gemm={args.cpu_gemm} {check}{reload}inplace_s={best['inplace']:.3f} "
+        + "".join(f"{k}={v:.3f} " for k, v in gen.items())
+        + f"copy_s={best['copy']:.3f} sync_over_copy={best['inplace'] / best['copy']:.2f}"
     )
     return 0
 

@@ -95,6 +95,8 @@ VLLM_VERSION = vllm_platform.GPU_VLLM_VERSION
 
 WEIGHT_UPDATES = ("auto", "inplace", "reload")
 """The values of ``VLLMEngineConfig.weight_update``."""
+CPU_GEMMS = ("packed", "plain")
+"""The values of ``VLLMEngineConfig.cpu_gemm``."""
 
 
 @dataclass
@@ -138,6 +140,11 @@ class VLLMEngineConfig:
     """How ``update_weights`` writes into the engine: ``inplace`` (:mod:`megatron_rlvr.rollout.vllm_refit`: straight
     into the parameters, re-processing only what the backend packs), ``reload`` (vLLM's layerwise reload: every layer
     rebuilt and re-processed), ``auto``: in place where the model allows it, else the reload."""
+    cpu_gemm: str = "packed"
+    """CPU only: how the linear layers and the LM head multiply once the in-place update has written them. ``packed``:
+    vLLM's packed GEMM operands (oneDNN handles; sgl VNNI tensors on AMX), rebuilt from the new weights at every
+    update. ``plain``: ``torch.nn.functional.linear`` on the plain weights, which the first in-place update
+    materialises and every later one writes like a copy (no repack). Ignored on CUDA (nothing is packed there)."""
 
     def __post_init__(self):
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
@@ -166,6 +173,8 @@ class VLLMEngineConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"VLLMEngineConfig.max_model_len must be positive or None, got {self.max_model_len!r}")
+        if self.cpu_gemm not in CPU_GEMMS:
+            raise ValueError(f"VLLMEngineConfig.cpu_gemm must be one of {', '.join(CPU_GEMMS)}, got {self.cpu_gemm!r}")
         if self.weight_update not in WEIGHT_UPDATES:
             raise ValueError(
                 f"VLLMEngineConfig.weight_update must be one of {', '.join(WEIGHT_UPDATES)}, got {self.weight_update!r}"
@@ -610,7 +619,8 @@ class VLLMRolloutEngine(RolloutEngine):
         return "reload"
 
     def _load_in_place(self, weights: Iterable) -> tuple[set[str], int]:
-        update = self.llm.apply_model(lambda model: vllm_refit.InPlaceUpdate(model, self.platform.repacks_linears))[0]
+        repack, plain = self.platform.repacks_linears, self.config.cpu_gemm == "plain"
+        update = self.llm.apply_model(lambda model: vllm_refit.InPlaceUpdate(model, repack, plain))[0]
         loaded: set[str] = set()
         count = 0
         ok = False
@@ -631,6 +641,7 @@ class VLLMRolloutEngine(RolloutEngine):
         count = 0
         with _quiet_expected_reload_warnings():
             tied = self.llm.apply_model(_tied_modules)[0]
+            self.llm.apply_model(vllm_refit.restore_packed)  # layers a plain in-place update left plain
             self.llm.apply_model(initialize_layerwise_reload)
             if self.platform.rebuild_moe_kernels:  # vllm_platform: CPU MoE layers skip their re-packing otherwise
                 self.llm.apply_model(vllm_platform.forget_moe_kernels)

@@ -17,8 +17,10 @@ was read from vLLM's sources (``UnquantizedLinearMethod`` and ``UnquantizedEmbed
   are written into a staging weight in checkpoint format (built from vLLM's own record of the layer's parameter at
   model construction, ``restore_metadata``: class, shape, loader), and the layer's ``process_weights_after_loading`` is
   re-run on it as soon as all its elements have arrived (counted as vLLM's layerwise reload counts them: the elements
-  its loaders copy). The staging weight is then dropped: the kernel keeps its own packed copy. The repack itself
-  cannot be avoided: the packed operand lives inside the oneDNN handle, out of Python's reach.
+  its loaders copy). The staging weight is then dropped: the kernel keeps its own packed copy. The packed operand
+  lives inside the oneDNN handle, out of Python's reach, so a packed layer is re-packed at every update. With
+  ``plain`` (``VLLMEngineConfig.cpu_gemm``) the staging weight stays the layer's weight instead and its GEMM becomes
+  ``F.linear`` on it: later updates write into that storage like a copy, at the price of an unpacked GEMM.
 - CPU, embeddings: the table stays a plain parameter and is written in place. A module that serves as the LM head
   (``ParallelLMHead``, tied or not, or the embedding registered as ``lm_head``) has its packed GEMM copy rebuilt at the
   end. An input embedding's packed copy is never read (its forward is a lookup); it is replaced by ``F.linear`` on the
@@ -62,16 +64,22 @@ class _CopiedElements(TorchDispatchMode):
 
 
 def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``cpu_linear`` of an input embedding: the live table, no packed copy."""
+    """``cpu_linear`` on the live weight, no packed copy: an input embedding's, and with ``plain`` every linear
+    layer's and LM head's."""
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def _is_plain(layer: torch.nn.Module) -> bool:
+    """The layer multiplies with its live weight (a plain in-place update made it so): loaders write straight in."""
+    return getattr(layer, "cpu_linear", None) is plain_linear and layer._parameters["weight"].numel() > 0
 
 
 class _StagedLinear:
     """A CPU linear layer during an update: its processed (kernel) weight, the checkpoint-format record its staging
     weight is built from, and how many elements have arrived."""
 
-    def __init__(self, name: str, layer: torch.nn.Module, meta: torch.Tensor):
-        self.name, self.layer, self.meta = name, layer, meta
+    def __init__(self, name: str, layer: torch.nn.Module, meta: torch.Tensor, plain: bool):
+        self.name, self.layer, self.meta, self.plain = name, layer, meta, plain
         self.kernel_weight = layer._parameters["weight"]
         self.total = int(getattr(meta, "weight_loader_numel", meta.numel()))
         self.staging: torch.Tensor | None = None
@@ -119,7 +127,17 @@ class _StagedLinear:
         layer = self.layer
         layer._parameters["weight"] = self.staging
         self.staging = None
-        layer.quant_method.process_weights_after_loading(layer)
+        if self.plain:
+            # the staging weight stays the layer's weight and the GEMM reads it: later updates write it in place.
+            # The sgl path turned the bias to fp32 for its kernel; F.linear wants the weight's dtype.
+            bias = getattr(layer, "bias", None)
+            if bias is not None and bias.dtype != self.meta.dtype:
+                bias.data = bias.data.to(self.meta.dtype)
+            layer.cpu_linear = plain_linear
+            # what vLLM's layerwise reload expects back (restore_packed); in __dict__, not registered as a parameter
+            layer.__dict__["_rlvr_kernel_weight"] = self.kernel_weight
+        else:
+            layer.quant_method.process_weights_after_loading(layer)
         if hasattr(layer, "update_param_tp_status"):  # a re-created Parameter carries the global TP rank
             layer.update_param_tp_status()
         self.processed = True
@@ -129,6 +147,19 @@ class _StagedLinear:
         if not self.processed:
             self.layer._parameters["weight"] = self.kernel_weight
             self.staging = None
+
+
+def restore_packed(model: torch.nn.Module) -> int:
+    """Before vLLM's layerwise reload: give every plain linear layer back the (empty) weight vLLM's packing left,
+    which the reload copies its re-processed weight into (a plain weight there fails on the shape). The reload then
+    re-packs every layer; the next plain in-place update makes them plain again. Returns the layers restored."""
+    n = 0
+    for module in model.modules():
+        kernel = module.__dict__.pop("_rlvr_kernel_weight", None)
+        if kernel is not None:
+            module._parameters["weight"] = kernel
+            n += 1
+    return n
 
 
 def _unwrapped(loader):
@@ -148,10 +179,12 @@ def _is_lm_head(name: str, module: torch.nn.Module) -> bool:
 
 class InPlaceUpdate:
     """One weight update of ``model`` in place: :meth:`load` per bucket, then :meth:`finish` (always: it also puts
-    back what a failed update left half done). ``repack``: the backend packs linear weights after loading (CPU)."""
+    back what a failed update left half done). ``repack``: the backend packs linear weights after loading (CPU).
+    ``plain`` (with ``repack``): the updated linears and LM heads multiply with their plain weights from then on
+    (``VLLMEngineConfig.cpu_gemm``), so that only the first update re-processes them."""
 
-    def __init__(self, model: torch.nn.Module, repack: bool):
-        self.model, self.repack = model, repack
+    def __init__(self, model: torch.nn.Module, repack: bool, plain: bool = False):
+        self.model, self.repack, self.plain = model, repack, plain
         self.staged: list[_StagedLinear] = []
         if repack:
             from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
@@ -160,10 +193,12 @@ class InPlaceUpdate:
                 method = getattr(module, "quant_method", None)
                 if type(method).__name__ != "UnquantizedLinearMethod" or "weight" not in module._parameters:
                     continue
+                if _is_plain(module):
+                    continue  # its loaders write into the weight the GEMM reads
                 meta = get_layerwise_info(module).restore_metadata[0].get("weight")
                 if meta is None:
                     raise RuntimeError(f"in-place update: vLLM recorded no checkpoint-format weight for {name}")
-                self.staged.append(_StagedLinear(name, module, meta))
+                self.staged.append(_StagedLinear(name, module, meta, plain))
             for s in self.staged:
                 s.layer._parameters["weight"] = s.placeholder()
 
@@ -193,7 +228,10 @@ class InPlaceUpdate:
                 continue
             (heads if _is_lm_head(name, module) else inputs)[id(module)] = module
         for module in heads.values():
-            module.quant_method.process_weights_after_loading(module)
+            if self.plain:
+                module.cpu_linear = plain_linear  # the live table: nothing to rebuild, now or at later updates
+            else:
+                module.quant_method.process_weights_after_loading(module)
         for key, module in inputs.items():
             if key not in heads and hasattr(module, "cpu_linear"):
                 module.cpu_linear = plain_linear

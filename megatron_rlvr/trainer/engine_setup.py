@@ -92,6 +92,7 @@ def _vllm_engine(cfg, source, tokenizer, device: torch.device):
                 max_model_len=r.max_prompt_len + r.max_response_len,
                 max_num_seqs=r.max_batch_rows,
                 seed=cfg.train.seed,
+                cpu_gemm=r.vllm_cpu_gemm,
                 extra_llm_kwargs={
                     **adapter_engine_kwargs(cfg.model.lora),
                     **({"trust_remote_code": True} if source.trust_remote_code else {}),

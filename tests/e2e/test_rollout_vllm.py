@@ -27,6 +27,7 @@ CPU (CI installs it), vllm 0.33 on CUDA.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 
@@ -403,6 +404,55 @@ def _rank_many_seeded_prompts():
 def test_seeded_requests_beyond_the_scheduler_token_budget_generate_reproducibly(vllm_pool):
     for res in vllm_pool.run(_rank_many_seeded_prompts, tp=1, timeout=600):
         assert res == {"n": 96, "same": True}
+
+
+def _rank_plain_gemm(arch: str):
+    """``cpu_gemm="plain"``: after the first in-place update every linear layer and the LM head multiply with plain
+    weights that later updates write in place (same storage), and generation follows each update: log-probs against
+    an fp64 transformers forward on the same weights after the first update, after a second in-place one and after
+    a layerwise reload (which re-packs) followed by another in-place update. On CUDA nothing is packed: the option
+    changes nothing and the same checks hold."""
+    _place_on_device()
+    cfg = _configs()[arch]
+    w1, w2 = _random_hf_state(cfg, 1), _random_hf_state(cfg, 2)
+    engine = VLLMRolloutEngine(cfg, config=dataclasses.replace(_engine_config(1), cpu_gemm="plain"))
+    sp = SamplingParams(n=2, temperature=TEMPERATURE, max_tokens=8, seed=1)
+
+    def plain_weights(model):
+        from megatron_rlvr.rollout.vllm_refit import plain_linear
+
+        return {  # the input embedding's lookup never reads cpu_linear: every update leaves it plain, not counted
+            n: m.weight.data_ptr()
+            for n, m in model.named_modules(remove_duplicate=False)
+            if getattr(m, "cpu_linear", None) is plain_linear and m.weight.numel() > 0 and n != "model.embed_tokens"
+        }
+
+    res = {}
+    try:
+        for step, (w, path) in enumerate([(w1, "inplace"), (w2, "inplace"), (w1, "reload"), (w2, "inplace")]):
+            engine.update_weights(w.items(), path=path)
+            res[f"err{step}"] = _hf_logprob_err(cfg, w, engine.generate(LONG_PROMPTS, sp), TEMPERATURE)
+            res[f"plain{step}"] = engine.llm.apply_model(plain_weights)[0]
+    finally:
+        engine.close()
+    return res
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])  # untied LM head; tied (the head is the embedding table)
+def test_plain_cpu_gemm_updates_in_place_and_generates_from_the_new_weights(vllm_pool, arch):
+    for res in vllm_pool.run(_rank_plain_gemm, tp=1, args=(arch,), timeout=400):
+        print(f"\n[{arch}] engine vs fp64 transformers: " + ", ".join(f"{res[f'err{i}']:.1e}" for i in range(4)))
+        for i in range(4):
+            assert res[f"err{i}"] < 1e-4, (i, res[f"err{i}"])
+        if torch.cuda.is_available():
+            continue
+        first, second, reloaded, again = (res[f"plain{i}"] for i in range(4))
+        # 2 layers x (qkv, o, gate_up, down) + the LM head, plain after the first update
+        assert len(first) == 9 and any("lm_head" in n for n in first), sorted(first)
+        assert second == first  # the second update wrote into the same storage: no repack, no new tensors
+        assert reloaded == {}  # the reload packed every layer again
+        assert set(again) == set(first)  # and the next in-place update made them plain again
 
 
 def _rank_smollm2(folder: str, n_new: int):
