@@ -78,7 +78,7 @@ class _StagedLinear:
     """A CPU linear layer during an update: its processed (kernel) weight, the checkpoint-format record its staging
     weight is built from, and how many elements have arrived."""
 
-    def __init__(self, name: str, layer: torch.nn.Module, meta: torch.Tensor, plain: bool):
+    def __init__(self, name: str, layer: torch.nn.Module, meta: torch.Tensor, plain: bool = False):
         self.name, self.layer, self.meta, self.plain = name, layer, meta, plain
         self.kernel_weight = layer._parameters["weight"]
         self.total = int(getattr(meta, "weight_loader_numel", meta.numel()))

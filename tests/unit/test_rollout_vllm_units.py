@@ -168,14 +168,36 @@ class FusedQKV(torch.nn.Module):
         param.data.narrow(0, offset, self.SIZES[shard_id]).copy_(loaded_weight)
 
 
-def _staged(layer):
+def _staged(layer, plain: bool = False):
     """A _StagedLinear over ``layer`` with the checkpoint-format record vLLM would keep ([8, 3], the layer's
     loader)."""
     from megatron_rlvr.rollout.vllm_refit import _StagedLinear
 
     meta = torch.nn.Parameter(torch.empty(8, 3, device="meta"), requires_grad=False)
     meta.weight_loader = layer.weight_loader
-    return _StagedLinear("qkv", layer, meta)
+    return _StagedLinear("qkv", layer, meta, plain)
+
+
+def test_plain_staging_keeps_the_written_weight_as_the_layers_and_multiplies_with_it():
+    """``plain``: once every part has arrived the staging weight (= cat([q, k, v])) becomes the layer's weight, nothing
+    is re-processed, the GEMM is F.linear on it, and restore_packed gives the layer back the empty processed weight
+    vLLM's layerwise reload expects (and nothing else is registered as a parameter)."""
+    pytest.importorskip("vllm")
+    from megatron_rlvr.rollout.vllm_refit import _is_plain, plain_linear, restore_packed
+
+    layer = FusedQKV()
+    kernel = layer.weight
+    st = _staged(layer, plain=True)
+    ph = st.placeholder()
+    q, k, v = torch.randn(4, 3), torch.randn(2, 3), torch.randn(2, 3)
+    for t, shard in ((q, "q"), (k, "k"), (v, "v")):
+        ph.weight_loader(ph, t, shard)
+    assert layer.quant_method.calls == 0 and layer.packed is None and st.processed
+    assert torch.equal(layer.weight, torch.cat([q, k, v])) and layer.cpu_linear is plain_linear and _is_plain(layer)
+    x = torch.randn(5, 3)
+    assert torch.allclose(layer.cpu_linear(x, layer.weight, None), x @ torch.cat([q, k, v]).T, atol=1e-6)
+    assert [n for n, _ in layer.named_parameters()] == ["weight"]
+    assert restore_packed(layer) == 1 and layer.weight is kernel and restore_packed(layer) == 0
 
 
 def test_an_fp32_latent_attention_engine_on_cpu_asks_for_the_reference_mla_backend():
