@@ -118,8 +118,13 @@ def test_a_batch_split_over_two_judge_ranks_comes_back_in_order(judges):
     configs = [dict(model=judges["random_scalar"], kind="scalar", scale=3.0, **PLAIN)]
     results = run_distributed(_same_scores, 3, args=(configs, [1, 2]), timeout=240)
     ((remote, local),) = results[0]
-    assert [(r.reward, r.status) for r in remote] == [(r.reward, r.status) for r in local]
-    assert len({r.reward for r in remote}) > 2
+    assert [r.status for r in remote] == [r.status for r in local]
+    # batches of 3 and 2 against one of 5: the judge's matmuls take other shapes, whose fp32 sums may round otherwise
+    # (on AMX CPUs oneDNN picks its kernels by shape: 4e-9 apart measured), so equal to 1e-6 rather than bit for bit;
+    # the items' rewards lie far further apart than that, so the order is still checked
+    assert [r.reward for r in remote] == pytest.approx([r.reward for r in local], rel=1e-6, abs=1e-6)
+    rewards = sorted(r.reward for r in local)
+    assert min(b - a for a, b in zip(rewards, rewards[1:])) > 1e-3, rewards
     assert results[1] == [[RESPONSES[:3]]] and results[2] == [[RESPONSES[3:]]]
 
 

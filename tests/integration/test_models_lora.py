@@ -283,7 +283,9 @@ def test_optimizer_holds_adapters_only_and_exports_merge(dist_pool, base_folder,
     assert set(t1) == set(peft)
     for k in t1:
         assert not torch.equal(t1[k], peft[k]), f"{k} did not train"
-        assert _rel(t2[k], t1[k]) < 1e-5, k
+        # TP = 1 vs 2: the same math summed in other orders (on AMX CPUs oneDNN also picks kernels by shape): 2.4e-5
+        # measured for a lora_B that starts at zero; a wrongly sliced or gathered shard differs by O(1)
+        assert _rel(t2[k], t1[k]) < 1e-4, k
     for r in runs.values():
         assert_merged_export(base_folder, r["merged_dir"], r["peft_dir"], read_peft_folder(r["peft_dir"])[1])
 
